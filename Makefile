@@ -1,0 +1,27 @@
+# One entry point for every check: `make test` runs the Rust and Python suites.
+PYTHON ?= python3
+
+.PHONY: install-dev test lint test-rust test-python bench
+
+install-dev:
+	$(PYTHON) -m pip install -e ".[dev]"
+
+test: lint test-rust test-python
+
+lint:
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	$(PYTHON) -m ruff check python tests benches
+	$(PYTHON) -m ruff format --check python tests benches
+
+test-rust:
+	cargo test --workspace
+
+# pytest exits 5 when it collects no test; that is not a failure of the code.
+test-python:
+	$(PYTHON) -m mypy.stubtest ferrox._native
+	$(PYTHON) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+bench:
+	cargo bench -p ferrox-core
+	$(PYTHON) benches/scheduler_step.py

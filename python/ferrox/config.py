@@ -1,0 +1,140 @@
+"""EngineConfig: every engine option in one frozen, validated dataclass.
+
+Option names follow vLLM's where the concept is the same. `"auto"` values are
+resolved by `EngineConfig.create`, so a config in use is always concrete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ferrox.errors import InvalidArgumentError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: CUDA when available
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's own limit
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # fixed pool size, or sized from memory:
+    kv_cache_memory_bytes: int | None = None  # ... an explicit budget, or
+    gpu_memory_utilization: float = 0.9  # ... this fraction of the GPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    num_speculative_tokens: int = 0
+    max_logprobs: int = 20
+    # Resolved by `create`:
+    torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
+    torch_device: torch.device = field(default=torch.device("cpu"), repr=False)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [
+            f.name for f in dataclasses.fields(cls) if f.name not in ("torch_dtype", "torch_device")
+        ]
+
+    @classmethod
+    def create(cls, **options: Any) -> EngineConfig:
+        unknown = sorted(set(options) - set(cls.field_names()))
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown engine option(s) {unknown}; valid options are {cls.field_names()}"
+            )
+        config = cls(**options)
+        config.validate()
+        device = _resolve_device(config.device)
+        dtype = _resolve_dtype(config.dtype, device)
+        return dataclasses.replace(config, torch_device=device, torch_dtype=dtype)
+
+    def validate(self) -> None:
+        positive = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        optional_positive = {
+            "max_model_len": self.max_model_len,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+        for name, value in optional_positive.items():
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise InvalidArgumentError(
+                f"block_size must be a power of two up to 128, got {self.block_size}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidArgumentError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidArgumentError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidArgumentError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.num_speculative_tokens < 0 or self.max_logprobs < 0:
+            raise InvalidArgumentError("num_speculative_tokens and max_logprobs must be >= 0")
+        if not isinstance(self.seed, int):
+            raise InvalidArgumentError(f"seed must be an integer, got {self.seed!r}")
+
+    def batched_tokens_limit(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        limit = max(8192, self.max_num_seqs)
+        return limit if self.enable_chunked_prefill else max(limit, max_model_len)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise InvalidArgumentError(f"device {name!r} is not a valid torch device: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("device 'cuda' was asked for, but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    return device
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise InvalidArgumentError(
+            f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}"
+        )
+    return dtype

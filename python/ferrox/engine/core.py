@@ -1,0 +1,376 @@
+"""EngineCore: the step loop around the Rust scheduler and the model runner.
+
+    plan   = scheduler.schedule()          # Rust, GIL released
+    out    = runner.execute(plan, ...)     # tensors, forward, sample
+    stops  = detokenize(out)               # stop strings, before the update
+    events = scheduler.update(plan, out.sampled, stops)
+    outputs for the requests that progressed
+
+The offline `LLM` drives it in-process; the server runs the same loop in its
+engine process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from ferrox._native import BatchPlan, Scheduler
+from ferrox.config import EngineConfig
+from ferrox.engine.detokenizer import IncrementalDetokenizer
+from ferrox.engine.sequence import RequestState, SequenceState, now, position_logprobs
+from ferrox.errors import (
+    ContextLengthExceededError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+)
+from ferrox.loader.model_loader import LoadedModel, load_model
+from ferrox.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput
+from ferrox.runner.model_runner import ModelRunner, RunnerOutput
+from ferrox.runner.sampling_batch import SamplingBatch
+from ferrox.sampling_params import SamplingParams
+
+logger = logging.getLogger("ferrox")
+
+_FINISH_REASONS: dict[int, FinishReason] = {1: "stop", 2: "length", 3: "abort"}
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < model_max:
+        # Sliding-window attention is not implemented: stay inside the window.
+        model_max = int(window)
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise InvalidArgumentError(
+            f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max}"
+        )
+    return config.max_model_len
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded or load_model(config)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.vocab_size = int(loaded.hf_config.vocab_size)
+        self.eos_token_ids = loaded.eos_token_ids
+        self.max_model_len = resolve_max_model_len(config, loaded.hf_config)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, loaded, self.max_model_len)
+        self.scheduler = Scheduler(
+            block_size=config.block_size,
+            num_blocks=self.runner.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.batched_tokens_limit(self.max_model_len),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+            num_speculative_tokens=config.num_speculative_tokens,
+        )
+        self._requests: dict[str, RequestState] = {}
+        self._seqs: dict[int, SequenceState] = {}
+        self._next_seq_id = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # ---- requests --------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises a typed error for a request the engine cannot serve."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidArgumentError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if n >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {n} tokens, but this model's context is {self.max_model_len} "
+                "tokens and at least one must be left for the output"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise InvalidArgumentError(
+                    f"{name}={value} exceeds the limit of {self.config.max_logprobs}"
+                )
+        bad_stop = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        bad_bias = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
+        if bad_stop or bad_bias:
+            raise InvalidArgumentError(
+                f"token id {(bad_stop + bad_bias)[0]} in stop_token_ids / logit_bias is outside "
+                f"the vocabulary [0, {self.vocab_size})"
+            )
+        if (params.stop or params.logprobs is not None) and self.tokenizer is None:
+            raise InvalidArgumentError("stop strings and logprobs need a tokenizer")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        stream: bool = False,
+    ) -> None:
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = [int(t) for t in prompt_token_ids]
+        self.validate(prompt_ids, params)
+        metrics = RequestMetrics(
+            arrival_time=arrival_time or now(), num_prompt_tokens=len(prompt_ids)
+        )
+        req = RequestState(request_id, prompt, prompt_ids, params, stream, metrics)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        seqs = [self._new_sequence(req, i, priority) for i in range(params.n)]
+        # Siblings start once the first sequence has put the prompt in the
+        # prefix cache, so that the prompt is computed once, not n times.
+        defer = self.config.enable_prefix_caching and len(prompt_ids) >= self.config.block_size
+        first, rest = (seqs[:1], seqs[1:]) if defer else (seqs, [])
+        for seq in first:
+            self._submit(seq, priority)
+        req.sequences = first
+        req.pending_siblings = rest
+        self._requests[request_id] = req
+        self.num_prompt_tokens += len(prompt_ids)
+
+    def _new_sequence(self, req: RequestState, index: int, priority: int) -> SequenceState:
+        params = req.params
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed((params.seed + index) % (1 << 64))
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        seq = SequenceState(
+            seq_id=self._next_seq_id,
+            index=index,
+            request=req,
+            params=params,
+            prompt_token_ids=req.prompt_token_ids,
+            min_tokens_blocked_ids=sorted(stop_ids),
+            stop_token_ids=frozenset(stop_ids),
+            generator=generator,
+            detokenizer=detok,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self._next_seq_id += 1
+        return seq
+
+    def _submit(self, seq: SequenceState, priority: int = 0) -> None:
+        params = seq.params
+        max_tokens = params.max_tokens or self.max_model_len - len(seq.prompt_token_ids)
+        self.scheduler.add_request(
+            seq.seq_id,
+            np.asarray(seq.prompt_token_ids, dtype=np.int64),
+            max_tokens=max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=params.stop_token_ids or [],
+            ignore_eos=params.ignore_eos,
+            priority=priority,
+            use_prefix_cache=params.prompt_logprobs is None or seq.index > 0,
+        )
+        self._seqs[seq.seq_id] = seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request in any state; its KV blocks return to the pool or
+        the prefix cache. False for an unknown id."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        req.pending_siblings.clear()
+        for seq in req.sequences:
+            if not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)
+                seq.finish_reason = "abort"
+            self._seqs.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> dict[str, int]:
+        return cast(dict[str, int], self.scheduler.stats())
+
+    # ---- the step ----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step; returns the finished requests, and a
+        delta for each streaming request that produced tokens."""
+        plan = self.scheduler.schedule()
+        for sid in plan.preempted_ids.tolist():
+            seq = self._seqs.get(sid)
+            if seq is not None:
+                seq.request.metrics.num_preemptions += 1
+        if plan.num_reqs == 0:
+            self.scheduler.update(plan, _NO_TOKENS)
+            return []
+        t_now = now()
+        req_ids = plan.req_ids
+        for rid in req_ids[plan.num_decodes :].tolist():
+            metrics = self._seqs[rid].request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = t_now
+        seqs = [self._seqs[rid] for rid in req_ids[plan.sample_rows].tolist()]
+        batch = SamplingBatch.build(seqs, self.vocab_size, self.runner.device)
+        out = self.runner.execute(plan, batch, self._prompt_logprob_rows(plan))
+        self._record_prompt_logprobs(plan, out)
+        stopped = self._append_tokens(seqs, out, t_now)
+        events = self.scheduler.update(plan, out.sampled, stopped)
+        self.num_generated_tokens += len(seqs)
+        return self._finish_and_collect(seqs, events)
+
+    def _append_tokens(
+        self, seqs: list[SequenceState], out: RunnerOutput, t_now: float
+    ) -> list[int]:
+        """Appends each sampled token, detokenizes it and checks stop strings
+        (before the scheduler's update, so that a stop string ends the
+        sequence in this very step); returns the sequences a stop string ended."""
+        stopped = []
+        tokens = out.sampled.tolist()
+        for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+            metrics = seq.request.metrics
+            if not seq.output_token_ids:
+                info = self.scheduler.request_info(seq.seq_id)
+                if info is not None and seq.index == 0:
+                    metrics.num_cached_tokens = int(info["num_prefix_hit_tokens"])
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = t_now
+            metrics.last_token_time = t_now
+            if seq.stops_on(tok):
+                if tok in (seq.params.stop_token_ids or []):
+                    seq.stop_reason = tok
+            elif seq.detokenizer is not None:
+                stop = seq.detokenizer.update([tok])
+                if stop is not None:
+                    stopped.append(seq.seq_id)
+                    seq.stop_reason = stop
+            seq.output_token_ids.append(tok)
+            if seq.logprobs is not None and out.sampled_logprobs is not None:
+                lp = float(out.sampled_logprobs[i])
+                seq.cumulative_logprob += lp
+                k = seq.params.logprobs or 0
+                top = out.top_ids[i, :k].tolist() if out.top_ids is not None and k else None
+                top_lp = (
+                    out.top_logprobs[i, :k].tolist() if out.top_logprobs is not None and k else None
+                )
+                rank = int(out.sampled_ranks[i]) if out.sampled_ranks is not None else None
+                seq.logprobs.append(position_logprobs(seq, tok, lp, rank or 0, top, top_lp))
+        return stopped
+
+    def _finish_and_collect(self, seqs: list[SequenceState], events: Any) -> list[RequestOutput]:
+        t_now = now()
+        for rid, reason in zip(
+            events.req_ids.tolist(), events.finish_reasons.tolist(), strict=True
+        ):
+            if reason == 0:
+                continue
+            seq = self._seqs.pop(rid)
+            seq.finish_reason = _FINISH_REASONS[reason]
+            if seq.detokenizer is not None and seq.stop_reason is None:
+                seq.detokenizer.finish()
+        updated: dict[str, RequestState] = {}
+        for seq in seqs:
+            req = seq.request
+            updated[req.request_id] = req
+            if (
+                seq.index == 0
+                and req.pending_siblings
+                and (seq.is_finished or len(seq.output_token_ids) == 1)
+            ):
+                for sibling in req.pending_siblings:
+                    self._submit(sibling)
+                req.sequences += req.pending_siblings
+                req.pending_siblings = []
+        outputs = []
+        for req in updated.values():
+            finished = req.is_finished
+            if finished:
+                req.metrics.finished_time = t_now
+                req.metrics.num_generation_tokens = sum(
+                    len(s.output_token_ids) for s in req.sequences
+                )
+                self._requests.pop(req.request_id, None)
+            if req.stream or finished:
+                outputs.append(req.output(delta=req.stream))
+        return outputs
+
+    # ---- prompt logprobs ---------------------------------------------------
+
+    def _prompt_logprob_rows(self, plan: BatchPlan) -> list[tuple[int, int, int]]:
+        """(row, top-k, the prompt token after the chunk or -1) for prefill
+        chunks of requests that asked for prompt logprobs."""
+        rows = []
+        req_ids = plan.req_ids
+        for row in range(plan.num_decodes, plan.num_reqs):
+            seq = self._seqs[int(req_ids[row])]
+            if seq.index != 0 or seq.request.prompt_logprobs is None:
+                continue
+            end = int(plan.seq_lens[row])
+            prompt = seq.prompt_token_ids
+            if end > len(prompt):
+                continue  # recomputing after a preemption: already recorded
+            nxt = prompt[end] if end < len(prompt) else -1
+            rows.append((row, seq.params.prompt_logprobs or 0, nxt))
+        for row in range(plan.num_decodes):
+            seq = self._seqs[int(req_ids[row])]
+            if (
+                seq.request.prompt_logprobs is not None
+                and seq.index == 0
+                and (int(plan.seq_lens[row]) < len(seq.prompt_token_ids))
+            ):
+                end = int(plan.seq_lens[row])
+                rows.append((row, seq.params.prompt_logprobs or 0, seq.prompt_token_ids[end]))
+        return rows
+
+    def _record_prompt_logprobs(self, plan: BatchPlan, out: RunnerOutput) -> None:
+        for entry in out.prompt_logprobs:
+            seq = self._seqs[int(plan.req_ids[entry.row])]
+            req = seq.request
+            if req.prompt_logprobs is None:
+                continue
+            start = int(plan.num_computed_tokens[entry.row])
+            if len(req.prompt_logprobs) != start + 1:
+                continue  # a chunk recomputed after preemption
+            decode = seq.detokenizer.decode_token if seq.detokenizer else (lambda _t: None)
+            for j, lp in enumerate(entry.token_logprobs.tolist()):
+                token = req.prompt_token_ids[start + j + 1]
+                pos = {token: Logprob(lp, int(entry.token_ranks[j]), decode(token))}
+                if entry.top_ids is not None and entry.top_logprobs is not None:
+                    for r, (tid, tlp) in enumerate(
+                        zip(entry.top_ids[j].tolist(), entry.top_logprobs[j].tolist(), strict=True)
+                    ):
+                        pos.setdefault(tid, Logprob(tlp, r + 1, decode(tid)))
+                req.prompt_logprobs.append(pos)

@@ -1,0 +1,66 @@
+"""Typed exceptions raised by ferrox.
+
+Bad arguments raise subclasses of `ValueError`; states the engine cannot serve
+(an exhausted KV pool, a broken invariant) raise subclasses of `RuntimeError`.
+The native core raises these same classes.
+"""
+
+
+class FerroxError(Exception):
+    """Base class of every error ferrox raises on purpose."""
+
+
+class InvalidArgumentError(FerroxError, ValueError):
+    """An argument or request field is out of range or malformed."""
+
+
+class InvalidBlockError(InvalidArgumentError):
+    """A KV block id outside the pool."""
+
+
+class BlockNotAllocatedError(InvalidArgumentError):
+    """Releasing a KV block that holds no reference (a double free)."""
+
+
+class InvalidHandleError(InvalidArgumentError):
+    """A prefix-cache handle that names no live node."""
+
+
+class NotLockedError(InvalidArgumentError):
+    """Unlocking a prefix-cache node that is not locked."""
+
+
+class RequestRejectedError(InvalidArgumentError):
+    """The scheduler refused a request (empty, too long, out of vocabulary...)."""
+
+
+class DuplicateRequestError(RequestRejectedError):
+    """A request id that is already in use."""
+
+
+class ContextLengthExceededError(RequestRejectedError):
+    """The prompt (plus the requested output) does not fit the context window."""
+
+
+class UnsupportedModelError(FerroxError, ValueError):
+    """The model's architecture, tensor layout or tokenizer is not supported."""
+
+
+class ModelLoadError(FerroxError, RuntimeError):
+    """A model file could not be found, fetched, verified or read."""
+
+
+class OutOfBlocksError(FerroxError, RuntimeError):
+    """The KV pool has fewer free blocks than requested."""
+
+
+class SchedulerStateError(FerroxError, RuntimeError):
+    """A call out of order, such as updating a plan that is not outstanding."""
+
+
+class IntegrityError(FerroxError, RuntimeError):
+    """An internal invariant does not hold (a bug in ferrox)."""
+
+
+class EngineDeadError(FerroxError, RuntimeError):
+    """The engine process stopped; no further requests can be served."""

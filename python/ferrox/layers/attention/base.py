@@ -1,0 +1,71 @@
+"""The attention backend contract and the per-step metadata it reads.
+
+A step is one flat, unpadded batch: rows [0, num_decodes) are decodes (one
+query token each), the remaining rows are prefill chunks whose first
+`num_computed[i]` tokens are already in the paged cache.
+
+```text
+ row i:  | cached context (num_computed) | this chunk (query_len) |
+          <-------------------- seq_len ------------------------->
+ query i attends to every cached token and causally inside its chunk
+```
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_decodes: int
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64, KV slot of each new token
+    block_table: torch.Tensor  # [B, W] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length after this step
+    # Host copies for the backends that loop or size buffers on the CPU.
+    query_start_loc_cpu: np.ndarray  # [B + 1]
+    seq_lens_cpu: np.ndarray  # [B]
+    num_computed_cpu: np.ndarray  # [B]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.num_decodes
+
+
+class AttentionBackend(ABC):
+    """Writes a step's new K/V into the paged cache and attends over it.
+
+    Caches are per layer, `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @classmethod
+    def is_supported(cls, device: torch.device) -> bool:
+        return True
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+        v_cache: torch.Tensor,  # [N, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...

@@ -1,0 +1,40 @@
+"""Attention backends by name; `auto` picks the best one for the device."""
+
+import torch
+
+from ferrox.errors import InvalidArgumentError
+from ferrox.layers.attention.base import AttentionBackend
+from ferrox.layers.attention.torch_backend import TorchAttentionBackend
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {TorchAttentionBackend.name: TorchAttentionBackend}
+# Preference order for `auto`; GPU backends register themselves ahead of torch.
+_AUTO_ORDER: list[str] = [TorchAttentionBackend.name]
+
+
+def register_backend(cls: type[AttentionBackend], *, preferred: bool = False) -> None:
+    _BACKENDS[cls.name] = cls
+    if preferred:
+        _AUTO_ORDER.insert(0, cls.name)
+    else:
+        _AUTO_ORDER.append(cls.name)
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    if name == "auto":
+        for candidate in _AUTO_ORDER:
+            cls = _BACKENDS[candidate]
+            if cls.is_supported(device):
+                return cls
+        return TorchAttentionBackend
+    cls = _BACKENDS.get(name)
+    if cls is None:
+        raise InvalidArgumentError(
+            f"attention_backend must be 'auto' or one of {available_backends()}, got {name!r}"
+        )
+    if not cls.is_supported(device):
+        raise InvalidArgumentError(f"attention backend {name!r} does not run on {device}")
+    return cls

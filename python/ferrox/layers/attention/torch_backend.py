@@ -1,0 +1,104 @@
+"""Attention with plain PyTorch ops (scaled_dot_product_attention), for the
+CPU and as a reference on any device."""
+
+import torch
+import torch.nn.functional as F
+
+from ferrox.layers.attention.base import AttentionBackend, AttentionMetadata
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    # k, v: [T, Hkv, D]; caches: [N, BS, Hkv, D]; slots: [T]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    # cache: [N, BS, Hkv, D]; block_table: [..., W] -> [..., W * BS, Hkv, D][..., :length]
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table[..., :num_blocks].long()]  # [..., nb, BS, Hkv, D]
+    shape = (*blocks.shape[:-4], num_blocks * block_size, *blocks.shape[-2:])
+    return blocks.reshape(shape)[..., :length, :, :]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)  # [T, H, D]
+        d = meta.num_decodes
+        if d:
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
+        qsl = meta.query_start_loc_cpu
+        for row in range(d, meta.num_reqs):
+            start, end = int(qsl[row]), int(qsl[row + 1])
+            num_cached = int(meta.num_computed_cpu[row])
+            if num_cached == 0:
+                # Nothing cached: attend over the chunk's own K/V.
+                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None, True)
+                continue
+            seq_len = int(meta.seq_lens_cpu[row])
+            ctx_k = gather_context(k_cache, meta.block_table[row], seq_len)  # [L, Hkv, D]
+            ctx_v = gather_context(v_cache, meta.block_table[row], seq_len)
+            q_pos = torch.arange(num_cached, seq_len, device=q.device)  # [n]
+            k_pos = torch.arange(seq_len, device=q.device)  # [L]
+            mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+            out[start:end] = self._attend(q[start:end], ctx_k, ctx_v, mask, False)
+        return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [n, H, D]
+        k: torch.Tensor,  # [L, Hkv, D]
+        v: torch.Tensor,  # [L, Hkv, D]
+        mask: torch.Tensor | None,  # [n, L] bool
+        is_causal: bool,
+    ) -> torch.Tensor:
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [H, n, D]
+            k.transpose(0, 1),  # [Hkv, L, D]
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.transpose(0, 1)  # [n, H, D]
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # q: [B, H, D], one token per row, over contexts of seq_lens[:B].
+        num = q.shape[0]
+        seq_lens = meta.seq_lens[:num]
+        max_len = int(meta.seq_lens_cpu[:num].max())
+        ctx_k = gather_context(k_cache, meta.block_table[:num], max_len)  # [B, L, Hkv, D]
+        ctx_v = gather_context(v_cache, meta.block_table[:num], max_len)
+        positions = torch.arange(max_len, device=q.device)
+        mask = (positions[None, :] < seq_lens[:, None].long())[:, None, None, :]  # [B, 1, 1, L]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, H, 1, D]
+            ctx_k.transpose(1, 2),  # [B, Hkv, L, D]
+            ctx_v.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(2)  # [B, H, D]

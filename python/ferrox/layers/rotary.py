@@ -1,0 +1,70 @@
+"""Rotary position embeddings (half-split layout), with the `llama3` frequency
+scaling. Reads both the older (`rope_theta` / `rope_scaling`) and the newer
+(`rope_parameters`) Hugging Face config styles."""
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.errors import UnsupportedModelError
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings of a HF config as one dict with `rope_type` and `rope_theta`."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        out = dict(params)
+    else:
+        out = dict(getattr(config, "rope_scaling", None) or {})
+        out["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    out["rope_type"] = out.get("rope_type", out.get("type", "default")) or "default"
+    return out
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        rope_type = params["rope_type"]
+        if rope_type not in ("default", "llama3"):
+            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported")
+        base = float(params["rope_theta"])
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)  # [head_dim / 2]
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D / 2]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D / 2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

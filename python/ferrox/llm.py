@@ -1,0 +1,167 @@
+"""LLM: the offline, synchronous API (`generate`, `chat`), vLLM-style."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ferrox.config import EngineConfig
+from ferrox.engine.core import EngineCore
+from ferrox.errors import InvalidArgumentError
+from ferrox.outputs import RequestOutput
+from ferrox.sampling_params import SamplingParams
+
+PromptInput = str | Sequence[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine in this process.
+
+    `LLM()` loads the bundled SmolLM2-135M-Instruct; `LLM(model=path, **options)`
+    takes a Hugging Face directory or a .gguf file and any `EngineConfig` option
+    (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `block_size`,
+    `enable_prefix_caching`, `seed`, `dtype`, `device`, `load_format`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.config = EngineConfig.create(model=model, **engine_options)
+        self.engine = EngineCore(self.config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Completes each prompt (a string, a list of token ids, or a dict with
+        `prompt` or `prompt_token_ids`); returns outputs in input order."""
+        items = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(items))
+        requests = [self._tokenize(p) for p in items]
+        for (_text, ids), sp in zip(requests, params, strict=True):
+            self.engine.validate(ids, sp)
+        return self._run(requests, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        tokenizer = self._require_tokenizer()
+        if not messages:
+            raise InvalidArgumentError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            if not conversation or not all(isinstance(m, dict) for m in conversation):
+                raise InvalidArgumentError("each conversation must be a non-empty list of dicts")
+            text = tokenizer.apply_chat_template(
+                list(conversation),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            prompts.append({"prompt": text, "add_special_tokens": False})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _require_tokenizer(self) -> Any:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidArgumentError("this model has no tokenizer: give prompts as token ids")
+        return tokenizer
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" not in prompt:
+                raise InvalidArgumentError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            text = prompt["prompt"]
+            add_special = prompt.get("add_special_tokens", True)
+            ids = self._require_tokenizer().encode(text, add_special_tokens=add_special)
+            return text, list(ids)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise InvalidArgumentError(
+            "prompts must be strings, lists of token ids, or dicts with 'prompt' / "
+            "'prompt_token_ids'"
+        )
+
+    def _run(
+        self,
+        requests: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"gen-{next(self._counter)}" for _ in requests]
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        start, generated = time.perf_counter(), engine.num_generated_tokens
+        added: list[str] = []
+        try:
+            for rid, (text, prompt_ids), sp in zip(ids, requests, params, strict=True):
+                engine.add_request(rid, prompt_ids, sp, prompt=text)
+                added.append(rid)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+                elapsed = time.perf_counter() - start
+                tokens = engine.num_generated_tokens - generated
+                bar.set_postfix_str(
+                    f"output {tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False
+                )
+        except BaseException:
+            # Nothing may linger in the engine: abort what this call added.
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items = list(prompts)
+    if not items:
+        raise InvalidArgumentError("prompts must not be empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]  # one prompt of token ids
+    return items
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    items = list(params)
+    if len(items) != n:
+        raise InvalidArgumentError(
+            f"got {len(items)} sampling params for {n} prompts; give one, or one per prompt"
+        )
+    if not all(isinstance(p, SamplingParams) for p in items):
+        raise InvalidArgumentError("sampling_params must be SamplingParams objects")
+    return items

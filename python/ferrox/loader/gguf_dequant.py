@@ -1,0 +1,100 @@
+"""Dequantizing one GGUF tensor into a dense float32 torch tensor.
+
+The common llama.cpp formats (F32, F16, BF16, Q8_0, Q4_0, Q4_1) are unpacked here with vectorised
+numpy; every other format goes through `gguf.quants.dequantize`. Both give the same float32 values:
+the arithmetic is identical.
+
+NOTE: numpy rather than torch on purpose. These are a few hundred memory-bound element-wise ops,
+and torch runs each on its intra-op thread pool: on a small machine that is busy with other work
+its threads wait on each other and loading slows down ten-fold. numpy runs them on one thread.
+"""
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, ReaderTensor
+from gguf.quants import dequantize
+
+from ferrox.errors import UnsupportedModelError
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
+    """The tensor as float32 in torch dimension order, in memory of its own (not the file's)."""
+    shape = tuple(
+        int(n) for n in reversed(tensor.shape.tolist())
+    )  # ggml lists the fastest dim first
+    ggml_type = GGMLQuantizationType(tensor.tensor_type)
+    raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)  # [num_bytes]
+    if ggml_type in _FAST_DEQUANTIZERS:
+        values = _FAST_DEQUANTIZERS[ggml_type](raw)
+    else:
+        values = _dequantize_with_gguf(tensor, ggml_type)
+    return torch.from_numpy(values.reshape(shape))
+
+
+def _dequantize_with_gguf(tensor: ReaderTensor, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    try:
+        values = dequantize(tensor.data, ggml_type)
+    except NotImplementedError as exc:
+        raise UnsupportedModelError(
+            f"tensor {tensor.name!r} uses GGML type {ggml_type.name}, which cannot be dequantized"
+        ) from exc
+    return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def _f32(raw: np.ndarray) -> np.ndarray:
+    return raw.view(np.float32).copy()
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.view(np.float16).astype(np.float32)
+
+
+def _bf16(raw: np.ndarray) -> np.ndarray:
+    # bfloat16 is the upper half of a float32
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    return raw.reshape(-1, block_bytes)  # [num_blocks, block_bytes]; each block holds 32 values
+
+
+def _scale(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The fp16 scalar at byte `offset` of each block, as float32."""
+    return blocks[:, offset : offset + 2].view(np.float16).astype(np.float32)  # [num_blocks, 1]
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """16 bytes per block -> 32 values: low nibbles are values 0..15, high nibbles 16..31."""
+    nibbles = np.empty((packed.shape[0], 32), dtype=np.uint8)  # [num_blocks, 32]
+    np.bitwise_and(packed, 0x0F, out=nibbles[:, :16])
+    np.right_shift(packed, 4, out=nibbles[:, 16:])
+    return nibbles
+
+
+def _q8_0(raw: np.ndarray) -> np.ndarray:
+    blocks = _blocks(raw, 34)
+    quants = blocks[:, 2:].view(np.int8)  # [num_blocks, 32]
+    return np.multiply(quants, _scale(blocks, 0), dtype=np.float32)
+
+
+def _q4_0(raw: np.ndarray) -> np.ndarray:
+    blocks = _blocks(raw, 18)
+    quants = _nibbles(blocks[:, 2:]).view(np.int8) - np.int8(8)  # [num_blocks, 32]
+    return np.multiply(_scale(blocks, 0), quants, dtype=np.float32)
+
+
+def _q4_1(raw: np.ndarray) -> np.ndarray:
+    blocks = _blocks(raw, 20)
+    values = np.multiply(_scale(blocks, 0), _nibbles(blocks[:, 4:]), dtype=np.float32)
+    values += _scale(blocks, 2)  # [num_blocks, 32]
+    return values
+
+
+_FAST_DEQUANTIZERS = {
+    GGMLQuantizationType.F32: _f32,
+    GGMLQuantizationType.F16: _f16,
+    GGMLQuantizationType.BF16: _bf16,
+    GGMLQuantizationType.Q8_0: _q8_0,
+    GGMLQuantizationType.Q4_0: _q4_0,
+    GGMLQuantizationType.Q4_1: _q4_1,
+}

@@ -1,0 +1,220 @@
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM, Mistral), also the base of
+Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on q and k).
+
+Q, K and V share one projection and so do the MLP's gate and up, so a layer
+runs three matmuls instead of five; `load_weights` fills the merged weights
+from Hugging Face's separate tensors.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.errors import ModelLoadError
+from ferrox.layers.activation import silu_and_mul
+from ferrox.layers.attention import AttentionBackend, AttentionMetadata
+from ferrox.layers.norm import RMSNorm
+from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
+
+KvCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def head_dim_of(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        backend: type[AttentionBackend],
+        qkv_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv: KvCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)  # [T, *]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn.forward(q, k, v, kv[0], kv[1], meta)  # [T, H, D]
+        return self.o_proj(o.reshape(t, -1))
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        backend: type[AttentionBackend],
+        qkv_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, rotary, backend, qkv_bias, qk_norm)
+        self.mlp = GatedMlp(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv: KvCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = head_dim_of(config)
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or (
+            config.num_attention_heads
+        )
+        rotary = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, rope_parameters(config)
+        )
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, backend, qkv_bias, self.qk_norm)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # The rotary tables are shared by every layer; keep them out of the
+        # per-layer modules' parameter lists.
+        self.rotary = rotary
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KvCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] -> [S, vocab] float32
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies Hugging Face-named tensors into the (merged) parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, part = _merged_target(name)
+            key = _param_name(target)
+            if key not in params:
+                raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint")
+            param = params[key]
+            with torch.no_grad():
+                dst = self._slice_for(param, target, part)
+                if dst.shape != tensor.shape:
+                    raise ModelLoadError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dst.shape)}"
+                    )
+                dst.copy_(tensor)
+            loaded.add(key if part is None else f"{key}#{part}")
+        self._check_complete(params, loaded)
+
+    def _slice_for(self, param: torch.Tensor, target: str, part: str | None) -> torch.Tensor:
+        if part is None:
+            return param
+        attn = self.layers[0].self_attn
+        if ".qkv_proj" in target:
+            sizes = attn.split_sizes
+            index = "qkv".index(part)
+        else:
+            sizes = [self.config.intermediate_size] * 2
+            index = ("gate", "up").index(part)
+        start = sum(sizes[:index])
+        return param.narrow(0, start, sizes[index])
+
+    def _check_complete(self, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+        missing = []
+        for key in params:
+            if key == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if ".qkv_proj." in key:
+                parts = [f"{key}#{p}" for p in "qkv"]
+            elif ".gate_up_proj." in key:
+                parts = [f"{key}#{p}" for p in ("gate", "up")]
+            else:
+                parts = [key]
+            missing += [p for p in parts if p not in loaded]
+        if missing:
+            raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_MERGED = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", "gate"),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", "up"),
+}
+
+
+def _merged_target(name: str) -> tuple[str, str | None]:
+    for src, (dst, part) in _MERGED.items():
+        if src in name:
+            return name.replace(src, dst), part
+    return name, None
+
+
+def _param_name(hf_name: str) -> str:
+    # HF nests the decoder under `model.`; ours sits at the top level.
+    return hf_name.removeprefix("model.")

@@ -1,0 +1,1 @@
+"""The model runner: batch plans to tensors, forward, sampling."""

@@ -1,0 +1,228 @@
+"""ModelRunner: turns a BatchPlan into tensors (one flat, unpadded batch of
+prefill chunks and decodes), runs the model, gathers logits only where the
+plan samples, and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ferrox.config import CPU_KV_CACHE_BYTES, EngineConfig
+from ferrox.errors import InvalidArgumentError
+from ferrox.layers.attention import AttentionMetadata
+from ferrox.loader.model_loader import LoadedModel
+from ferrox.runner.kv_cache import KVCache, bytes_per_block
+from ferrox.runner.sampler import Sampler
+from ferrox.runner.sampling_batch import SamplingBatch
+
+logger = logging.getLogger("ferrox")
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of the prompt tokens a prefill chunk predicts."""
+
+    row: int
+    token_logprobs: np.ndarray  # [n] logprob of each next prompt token
+    token_ranks: np.ndarray  # [n]
+    top_ids: np.ndarray | None  # [n, k]
+    top_logprobs: np.ndarray | None  # [n, k]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: np.ndarray  # [S] int64
+    sampled_logprobs: np.ndarray | None  # [S]
+    sampled_ranks: np.ndarray | None  # [S]
+    top_ids: np.ndarray | None  # [S, k]
+    top_logprobs: np.ndarray | None  # [S, k]
+    prompt_logprobs: list[PromptLogprobs]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> None:
+        self.config = config
+        self.model = loaded.model
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        hf = loaded.hf_config
+        self.vocab_size = int(hf.vocab_size)
+        self.max_model_len = max_model_len
+        self.num_layers = int(hf.num_hidden_layers)
+        self.num_kv_heads = self.model.num_kv_heads
+        self.head_dim = self.model.head_dim
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache(
+            self.num_layers,
+            num_blocks,
+            config.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.sampler = Sampler()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = bytes_per_block(
+            self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            if cfg.kv_cache_memory_bytes is not None:
+                budget = cfg.kv_cache_memory_bytes
+            elif self.device.type == "cuda":
+                budget = self._free_gpu_budget()
+            else:
+                budget = CPU_KV_CACHE_BYTES
+            num_blocks = budget // per_block
+        needed = -(-self.max_model_len // cfg.block_size)
+        if num_blocks < needed:
+            raise InvalidArgumentError(
+                f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than "
+                f"the {needed} one max_model_len={self.max_model_len} sequence needs; give more "
+                "memory (kv_cache_memory_bytes / gpu_memory_utilization) or a smaller max_model_len"
+            )
+        return num_blocks
+
+    def _free_gpu_budget(self) -> int:
+        """Memory left for the KV cache on the GPU after a profiling forward
+        pass at the largest step, within `gpu_memory_utilization`."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory other processes hold counts against us too.
+        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - max(used_elsewhere, 0)
+        return max(budget, 0)
+
+    def profile_run(self) -> None:
+        """One forward pass over a full token budget, written into a scratch
+        one-block cache, to measure activation memory."""
+        cfg = self.config
+        num_tokens = min(cfg.batched_tokens_limit(self.max_model_len), 8192)
+        seq = min(num_tokens, 2048)
+        rows = -(-num_tokens // seq)
+        lens = np.full(rows, seq, dtype=np.int32)
+        lens[-1] = num_tokens - seq * (rows - 1)
+        scratch = KVCache(
+            self.num_layers,
+            1,
+            cfg.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        meta = AttentionMetadata(
+            num_reqs=rows,
+            num_decodes=0,
+            num_tokens=num_tokens,
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            block_table=torch.zeros(rows, 1, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.from_numpy(qsl).to(self.device),
+            seq_lens=torch.from_numpy(lens).to(self.device),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+            num_computed_cpu=np.zeros(rows, dtype=np.int32),
+            max_query_len=seq,
+            max_seq_len=seq,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, scratch.layers, meta)
+            self.model.compute_logits(hidden[: cfg.max_num_seqs])
+        del scratch
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def build_metadata(self, plan: object) -> AttentionMetadata:
+        qsl = plan.query_start_loc  # type: ignore[attr-defined]
+        seq_lens = plan.seq_lens  # type: ignore[attr-defined]
+        num_sched = plan.num_scheduled_tokens  # type: ignore[attr-defined]
+        return AttentionMetadata(
+            num_reqs=plan.num_reqs,  # type: ignore[attr-defined]
+            num_decodes=plan.num_decodes,  # type: ignore[attr-defined]
+            num_tokens=plan.num_tokens,  # type: ignore[attr-defined]
+            slot_mapping=self._tensor(plan.slot_mapping),  # type: ignore[attr-defined]
+            block_table=self._tensor(plan.block_table),  # type: ignore[attr-defined]
+            query_start_loc=self._tensor(qsl),
+            seq_lens=self._tensor(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            num_computed_cpu=plan.num_computed_tokens,  # type: ignore[attr-defined]
+            max_query_len=int(num_sched.max()) if len(num_sched) else 0,
+            max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        plan: object,
+        sampling: SamplingBatch,
+        prompt_logprob_rows: list[tuple[int, int, int]] | None = None,
+    ) -> RunnerOutput:
+        """Runs one step. `prompt_logprob_rows` lists (row, num_top, next
+        token) for prefill chunks whose prompt logprobs are wanted: each of
+        their positions gets logits; `next token` is the prompt token after
+        the chunk (-1 when the chunk ends the prompt)."""
+        meta = self.build_metadata(plan)
+        input_ids = self._tensor(plan.input_ids)  # type: ignore[attr-defined]
+        positions = self._tensor(plan.positions)  # type: ignore[attr-defined]
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
+        logits_indices = self._tensor(plan.logits_indices)  # type: ignore[attr-defined]
+        logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
+        out = self.sampler(logits, sampling)
+        prompt = [
+            self._prompt_logprobs(hidden, plan, row, k, nxt)
+            for row, k, nxt in (prompt_logprob_rows or [])
+        ]
+        return RunnerOutput(
+            sampled=out.sampled.cpu().numpy(),
+            sampled_logprobs=_np(out.sampled_logprobs),
+            sampled_ranks=_np(out.sampled_ranks),
+            top_ids=_np(out.top_ids),
+            top_logprobs=_np(out.top_logprobs),
+            prompt_logprobs=prompt,
+        )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, plan: object, row: int, k: int, next_token: int
+    ) -> PromptLogprobs:
+        qsl = plan.query_start_loc  # type: ignore[attr-defined]
+        start, end = int(qsl[row]), int(qsl[row + 1])
+        # Position p predicts the token at p + 1: the chunk's own next tokens,
+        # then the prompt token after the chunk, if any.
+        chunk = plan.input_ids[start:end]  # type: ignore[attr-defined]
+        targets = chunk[1:] if next_token < 0 else np.append(chunk[1:], next_token)
+        n = len(targets)
+        next_ids = torch.from_numpy(np.ascontiguousarray(targets)).to(self.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[start : start + n]), dim=-1)
+        token_lp = logprobs.gather(1, next_ids[:, None]).squeeze(1)  # [n]
+        ranks = (logprobs > token_lp[:, None]).sum(dim=-1) + 1
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+        return PromptLogprobs(
+            row, token_lp.cpu().numpy(), ranks.cpu().numpy(), _np(top_ids), _np(top_lp)
+        )
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.cpu().numpy()

@@ -1,0 +1,107 @@
+//! Scheduler configuration, validated once at construction.
+
+use crate::error::{CoreError, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// First come, first served (priorities are ignored).
+    Fcfs,
+    /// Lower `priority` value first, then first come, first served.
+    Priority,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "fcfs" => Ok(Policy::Fcfs),
+            "priority" => Ok(Policy::Priority),
+            other => Err(CoreError::InvalidArgument(format!(
+                "policy must be 'fcfs' or 'priority', got {other:?}"
+            ))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_num_seqs: usize,
+    /// Token budget of one step (prefill chunks plus decodes).
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub vocab_size: usize,
+    pub enable_prefix_caching: bool,
+    pub enable_chunked_prefill: bool,
+    pub policy: Policy,
+    /// KV room reserved for this many extra tokens per decode step.
+    pub num_speculative_tokens: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 1024,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 8192,
+            vocab_size: 32000,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            policy: Policy::Fcfs,
+            num_speculative_tokens: 0,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("block_size", self.block_size),
+            ("num_blocks", self.num_blocks),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_model_len", self.max_model_len),
+            ("vocab_size", self.vocab_size),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(CoreError::InvalidArgument(format!(
+                    "{name} must be positive"
+                )));
+            }
+        }
+        if self.max_model_len < 2 {
+            return Err(CoreError::InvalidArgument(
+                "max_model_len must be at least 2 (one prompt and one output token)".into(),
+            ));
+        }
+        if self.vocab_size > u32::MAX as usize || self.num_blocks > i32::MAX as usize {
+            return Err(CoreError::InvalidArgument(
+                "vocab_size and num_blocks must fit in 32 bits".into(),
+            ));
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(CoreError::InvalidArgument(format!(
+                "max_num_batched_tokens ({}) must be at least max_num_seqs ({}) so that every \
+                 running request can decode in one step",
+                self.max_num_batched_tokens, self.max_num_seqs
+            )));
+        }
+        if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
+            return Err(CoreError::InvalidArgument(format!(
+                "without chunked prefill, max_num_batched_tokens ({}) must be at least \
+                 max_model_len ({}) so that the longest prompt fits in one step",
+                self.max_num_batched_tokens, self.max_model_len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Blocks needed to hold `num_tokens` tokens.
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+}

@@ -1,0 +1,21 @@
+//! ferrox-core: the host-side brain of the ferrox inference engine — the
+//! paged-KV block allocator, the radix prefix cache and the request
+//! scheduler. Pure Rust; the Python bindings live in `ferrox-py`.
+
+pub mod block_allocator;
+pub mod error;
+pub mod radix_cache;
+
+pub use block_allocator::{BlockAllocator, BlockId};
+pub use error::{CoreError, Result};
+pub use radix_cache::{InsertOutcome, NodeHandle, PrefixMatch, RadixCache};
+pub mod config;
+pub mod plan;
+pub mod request;
+pub mod scheduler;
+mod scheduler_integrity;
+
+pub use config::{Policy, SchedulerConfig};
+pub use plan::{BatchPlan, SchedulerStats, StepEvents};
+pub use request::{FinishReason, Request, RequestParams, RequestStatus};
+pub use scheduler::Scheduler;

@@ -1,0 +1,92 @@
+//! The flat arrays one step hands to the model runner, and the compact events
+//! `update` hands back.
+
+/// One step's work: B requests, T tokens, S sampled positions. Rows with one
+/// scheduled token (decodes) come first.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchPlan {
+    pub step_id: u64,
+    /// [B]
+    pub req_ids: Vec<u64>,
+    /// [B] tokens computed in this step for each request.
+    pub num_scheduled_tokens: Vec<i32>,
+    /// [B] tokens already in the KV cache before this step.
+    pub num_computed_tokens: Vec<i32>,
+    /// Rows [0, num_decodes) schedule exactly one token.
+    pub num_decodes: usize,
+    /// [T]
+    pub input_ids: Vec<i64>,
+    /// [T]
+    pub positions: Vec<i64>,
+    /// [B + 1] prefix sums of `num_scheduled_tokens`.
+    pub query_start_loc: Vec<i32>,
+    /// [B] context length after this step.
+    pub seq_lens: Vec<i32>,
+    /// [B, block_table_width], row-major, padded with 0.
+    pub block_table: Vec<i32>,
+    pub block_table_width: usize,
+    /// [T] KV slot of each token: block * block_size + offset.
+    pub slot_mapping: Vec<i64>,
+    /// [S] token indices whose logits are sampled.
+    pub logits_indices: Vec<i64>,
+    /// [S] row of each sampled position.
+    pub sample_rows: Vec<i32>,
+    /// Requests preempted by this step (they wait to be recomputed).
+    pub preempted_ids: Vec<u64>,
+    /// Requests aborted since the previous step.
+    pub aborted_ids: Vec<u64>,
+    /// Slot of each row inside the scheduler (private bookkeeping).
+    pub(crate) slots: Vec<usize>,
+}
+
+impl BatchPlan {
+    pub fn num_reqs(&self) -> usize {
+        self.req_ids.len()
+    }
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.req_ids.is_empty()
+    }
+}
+
+/// What `update` reports: one entry per request that sampled or finished.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepEvents {
+    pub req_ids: Vec<u64>,
+    /// The new token, or -1 for a request finished without one.
+    pub token_ids: Vec<i64>,
+    /// 0 while running, else `FinishReason as u8`.
+    pub finish_reasons: Vec<u8>,
+}
+
+impl StepEvents {
+    pub fn push(&mut self, id: u64, token: Option<u32>, reason: Option<crate::FinishReason>) {
+        self.req_ids.push(id);
+        self.token_ids.push(token.map_or(-1, i64::from));
+        self.finish_reasons.push(reason.map_or(0, |r| r as u8));
+    }
+    pub fn len(&self) -> usize {
+        self.req_ids.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.req_ids.is_empty()
+    }
+}
+
+/// Counters for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_total_blocks: usize,
+    pub num_free_blocks: usize,
+    /// Blocks referenced by at least one live request.
+    pub num_used_blocks: usize,
+    /// Blocks held only by the prefix cache (free to evict).
+    pub num_cached_blocks: usize,
+    pub prefix_queried_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub num_preemptions: u64,
+}

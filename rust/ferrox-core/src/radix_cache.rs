@@ -1,0 +1,643 @@
+//! Radix tree over token ids that caches the KV blocks of finished (or
+//! preempted, or prefilled) sequences so that later requests reuse them.
+//!
+//! The tree is block-aligned: every node's key is a whole number of blocks and
+//! the node owns exactly one KV block per `block_size` tokens. Children are
+//! keyed by the tokens of their first block and compared token by token (no
+//! hashes stand in for tokens, so two different prefixes never collide).
+//!
+//! ```text
+//!   root
+//!    └─ [A A A A | B B B B]        blocks 3, 7      (a system prompt)
+//!        ├─ [C C C C]              block 9          (user 1's question)
+//!        └─ [D D D D | E E E E]    blocks 2, 5      (user 2's question)
+//! ```
+//!
+//! The tree holds one allocator reference on each of its blocks. A running
+//! request locks the deepest node of the prefix it uses; a lock pins that node
+//! and all its ancestors. Only unlocked leaves are evicted, least recently
+//! used first, and a leaf may be trimmed from its tail block by block.
+
+use std::collections::BTreeSet;
+
+use rustc_hash::FxHashMap;
+
+use crate::block_allocator::{BlockAllocator, BlockId};
+use crate::error::{ensure, CoreError, Result};
+
+type NodeId = u32;
+const ROOT: NodeId = 0;
+
+/// Names a node for `lock` / `unlock`: the node's index in the low 32 bits and
+/// its generation in the high ones, so a handle to a removed node is detected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NodeHandle(pub u64);
+
+impl NodeHandle {
+    fn new(id: NodeId, generation: u32) -> Self {
+        NodeHandle(((generation as u64) << 32) | id as u64)
+    }
+    fn id(self) -> NodeId {
+        self.0 as u32
+    }
+    fn generation(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Node {
+    parent: NodeId,
+    generation: u32,
+    is_live: bool,
+    key: Vec<u32>,
+    blocks: Vec<BlockId>,
+    children: FxHashMap<Vec<u32>, NodeId>,
+    lock_ref: u32,
+    last_access: u64,
+}
+
+/// The longest cached block-aligned prefix of a query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub blocks: Vec<BlockId>,
+    pub num_tokens: usize,
+    /// The node that ends exactly at the matched prefix (the root for no match).
+    pub handle: NodeHandle,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InsertOutcome {
+    /// The node that ends exactly at the inserted prefix.
+    pub handle: NodeHandle,
+    /// Blocks the tree did not hold before (their references now belong to it).
+    pub num_new_blocks: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct RadixCache {
+    block_size: usize,
+    nodes: Vec<Node>,
+    free_slots: Vec<NodeId>,
+    /// Unlocked leaves ordered by (last access, node id): the eviction order.
+    evictable_leaves: BTreeSet<(u64, NodeId)>,
+    /// By block id: whether the tree holds the block.
+    in_tree: Vec<bool>,
+    clock: u64,
+    num_cached_blocks: usize,
+    num_locked_blocks: usize,
+    num_queried_tokens: u64,
+    num_hit_tokens: u64,
+    num_evicted_blocks: u64,
+}
+
+/// Number of leading whole blocks on which `a` and `b` agree.
+fn common_blocks(a: &[u32], b: &[u32], block_size: usize) -> usize {
+    let max_blocks = a.len().min(b.len()) / block_size;
+    (0..max_blocks)
+        .take_while(|&i| {
+            let r = i * block_size..(i + 1) * block_size;
+            a[r.clone()] == b[r]
+        })
+        .count()
+}
+
+impl RadixCache {
+    pub fn new(block_size: usize, num_blocks: usize) -> Result<Self> {
+        if block_size == 0 {
+            return Err(CoreError::InvalidArgument(
+                "block_size must be positive".into(),
+            ));
+        }
+        let root = Node {
+            is_live: true,
+            ..Node::default()
+        };
+        Ok(Self {
+            block_size,
+            nodes: vec![root],
+            free_slots: Vec::new(),
+            evictable_leaves: BTreeSet::new(),
+            in_tree: vec![false; num_blocks],
+            clock: 0,
+            num_cached_blocks: 0,
+            num_locked_blocks: 0,
+            num_queried_tokens: 0,
+            num_hit_tokens: 0,
+            num_evicted_blocks: 0,
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_cached_blocks(&self) -> usize {
+        self.num_cached_blocks
+    }
+    pub fn num_locked_blocks(&self) -> usize {
+        self.num_locked_blocks
+    }
+    pub fn num_evictable_blocks(&self) -> usize {
+        self.num_cached_blocks - self.num_locked_blocks
+    }
+    pub fn num_queried_tokens(&self) -> u64 {
+        self.num_queried_tokens
+    }
+    pub fn num_hit_tokens(&self) -> u64 {
+        self.num_hit_tokens
+    }
+    pub fn num_evicted_blocks(&self) -> u64 {
+        self.num_evicted_blocks
+    }
+    pub fn num_nodes(&self) -> usize {
+        self.nodes.len() - self.free_slots.len()
+    }
+    pub fn root_handle(&self) -> NodeHandle {
+        NodeHandle::new(ROOT, self.nodes[ROOT as usize].generation)
+    }
+    pub fn contains_block(&self, block: BlockId) -> bool {
+        self.in_tree.get(block as usize).copied().unwrap_or(false)
+    }
+
+    /// Counts a lookup in the hit statistics (the scheduler records a query
+    /// once, when the request is admitted, not on every retry).
+    pub fn record_query(&mut self, num_queried: usize, num_hit: usize) {
+        self.num_queried_tokens += num_queried as u64;
+        self.num_hit_tokens += num_hit as u64;
+    }
+
+    /// The longest cached block-aligned prefix of `tokens`, counted in the stats.
+    pub fn match_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
+        let found = self.find_prefix(tokens);
+        self.record_query(tokens.len(), found.num_tokens);
+        found
+    }
+
+    /// Like `match_prefix`, without touching the hit statistics. Marks the path
+    /// as recently used and splits a node so that the handle ends exactly at
+    /// the match.
+    pub fn find_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
+        let bs = self.block_size;
+        let mut blocks = Vec::new();
+        let mut node = ROOT;
+        let mut pos = 0;
+        while tokens.len() - pos >= bs {
+            let Some(&child) = self.nodes[node as usize]
+                .children
+                .get(&tokens[pos..pos + bs])
+            else {
+                break;
+            };
+            let child_node = &self.nodes[child as usize];
+            let n = common_blocks(&child_node.key, &tokens[pos..], bs);
+            blocks.extend_from_slice(&child_node.blocks[..n]);
+            pos += n * bs;
+            if n < child_node.blocks.len() {
+                node = self.split(child, n);
+                break;
+            }
+            node = child;
+        }
+        self.touch(node);
+        PrefixMatch {
+            blocks,
+            num_tokens: pos,
+            handle: self.handle_of(node),
+        }
+    }
+
+    /// Adds the full blocks of a sequence. Takes over one reference of every
+    /// block in `blocks`: blocks the tree lacked become its own, and a block
+    /// whose tokens the tree already holds is released (not duplicated).
+    /// `blocks.len()` must be `tokens.len() / block_size`; a partial last
+    /// block of tokens is ignored.
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        alloc: &mut BlockAllocator,
+    ) -> Result<InsertOutcome> {
+        let bs = self.block_size;
+        let num_blocks = tokens.len() / bs;
+        if blocks.len() != num_blocks {
+            return Err(CoreError::InvalidArgument(format!(
+                "insert needs one block per {bs} tokens: {} tokens give {num_blocks} full \
+                 blocks, but {} block ids were given",
+                tokens.len(),
+                blocks.len()
+            )));
+        }
+        if alloc.num_blocks() != self.in_tree.len() || alloc.block_size() != bs {
+            return Err(CoreError::InvalidArgument(
+                "the allocator does not match this cache's pool".into(),
+            ));
+        }
+        let num_present = self.dry_match_blocks(&tokens[..num_blocks * bs]);
+        self.validate_insert(blocks, num_present, alloc)?;
+
+        let mut node = ROOT;
+        let mut pos = 0;
+        let mut num_new_blocks = 0;
+        while pos < num_blocks {
+            let start = pos * bs;
+            let first = &tokens[start..start + bs];
+            let Some(&child) = self.nodes[node as usize].children.get(first) else {
+                node = self.add_leaf(
+                    node,
+                    tokens[start..num_blocks * bs].to_vec(),
+                    blocks[pos..].to_vec(),
+                );
+                num_new_blocks = num_blocks - pos;
+                break;
+            };
+            let n = common_blocks(
+                &self.nodes[child as usize].key,
+                &tokens[start..num_blocks * bs],
+                bs,
+            );
+            node = if n < self.nodes[child as usize].blocks.len() {
+                self.split(child, n)
+            } else {
+                child
+            };
+            for &dup in &blocks[pos..pos + n] {
+                alloc.release_one(dup)?;
+            }
+            pos += n;
+        }
+        self.touch(node);
+        Ok(InsertOutcome {
+            handle: self.handle_of(node),
+            num_new_blocks,
+        })
+    }
+
+    /// Blocks from the root down to the handle's node, in order.
+    pub fn path_blocks(&self, handle: NodeHandle) -> Result<Vec<BlockId>> {
+        let mut node = self.resolve(handle)?;
+        let mut path = Vec::new();
+        while node != ROOT {
+            path.push(node);
+            node = self.nodes[node as usize].parent;
+        }
+        let mut blocks = Vec::new();
+        for &id in path.iter().rev() {
+            blocks.extend_from_slice(&self.nodes[id as usize].blocks);
+        }
+        Ok(blocks)
+    }
+
+    /// Whether the handle's node is locked (by any owner).
+    pub fn is_locked(&self, handle: NodeHandle) -> Result<bool> {
+        Ok(self.nodes[self.resolve(handle)? as usize].lock_ref > 0)
+    }
+
+    /// Pins a node and its ancestors against eviction.
+    pub fn lock(&mut self, handle: NodeHandle) -> Result<()> {
+        let mut node = self.resolve(handle)?;
+        loop {
+            let n = &mut self.nodes[node as usize];
+            if n.lock_ref == 0 {
+                self.num_locked_blocks += n.blocks.len();
+                let key = (n.last_access, node);
+                self.evictable_leaves.remove(&key);
+            }
+            let n = &mut self.nodes[node as usize];
+            n.lock_ref += 1;
+            if node == ROOT {
+                return Ok(());
+            }
+            node = n.parent;
+        }
+    }
+
+    pub fn unlock(&mut self, handle: NodeHandle) -> Result<()> {
+        let start = self.resolve(handle)?;
+        if self.nodes[start as usize].lock_ref == 0 {
+            return Err(CoreError::NotLocked { handle: handle.0 });
+        }
+        let mut node = start;
+        loop {
+            let n = &mut self.nodes[node as usize];
+            n.lock_ref -= 1;
+            let parent = n.parent;
+            if n.lock_ref == 0 {
+                self.num_locked_blocks -= n.blocks.len();
+                if node != ROOT && n.children.is_empty() {
+                    let key = (n.last_access, node);
+                    self.evictable_leaves.insert(key);
+                }
+            }
+            if node == ROOT {
+                return Ok(());
+            }
+            node = parent;
+        }
+    }
+
+    /// Frees up to `num_blocks` blocks from least recently used unlocked
+    /// leaves (trimming the last leaf from its tail) and returns how many the
+    /// tree let go of.
+    pub fn evict(&mut self, num_blocks: usize, alloc: &mut BlockAllocator) -> Result<usize> {
+        let mut num_freed = 0;
+        while num_freed < num_blocks {
+            let Some(&(last_access, leaf)) = self.evictable_leaves.first() else {
+                break;
+            };
+            let want = num_blocks - num_freed;
+            let node = &mut self.nodes[leaf as usize];
+            let num_own = node.blocks.len();
+            if num_own > want {
+                let keep = num_own - want;
+                for block in node.blocks.drain(keep..) {
+                    alloc.release_one(block)?;
+                    self.in_tree[block as usize] = false;
+                }
+                node.key.truncate(keep * self.block_size);
+                num_freed += want;
+                continue;
+            }
+            self.evictable_leaves.remove(&(last_access, leaf));
+            for &block in &node.blocks {
+                alloc.release_one(block)?;
+                self.in_tree[block as usize] = false;
+            }
+            num_freed += num_own;
+            let parent = node.parent;
+            let first_block = node.key[..self.block_size].to_vec();
+            self.remove_node(leaf);
+            let p = &mut self.nodes[parent as usize];
+            p.children.remove(&first_block);
+            if parent != ROOT && p.children.is_empty() && p.lock_ref == 0 {
+                self.evictable_leaves.insert((p.last_access, parent));
+            }
+        }
+        self.num_cached_blocks -= num_freed;
+        self.num_evicted_blocks += num_freed as u64;
+        Ok(num_freed)
+    }
+
+    /// Every cached block is held once by the tree and referenced in the
+    /// allocator; evictable + locked == cached; the eviction set holds exactly
+    /// the unlocked leaves; a lock on a node covers its ancestors.
+    pub fn check_integrity(&self, alloc: &BlockAllocator) -> Result<()> {
+        let bs = self.block_size;
+        let mut seen = vec![false; self.in_tree.len()];
+        let (mut num_blocks, mut num_locked, mut num_reached) = (0usize, 0usize, 0usize);
+        let mut leaves = BTreeSet::new();
+        let mut stack = vec![ROOT];
+        while let Some(id) = stack.pop() {
+            let node = &self.nodes[id as usize];
+            ensure!(node.is_live, "node {id} is reachable but not live");
+            num_reached += 1;
+            if id != ROOT {
+                ensure!(!node.blocks.is_empty(), "node {id} owns no block");
+                ensure!(
+                    node.key.len() == node.blocks.len() * bs,
+                    "node {id} has {} tokens for {} blocks",
+                    node.key.len(),
+                    node.blocks.len()
+                );
+                let parent = &self.nodes[node.parent as usize];
+                ensure!(
+                    parent.children.get(&node.key[..bs]) == Some(&id),
+                    "node {id} is not its parent's child under its first block"
+                );
+                if node.parent != ROOT {
+                    ensure!(
+                        parent.lock_ref >= node.lock_ref,
+                        "node {id} is locked more than its parent"
+                    );
+                }
+                if node.children.is_empty() && node.lock_ref == 0 {
+                    leaves.insert((node.last_access, id));
+                }
+            }
+            for &block in &node.blocks {
+                let idx = block as usize;
+                ensure!(idx < seen.len(), "cached block {block} is out of range");
+                ensure!(!seen[idx], "block {block} is cached twice");
+                seen[idx] = true;
+                ensure!(self.in_tree[idx], "block {block} is cached but not marked");
+                ensure!(
+                    alloc.ref_count(block)? >= 1,
+                    "cached block {block} holds no allocator reference"
+                );
+            }
+            num_blocks += node.blocks.len();
+            if node.lock_ref > 0 {
+                num_locked += node.blocks.len();
+            }
+            for (first, &child) in &node.children {
+                ensure!(
+                    self.nodes[child as usize].parent == id,
+                    "child {child} of {id} names another parent"
+                );
+                ensure!(
+                    self.nodes[child as usize].key.starts_with(first),
+                    "child {child} is filed under a key it does not start with"
+                );
+                stack.push(child);
+            }
+        }
+        ensure!(
+            num_reached == self.num_nodes(),
+            "{} live nodes, {num_reached} reachable",
+            self.num_nodes()
+        );
+        ensure!(
+            seen == self.in_tree,
+            "the in-tree marks disagree with the tree"
+        );
+        ensure!(
+            num_blocks == self.num_cached_blocks,
+            "tree holds {num_blocks} blocks, counter says {}",
+            self.num_cached_blocks
+        );
+        ensure!(
+            num_locked == self.num_locked_blocks,
+            "{num_locked} locked blocks, counter says {}",
+            self.num_locked_blocks
+        );
+        ensure!(
+            leaves == self.evictable_leaves,
+            "the eviction set differs from the unlocked leaves"
+        );
+        Ok(())
+    }
+
+    // ---- internals -------------------------------------------------------
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn handle_of(&self, node: NodeId) -> NodeHandle {
+        NodeHandle::new(node, self.nodes[node as usize].generation)
+    }
+
+    fn resolve(&self, handle: NodeHandle) -> Result<NodeId> {
+        let id = handle.id();
+        match self.nodes.get(id as usize) {
+            Some(n) if n.is_live && n.generation == handle.generation() => Ok(id),
+            _ => Err(CoreError::InvalidHandle { handle: handle.0 }),
+        }
+    }
+
+    /// Marks `node` and its ancestors as used now.
+    fn touch(&mut self, node: NodeId) {
+        let now = self.tick();
+        let n = &mut self.nodes[node as usize];
+        if self.evictable_leaves.remove(&(n.last_access, node)) {
+            self.evictable_leaves.insert((now, node));
+        }
+        let mut id = node;
+        loop {
+            let n = &mut self.nodes[id as usize];
+            n.last_access = now;
+            if id == ROOT {
+                break;
+            }
+            id = n.parent;
+        }
+    }
+
+    /// Tokens (in whole blocks) of `tokens` the tree already holds, without
+    /// changing anything.
+    fn dry_match_blocks(&self, tokens: &[u32]) -> usize {
+        let bs = self.block_size;
+        let (mut node, mut pos) = (ROOT, 0);
+        while tokens.len() - pos >= bs {
+            let Some(&child) = self.nodes[node as usize]
+                .children
+                .get(&tokens[pos..pos + bs])
+            else {
+                break;
+            };
+            let child_node = &self.nodes[child as usize];
+            let n = common_blocks(&child_node.key, &tokens[pos..], bs);
+            pos += n * bs;
+            if n < child_node.blocks.len() {
+                break;
+            }
+            node = child;
+        }
+        pos / bs
+    }
+
+    fn validate_insert(
+        &self,
+        blocks: &[BlockId],
+        num_present: usize,
+        alloc: &BlockAllocator,
+    ) -> Result<()> {
+        let mut listed = FxHashMap::default();
+        for (i, &block) in blocks.iter().enumerate() {
+            let refs = alloc.ref_count(block)?;
+            if listed.insert(block, i).is_some() {
+                return Err(CoreError::InvalidArgument(format!(
+                    "block {block} is listed twice"
+                )));
+            }
+            let held_by_tree = self.in_tree[block as usize];
+            if i >= num_present && held_by_tree {
+                return Err(CoreError::InvalidArgument(format!(
+                    "block {block} already caches other tokens"
+                )));
+            }
+            if refs < 1 + held_by_tree as u32 {
+                return Err(CoreError::BlockNotAllocated { block });
+            }
+        }
+        Ok(())
+    }
+
+    fn alloc_node(&mut self, node: Node) -> NodeId {
+        match self.free_slots.pop() {
+            Some(id) => {
+                let generation = self.nodes[id as usize].generation;
+                self.nodes[id as usize] = Node { generation, ..node };
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as NodeId
+            }
+        }
+    }
+
+    fn remove_node(&mut self, id: NodeId) {
+        let n = &mut self.nodes[id as usize];
+        n.is_live = false;
+        n.generation = n.generation.wrapping_add(1);
+        n.key = Vec::new();
+        n.blocks = Vec::new();
+        n.children = FxHashMap::default();
+        self.free_slots.push(id);
+    }
+
+    fn add_leaf(&mut self, parent: NodeId, key: Vec<u32>, blocks: Vec<BlockId>) -> NodeId {
+        let bs = self.block_size;
+        let p = &self.nodes[parent as usize];
+        if parent != ROOT && p.children.is_empty() && p.lock_ref == 0 {
+            let old = (p.last_access, parent);
+            self.evictable_leaves.remove(&old);
+        }
+        for &block in &blocks {
+            self.in_tree[block as usize] = true;
+        }
+        self.num_cached_blocks += blocks.len();
+        let first_block = key[..bs].to_vec();
+        let now = self.clock;
+        let leaf = self.alloc_node(Node {
+            parent,
+            generation: 0,
+            is_live: true,
+            key,
+            blocks,
+            children: FxHashMap::default(),
+            lock_ref: 0,
+            last_access: now,
+        });
+        self.nodes[parent as usize]
+            .children
+            .insert(first_block, leaf);
+        self.evictable_leaves.insert((now, leaf));
+        leaf
+    }
+
+    /// Splits `child` after its first `num_blocks` blocks; returns the new
+    /// upper node. `child` keeps its id (and so every handle to it).
+    fn split(&mut self, child: NodeId, num_blocks: usize) -> NodeId {
+        let bs = self.block_size;
+        let c = &mut self.nodes[child as usize];
+        let upper_key: Vec<u32> = c.key.drain(..num_blocks * bs).collect();
+        let upper_blocks: Vec<BlockId> = c.blocks.drain(..num_blocks).collect();
+        let parent = c.parent;
+        let (lock_ref, last_access) = (c.lock_ref, c.last_access);
+        let child_first = c.key[..bs].to_vec();
+        let upper_first = upper_key[..bs].to_vec();
+        let mut children = FxHashMap::default();
+        children.insert(child_first, child);
+        let upper = self.alloc_node(Node {
+            parent,
+            generation: 0,
+            is_live: true,
+            key: upper_key,
+            blocks: upper_blocks,
+            children,
+            lock_ref,
+            last_access,
+        });
+        self.nodes[child as usize].parent = upper;
+        self.nodes[parent as usize]
+            .children
+            .insert(upper_first, upper);
+        upper
+    }
+}
+
+#[cfg(test)]
+#[path = "radix_cache_tests.rs"]
+mod tests;

@@ -1,0 +1,89 @@
+//! One request's state inside the scheduler.
+
+use crate::block_allocator::BlockId;
+use crate::radix_cache::NodeHandle;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestParams {
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Lower values are served first under the priority policy.
+    pub priority: i32,
+    /// Whether admission may reuse cached prefix blocks (a request that
+    /// needs every prompt position computed, e.g. for prompt logprobs, opts
+    /// out; its blocks are still shared with later requests).
+    pub use_prefix_cache: bool,
+}
+
+impl Default for RequestParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 16,
+            min_tokens: 0,
+            eos_token_ids: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            priority: 0,
+            use_prefix_cache: true,
+        }
+    }
+}
+
+/// Why a request ended; `None` in arrays is encoded as 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FinishReason {
+    /// EOS, a stop token id, or a stop string found by the caller.
+    Stop = 1,
+    /// `max_tokens` or `max_model_len` reached.
+    Length = 2,
+    Abort = 3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: u64,
+    pub arrival: u64,
+    pub params: RequestParams,
+    pub status: RequestStatus,
+    /// Prompt followed by the output tokens.
+    pub tokens: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    /// Tokens whose KV is in `block_table` (the last sampled token is not).
+    pub num_computed_tokens: usize,
+    pub block_table: Vec<BlockId>,
+    /// The radix-cache node this request locks (the prefix it shares).
+    pub cache_handle: Option<NodeHandle>,
+    /// Leading blocks of `block_table` that are the cache's blocks.
+    pub num_shared_blocks: usize,
+    /// Prompt tokens found in the prefix cache at first admission.
+    pub num_prefix_hit_tokens: usize,
+    pub num_preemptions: u32,
+    /// Set on preemption: output length at that moment; the request is not
+    /// preempted again before it has produced a token past it.
+    pub protected_until: Option<usize>,
+}
+
+impl Request {
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+    pub fn num_output_tokens(&self) -> usize {
+        self.tokens.len() - self.num_prompt_tokens
+    }
+    pub fn num_pending_tokens(&self) -> usize {
+        self.tokens.len() - self.num_computed_tokens
+    }
+    pub fn is_protected(&self) -> bool {
+        matches!(self.protected_until, Some(len) if self.num_output_tokens() <= len)
+    }
+}

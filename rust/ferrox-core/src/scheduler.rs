@@ -1,0 +1,655 @@
+//! Continuous-batching scheduler: owns the block allocator, the radix prefix
+//! cache and every live request; `schedule()` plans one step and `update()`
+//! applies its sampled tokens.
+//!
+//! ```text
+//!  request tokens:  | prompt ............................ | outputs ...... |
+//!                   | cached prefix | computed earlier | this step | pending |
+//!                   ^ shared blocks   (own blocks)       (chunk)
+//! ```
+//!
+//! A step serves running decodes first, then running chunked prefills, then
+//! admits waiting requests under the token budget. When blocks run out, the
+//! lowest-priority, latest-arriving request is preempted by recompute: its
+//! computed full blocks go to the prefix cache, so that its return is mostly
+//! a cache hit.
+
+use std::collections::BTreeSet;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::block_allocator::BlockAllocator;
+use crate::config::{Policy, SchedulerConfig};
+use crate::error::{CoreError, Result};
+use crate::plan::{BatchPlan, SchedulerStats, StepEvents};
+use crate::radix_cache::RadixCache;
+use crate::request::{FinishReason, Request, RequestParams, RequestStatus};
+
+pub struct Scheduler {
+    pub(crate) config: SchedulerConfig,
+    pub(crate) alloc: BlockAllocator,
+    pub(crate) cache: RadixCache,
+    /// Live requests by slot; `index` maps ids to slots.
+    pub(crate) slots: Vec<Option<Request>>,
+    free_slots: Vec<usize>,
+    pub(crate) index: FxHashMap<u64, usize>,
+    /// (effective priority, arrival, slot) in service order.
+    pub(crate) waiting: BTreeSet<(i64, u64, usize)>,
+    /// Slots in admission order.
+    pub(crate) running: Vec<usize>,
+    next_arrival: u64,
+    next_step: u64,
+    outstanding_step: Option<u64>,
+    pending_aborts: Vec<u64>,
+    num_preemptions: u64,
+}
+
+/// Work chosen for one request in the step being planned.
+#[derive(Clone, Copy)]
+struct Chosen {
+    slot: usize,
+    num_tokens: usize,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self {
+            alloc: BlockAllocator::new(config.num_blocks, config.block_size)?,
+            cache: RadixCache::new(config.block_size, config.num_blocks)?,
+            config,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            index: FxHashMap::default(),
+            waiting: BTreeSet::new(),
+            running: Vec::new(),
+            next_arrival: 0,
+            next_step: 1,
+            outstanding_step: None,
+            pending_aborts: Vec::new(),
+            num_preemptions: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.alloc
+    }
+    pub fn cache(&self) -> &RadixCache {
+        &self.cache
+    }
+    pub fn num_requests(&self) -> usize {
+        self.index.len()
+    }
+    pub fn has_unfinished(&self) -> bool {
+        !self.index.is_empty()
+    }
+    pub fn request(&self, id: u64) -> Option<&Request> {
+        self.index.get(&id).and_then(|&s| self.slots[s].as_ref())
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let evictable = self.cache.num_evictable_blocks();
+        SchedulerStats {
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            num_total_blocks: self.alloc.num_blocks(),
+            num_free_blocks: self.alloc.num_free(),
+            num_used_blocks: self.alloc.num_used() - evictable,
+            num_cached_blocks: evictable,
+            prefix_queried_tokens: self.cache.num_queried_tokens(),
+            prefix_hit_tokens: self.cache.num_hit_tokens(),
+            num_preemptions: self.num_preemptions,
+        }
+    }
+
+    fn priority_key(&self, req: &Request) -> i64 {
+        match self.config.policy {
+            Policy::Fcfs => 0,
+            Policy::Priority => req.params.priority as i64,
+        }
+    }
+
+    fn req(&self, slot: usize) -> &Request {
+        self.slots[slot].as_ref().expect("live slot")
+    }
+
+    fn req_mut(&mut self, slot: usize) -> &mut Request {
+        self.slots[slot].as_mut().expect("live slot")
+    }
+
+    /// Queues a request. Rejected with no state change: a duplicate id, an
+    /// empty prompt, a token outside the vocabulary, a prompt that leaves no
+    /// room for output, `max_tokens == 0`, or a request the whole pool could
+    /// never hold.
+    pub fn add_request(&mut self, id: u64, prompt: &[u32], params: RequestParams) -> Result<()> {
+        let reject = |reason: String| Err(CoreError::RequestRejected { id, reason });
+        let cfg = &self.config;
+        if self.index.contains_key(&id) {
+            return Err(CoreError::DuplicateRequest { id });
+        }
+        if prompt.is_empty() {
+            return reject("the prompt is empty".into());
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return reject(format!(
+                "token id {bad} is outside the vocabulary [0, {})",
+                cfg.vocab_size
+            ));
+        }
+        if prompt.len() >= cfg.max_model_len {
+            return reject(format!(
+                "the prompt has {} tokens, but max_model_len is {} (room for at least one \
+                 output token is needed)",
+                prompt.len(),
+                cfg.max_model_len
+            ));
+        }
+        if params.max_tokens == 0 {
+            return reject("max_tokens must be at least 1".into());
+        }
+        let max_len = prompt
+            .len()
+            .saturating_add(params.max_tokens)
+            .min(cfg.max_model_len)
+            + cfg.num_speculative_tokens;
+        let blocks_needed = cfg.blocks_for(max_len);
+        if blocks_needed > cfg.num_blocks {
+            return reject(format!(
+                "it may grow to {max_len} tokens ({blocks_needed} KV blocks), but the KV pool \
+                 holds only {} blocks",
+                cfg.num_blocks
+            ));
+        }
+        let request = Request {
+            id,
+            arrival: self.next_arrival,
+            params,
+            status: RequestStatus::Waiting,
+            tokens: prompt.to_vec(),
+            num_prompt_tokens: prompt.len(),
+            num_computed_tokens: 0,
+            block_table: Vec::new(),
+            cache_handle: None,
+            num_shared_blocks: 0,
+            num_prefix_hit_tokens: 0,
+            num_preemptions: 0,
+            protected_until: None,
+        };
+        self.next_arrival += 1;
+        let key = (self.priority_key(&request), request.arrival);
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.slots[slot] = Some(request);
+                slot
+            }
+            None => {
+                self.slots.push(Some(request));
+                self.slots.len() - 1
+            }
+        };
+        self.index.insert(id, slot);
+        self.waiting.insert((key.0, key.1, slot));
+        Ok(())
+    }
+
+    /// Ends a request in any state; its computed blocks go to the prefix
+    /// cache. Returns false for an unknown id.
+    pub fn abort(&mut self, id: u64) -> Result<bool> {
+        let Some(&slot) = self.index.get(&id) else {
+            return Ok(false);
+        };
+        self.remove_request(slot)?;
+        self.pending_aborts.push(id);
+        Ok(true)
+    }
+
+    fn remove_request(&mut self, slot: usize) -> Result<()> {
+        let req = self.req(slot);
+        match req.status {
+            RequestStatus::Waiting => {
+                let key = (self.priority_key(req), req.arrival, slot);
+                self.waiting.remove(&key);
+            }
+            RequestStatus::Running => {
+                self.release_blocks(slot)?;
+                self.running.retain(|&s| s != slot);
+            }
+        }
+        let req = self.slots[slot].take().expect("live slot");
+        self.index.remove(&req.id);
+        self.free_slots.push(slot);
+        Ok(())
+    }
+
+    /// Gives back a request's blocks: its computed full blocks go into the
+    /// prefix cache (when enabled), the rest to the pool.
+    fn release_blocks(&mut self, slot: usize) -> Result<()> {
+        let bs = self.config.block_size;
+        let caching = self.config.enable_prefix_caching;
+        let req = self.slots[slot].as_mut().expect("live slot");
+        let table = std::mem::take(&mut req.block_table);
+        let num_full = (req.num_computed_tokens / bs).min(table.len());
+        if caching && num_full > 0 {
+            self.cache.insert(
+                &req.tokens[..num_full * bs],
+                &table[..num_full],
+                &mut self.alloc,
+            )?;
+            self.alloc.release(&table[num_full..])?;
+        } else {
+            self.alloc.release(&table)?;
+        }
+        if let Some(handle) = req.cache_handle.take() {
+            self.cache.unlock(handle)?;
+        }
+        req.num_shared_blocks = 0;
+        Ok(())
+    }
+
+    /// Puts the computed full blocks of a running request into the prefix
+    /// cache so that requests arriving later share them, and adopts the
+    /// cache's copy of any block that another request computed first.
+    fn share_computed_blocks(&mut self, slot: usize) -> Result<()> {
+        let bs = self.config.block_size;
+        let req = self.slots[slot].as_mut().expect("live slot");
+        let num_full = req.num_computed_tokens / bs;
+        if num_full <= req.num_shared_blocks {
+            return Ok(());
+        }
+        let tokens = &req.tokens[..num_full * bs];
+        self.alloc.share(&req.block_table[..num_full])?;
+        let out = self
+            .cache
+            .insert(tokens, &req.block_table[..num_full], &mut self.alloc)?;
+        let path = self.cache.path_blocks(out.handle)?;
+        for (own, &cached) in req.block_table.iter_mut().zip(&path) {
+            if *own != cached {
+                self.alloc.share(&[cached])?;
+                self.alloc.release_one(*own)?;
+                *own = cached;
+            }
+        }
+        self.cache.lock(out.handle)?;
+        if let Some(old) = req.cache_handle.replace(out.handle) {
+            self.cache.unlock(old)?;
+        }
+        req.num_shared_blocks = num_full;
+        Ok(())
+    }
+
+    /// Makes `num_blocks` free blocks available (evicting from the cache as
+    /// needed) and appends them to the request's table; false if impossible.
+    fn grow_table(&mut self, slot: usize, num_blocks: usize) -> Result<bool> {
+        if num_blocks == 0 {
+            return Ok(true);
+        }
+        let free = self.alloc.num_free();
+        if free + self.cache.num_evictable_blocks() < num_blocks {
+            return Ok(false);
+        }
+        if free < num_blocks {
+            self.cache.evict(num_blocks - free, &mut self.alloc)?;
+        }
+        let req = self.slots[slot].as_mut().expect("live slot");
+        self.alloc.allocate_into(num_blocks, &mut req.block_table)?;
+        Ok(true)
+    }
+
+    /// The running request to preempt: lowest priority, then latest arrival,
+    /// skipping requests preempted before that have not progressed since,
+    /// unless only such requests are left.
+    fn pick_victim(&self) -> Option<usize> {
+        let rank = |&slot: &usize| {
+            let r = self.req(slot);
+            (self.priority_key(r), r.arrival)
+        };
+        let unprotected = self
+            .running
+            .iter()
+            .filter(|&&s| !self.req(s).is_protected())
+            .max_by_key(|s| rank(s));
+        unprotected
+            .or_else(|| self.running.iter().max_by_key(|s| rank(s)))
+            .copied()
+    }
+
+    fn preempt(&mut self, slot: usize, chosen: &mut Vec<Chosen>, budget: &mut usize) -> Result<()> {
+        self.release_blocks(slot)?;
+        self.running.retain(|&s| s != slot);
+        if let Some(pos) = chosen.iter().position(|c| c.slot == slot) {
+            *budget += chosen.remove(pos).num_tokens;
+        }
+        let key = {
+            let req = self.req(slot);
+            self.priority_key(req)
+        };
+        let req = self.req_mut(slot);
+        req.status = RequestStatus::Waiting;
+        req.num_computed_tokens = 0;
+        req.num_preemptions += 1;
+        req.protected_until = Some(req.num_output_tokens());
+        let arrival = req.arrival;
+        self.waiting.insert((key, arrival, slot));
+        self.num_preemptions += 1;
+        Ok(())
+    }
+
+    /// Plans one step. Fails if the previous plan has not been updated.
+    pub fn schedule(&mut self) -> Result<BatchPlan> {
+        if let Some(step) = self.outstanding_step {
+            return Err(CoreError::PlanMismatch(format!(
+                "step {step} was scheduled but never updated"
+            )));
+        }
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut chosen: Vec<Chosen> = Vec::with_capacity(self.running.len() + 8);
+        let mut preempted = Vec::new();
+        let snapshot = self.running.clone();
+        for decode_pass in [true, false] {
+            for &slot in &snapshot {
+                if budget == 0 {
+                    break;
+                }
+                let Some(req) = self.slots[slot].as_ref() else {
+                    continue;
+                };
+                let pending = req.num_pending_tokens();
+                if req.status != RequestStatus::Running || (pending == 1) != decode_pass {
+                    continue;
+                }
+                let num_tokens = pending.min(budget);
+                if num_tokens < pending && !self.config.enable_chunked_prefill {
+                    continue;
+                }
+                let extra = if decode_pass {
+                    self.config.num_speculative_tokens
+                } else {
+                    0
+                };
+                let need_tokens = req.num_computed_tokens + num_tokens + extra;
+                let need_blocks = self
+                    .config
+                    .blocks_for(need_tokens)
+                    .saturating_sub(req.block_table.len());
+                let mut scheduled = true;
+                while !self.grow_table(slot, need_blocks)? {
+                    let victim = self.pick_victim().expect("the requester is running");
+                    preempted.push(self.req(victim).id);
+                    self.preempt(victim, &mut chosen, &mut budget)?;
+                    if victim == slot {
+                        scheduled = false;
+                        break;
+                    }
+                }
+                if scheduled {
+                    chosen.push(Chosen { slot, num_tokens });
+                    budget -= num_tokens;
+                }
+            }
+        }
+        if preempted.is_empty() {
+            self.admit_waiting(&mut chosen, &mut budget, &mut preempted)?;
+        }
+        let step_id = self.next_step;
+        self.next_step += 1;
+        self.outstanding_step = Some(step_id);
+        let aborted = std::mem::take(&mut self.pending_aborts);
+        Ok(self.build_plan(step_id, chosen, preempted, aborted))
+    }
+
+    /// Admits waiting requests in service order while budget, sequence slots
+    /// and blocks last. The head of the queue blocks those behind it.
+    fn admit_waiting(
+        &mut self,
+        chosen: &mut Vec<Chosen>,
+        budget: &mut usize,
+        preempted: &mut Vec<u64>,
+    ) -> Result<()> {
+        let bs = self.config.block_size;
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&(key, arrival, slot)) = self.waiting.first() else {
+                break;
+            };
+            let req = self.slots[slot].as_ref().expect("live slot");
+            let total = req.num_tokens();
+            let found = if self.config.enable_prefix_caching {
+                let reusable = if req.params.use_prefix_cache { total - 1 } else { 0 };
+                Some(self.cache.find_prefix(&req.tokens[..reusable]))
+            } else {
+                None
+            };
+            let (hit_tokens, hit_blocks) = found
+                .as_ref()
+                .map_or((0, 0), |m| (m.num_tokens, m.blocks.len()));
+            if let Some(m) = &found {
+                self.cache.lock(m.handle)?;
+            }
+            let pending = total - hit_tokens;
+            let num_tokens = pending.min(*budget);
+            let fits_budget = num_tokens == pending || self.config.enable_chunked_prefill;
+            let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
+            let mut has_room = fits_budget && self.has_room(need_blocks);
+            // Under the priority policy a more urgent request displaces the
+            // least urgent running one.
+            while fits_budget && !has_room && self.config.policy == Policy::Priority {
+                match self.pick_victim() {
+                    Some(v) if self.priority_key(self.req(v)) > key => {
+                        preempted.push(self.req(v).id);
+                        self.preempt(v, chosen, budget)?;
+                        has_room = self.has_room(need_blocks);
+                    }
+                    _ => break,
+                }
+            }
+            if !has_room {
+                if let Some(m) = &found {
+                    self.cache.unlock(m.handle)?;
+                }
+                break;
+            }
+            let num_tokens = num_tokens.min(*budget);
+            self.waiting.remove(&(key, arrival, slot));
+            if let Some(m) = found {
+                self.alloc.share(&m.blocks)?;
+                self.cache.record_query(total, hit_tokens);
+                let req = self.req_mut(slot);
+                req.block_table = m.blocks;
+                req.cache_handle = Some(m.handle);
+            }
+            let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
+            let grown = self.grow_table(slot, need_blocks)?;
+            debug_assert!(grown, "room was checked");
+            let req = self.req_mut(slot);
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = hit_tokens;
+            req.num_shared_blocks = hit_blocks;
+            if req.num_preemptions == 0 {
+                req.num_prefix_hit_tokens = hit_tokens;
+            }
+            debug_assert_eq!(hit_tokens % bs, 0);
+            self.running.push(slot);
+            chosen.push(Chosen { slot, num_tokens });
+            *budget -= num_tokens;
+        }
+        Ok(())
+    }
+
+    fn has_room(&self, num_blocks: usize) -> bool {
+        self.alloc.num_free() + self.cache.num_evictable_blocks() >= num_blocks
+    }
+
+    fn build_plan(
+        &self,
+        step_id: u64,
+        mut chosen: Vec<Chosen>,
+        preempted_ids: Vec<u64>,
+        aborted_ids: Vec<u64>,
+    ) -> BatchPlan {
+        // Decodes first, otherwise in the order chosen.
+        chosen.sort_by_key(|c| c.num_tokens != 1);
+        let bs = self.config.block_size;
+        let num_reqs = chosen.len();
+        let num_tokens: usize = chosen.iter().map(|c| c.num_tokens).sum();
+        let width = chosen
+            .iter()
+            .map(|c| self.req(c.slot).block_table.len())
+            .max()
+            .unwrap_or(0);
+        let mut plan = BatchPlan {
+            step_id,
+            req_ids: Vec::with_capacity(num_reqs),
+            num_scheduled_tokens: Vec::with_capacity(num_reqs),
+            num_computed_tokens: Vec::with_capacity(num_reqs),
+            num_decodes: chosen.iter().take_while(|c| c.num_tokens == 1).count(),
+            input_ids: Vec::with_capacity(num_tokens),
+            positions: Vec::with_capacity(num_tokens),
+            query_start_loc: Vec::with_capacity(num_reqs + 1),
+            seq_lens: Vec::with_capacity(num_reqs),
+            block_table: Vec::with_capacity(num_reqs * width),
+            block_table_width: width,
+            slot_mapping: Vec::with_capacity(num_tokens),
+            logits_indices: Vec::with_capacity(num_reqs),
+            sample_rows: Vec::with_capacity(num_reqs),
+            preempted_ids,
+            aborted_ids,
+            slots: Vec::with_capacity(num_reqs),
+        };
+        plan.query_start_loc.push(0);
+        for (row, c) in chosen.iter().enumerate() {
+            let req = self.req(c.slot);
+            let start = req.num_computed_tokens;
+            let end = start + c.num_tokens;
+            plan.req_ids.push(req.id);
+            plan.slots.push(c.slot);
+            plan.num_scheduled_tokens.push(c.num_tokens as i32);
+            plan.num_computed_tokens.push(start as i32);
+            plan.seq_lens.push(end as i32);
+            plan.input_ids
+                .extend(req.tokens[start..end].iter().map(|&t| t as i64));
+            plan.positions.extend((start as i64)..(end as i64));
+            for pos in start..end {
+                let block = req.block_table[pos / bs] as i64;
+                plan.slot_mapping
+                    .push(block * bs as i64 + (pos % bs) as i64);
+            }
+            plan.block_table
+                .extend(req.block_table.iter().map(|&b| b as i32));
+            plan.block_table.resize((row + 1) * width, 0);
+            let qend = plan.input_ids.len() as i32;
+            plan.query_start_loc.push(qend);
+            if end == req.num_tokens() {
+                plan.logits_indices.push(qend as i64 - 1);
+                plan.sample_rows.push(row as i32);
+            }
+        }
+        plan
+    }
+
+    /// Applies a step's results: advances computed counts, appends sampled
+    /// tokens (one per `plan.logits_indices` entry), finishes requests on
+    /// EOS / stop token ids / length, and finishes the requests the caller
+    /// stopped (a stop string matched). Rows of requests aborted since the
+    /// plan was made are skipped.
+    pub fn update(
+        &mut self,
+        plan: &BatchPlan,
+        sampled: &[u32],
+        finished_externally: &[u64],
+    ) -> Result<StepEvents> {
+        if self.outstanding_step != Some(plan.step_id) {
+            return Err(CoreError::PlanMismatch(format!(
+                "plan of step {} is not the step awaiting update ({:?})",
+                plan.step_id, self.outstanding_step
+            )));
+        }
+        if sampled.len() != plan.sample_rows.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "expected {} sampled tokens (one per logits index), got {}",
+                plan.sample_rows.len(),
+                sampled.len()
+            )));
+        }
+        if let Some(&bad) = sampled
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "sampled token {bad} is outside the vocabulary [0, {})",
+                self.config.vocab_size
+            )));
+        }
+        self.outstanding_step = None;
+        let live = |s: &Self, row: usize| -> bool {
+            let slot = plan.slots[row];
+            matches!(s.slots.get(slot), Some(Some(r)) if r.id == plan.req_ids[row]
+                && r.status == RequestStatus::Running)
+        };
+        for row in 0..plan.num_reqs() {
+            if !live(self, row) {
+                continue;
+            }
+            let slot = plan.slots[row];
+            let n = plan.num_scheduled_tokens[row] as usize;
+            self.req_mut(slot).num_computed_tokens += n;
+            if n > 1 && self.config.enable_prefix_caching {
+                self.share_computed_blocks(slot)?;
+            }
+        }
+        let stopped: FxHashSet<u64> = finished_externally.iter().copied().collect();
+        let mut events = StepEvents::default();
+        for (&row, &token) in plan.sample_rows.iter().zip(sampled) {
+            let row = row as usize;
+            if !live(self, row) {
+                continue;
+            }
+            let slot = plan.slots[row];
+            let max_model_len = self.config.max_model_len;
+            let req = self.req_mut(slot);
+            req.tokens.push(token);
+            let reason = finish_reason(req, token, stopped.contains(&req.id), max_model_len);
+            events.push(req.id, Some(token), reason);
+            if reason.is_some() {
+                self.remove_request(slot)?;
+            }
+        }
+        for &id in finished_externally {
+            if let Some(&slot) = self.index.get(&id) {
+                self.remove_request(slot)?;
+                events.push(id, None, Some(FinishReason::Stop));
+            }
+        }
+        Ok(events)
+    }
+}
+
+/// Stop rules after appending `token`: stop token ids and EOS (not before
+/// `min_tokens`), a stop the caller found (a stop string), then
+/// `max_tokens`, then `max_model_len`.
+fn finish_reason(
+    req: &Request,
+    token: u32,
+    stopped_externally: bool,
+    max_model_len: usize,
+) -> Option<FinishReason> {
+    let p = &req.params;
+    let num_out = req.num_output_tokens();
+    let may_stop = num_out >= p.min_tokens;
+    if stopped_externally
+        || (may_stop
+            && (p.stop_token_ids.contains(&token)
+                || (!p.ignore_eos && p.eos_token_ids.contains(&token))))
+    {
+        return Some(FinishReason::Stop);
+    }
+    if num_out >= p.max_tokens || req.num_tokens() >= max_model_len {
+        return Some(FinishReason::Length);
+    }
+    None
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

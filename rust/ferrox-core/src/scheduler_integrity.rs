@@ -1,0 +1,124 @@
+//! The scheduler's invariants as code, callable from tests and when idle.
+
+use crate::error::{ensure, Result};
+use crate::request::RequestStatus;
+use crate::scheduler::Scheduler;
+
+impl Scheduler {
+    /// Checks the allocator, the cache and every request against each other:
+    /// each block's reference count equals its owners (the cache plus the
+    /// requests whose tables hold it), free + used + cached == total, a
+    /// running request's shared prefix is exactly its locked cache path, and
+    /// each request is either waiting (holding nothing) or running.
+    pub fn check_integrity(&self) -> Result<()> {
+        self.alloc.check_integrity()?;
+        self.cache.check_integrity(&self.alloc)?;
+        let cfg = &self.config;
+        let num_blocks = self.alloc.num_blocks();
+        let mut owners = vec![0u32; num_blocks];
+        let mut num_live = 0;
+        for (slot, entry) in self.slots.iter().enumerate() {
+            let Some(req) = entry else { continue };
+            num_live += 1;
+            ensure!(
+                self.index.get(&req.id) == Some(&slot),
+                "request {} is not indexed at its slot",
+                req.id
+            );
+            let key = match cfg.policy {
+                crate::Policy::Fcfs => 0,
+                crate::Policy::Priority => req.params.priority as i64,
+            };
+            let is_waiting = self.waiting.contains(&(key, req.arrival, slot));
+            let is_running = self.running.contains(&slot);
+            match req.status {
+                RequestStatus::Waiting => {
+                    ensure!(is_waiting && !is_running, "request {} is misfiled", req.id);
+                    ensure!(
+                        req.block_table.is_empty() && req.cache_handle.is_none(),
+                        "waiting request {} holds blocks",
+                        req.id
+                    );
+                    ensure!(
+                        req.num_computed_tokens == 0,
+                        "waiting request {} has KV",
+                        req.id
+                    );
+                }
+                RequestStatus::Running => {
+                    ensure!(is_running && !is_waiting, "request {} is misfiled", req.id);
+                    ensure!(
+                        req.block_table.len() * cfg.block_size >= req.num_computed_tokens,
+                        "request {} computed more tokens than its blocks hold",
+                        req.id
+                    );
+                    ensure!(
+                        req.num_computed_tokens < req.num_tokens(),
+                        "running request {} has no pending token",
+                        req.id
+                    );
+                    if let Some(handle) = req.cache_handle {
+                        ensure!(
+                            self.cache.is_locked(handle)?,
+                            "request {} uses an unlocked cache path",
+                            req.id
+                        );
+                        let path = self.cache.path_blocks(handle)?;
+                        ensure!(
+                            path.len() == req.num_shared_blocks
+                                && req.block_table.starts_with(&path),
+                            "request {} does not share its cache path",
+                            req.id
+                        );
+                    } else {
+                        ensure!(
+                            req.num_shared_blocks == 0 && !cfg.enable_prefix_caching,
+                            "running request {} holds no cache lock",
+                            req.id
+                        );
+                    }
+                }
+            }
+            for &block in &req.block_table {
+                owners[block as usize] += 1;
+            }
+        }
+        ensure!(num_live == self.index.len(), "index and slots disagree");
+        ensure!(
+            num_live == self.waiting.len() + self.running.len(),
+            "{num_live} requests, {} waiting + {} running",
+            self.waiting.len(),
+            self.running.len()
+        );
+        ensure!(
+            self.running.len() <= cfg.max_num_seqs,
+            "{} running requests exceed max_num_seqs",
+            self.running.len()
+        );
+        let (mut used, mut cached, mut free) = (0, 0, 0);
+        for block in 0..num_blocks as u32 {
+            let in_tree = self.cache.contains_block(block);
+            let requests = owners[block as usize];
+            ensure!(
+                self.alloc.ref_count(block)? == requests + in_tree as u32,
+                "block {block}: {} references for {requests} requests and cache={in_tree}",
+                self.alloc.ref_count(block)?
+            );
+            match (requests > 0, in_tree) {
+                (true, _) => used += 1,
+                (false, true) => cached += 1,
+                (false, false) => free += 1,
+            }
+        }
+        ensure!(
+            free + used + cached == num_blocks && free == self.alloc.num_free(),
+            "free {free} + used {used} + cached {cached} != {num_blocks}"
+        );
+        ensure!(
+            cached == self.cache.num_evictable_blocks(),
+            "{cached} blocks held only by the cache, {} evictable",
+            self.cache.num_evictable_blocks()
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,21 @@
+//! Python bindings of ferrox-core: argument extraction, GIL release around
+//! every core call, and error mapping. No scheduling logic lives here.
+
+mod allocator;
+mod convert;
+mod errors;
+mod radix;
+mod scheduler;
+
+use pyo3::prelude::*;
+
+#[pymodule(gil_used = false)]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<allocator::PyBlockAllocator>()?;
+    m.add_class::<radix::PyRadixCache>()?;
+    m.add_class::<scheduler::PyScheduler>()?;
+    m.add_class::<scheduler::PyBatchPlan>()?;
+    m.add_class::<scheduler::PyStepEvents>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,347 @@
+//! `ferrox._native.Scheduler` and the plan / event objects it hands out.
+
+use ferrox_core::{
+    BatchPlan, Policy, RequestParams, RequestStatus, Scheduler, SchedulerConfig, StepEvents,
+};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert::{extract_ids, extract_u64s};
+use crate::errors::{invalid_argument, OrRaise};
+
+fn as_i64(ids: &[u64]) -> Vec<i64> {
+    ids.iter().map(|&id| id as i64).collect()
+}
+
+/// One step's flat arrays (numpy, owned by this object). Rows with one
+/// scheduled token (decodes) come first.
+#[pyclass(name = "BatchPlan", module = "ferrox._native", frozen)]
+pub struct PyBatchPlan {
+    /// The core plan, minus the token-sized arrays moved into numpy.
+    core: BatchPlan,
+    #[pyo3(get)]
+    step_id: u64,
+    #[pyo3(get)]
+    num_reqs: usize,
+    #[pyo3(get)]
+    num_tokens: usize,
+    #[pyo3(get)]
+    num_decodes: usize,
+    #[pyo3(get)]
+    req_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    num_scheduled_tokens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    num_computed_tokens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    input_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    positions: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    query_start_loc: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    seq_lens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    block_table: Py<PyArray2<i32>>,
+    #[pyo3(get)]
+    slot_mapping: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    logits_indices: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    sample_rows: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    preempted_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    aborted_ids: Py<PyArray1<i64>>,
+}
+
+impl PyBatchPlan {
+    fn new(py: Python<'_>, mut plan: BatchPlan) -> PyResult<Self> {
+        let (num_reqs, width) = (plan.num_reqs(), plan.block_table_width);
+        let block_table = std::mem::take(&mut plan.block_table)
+            .into_pyarray(py)
+            .reshape([num_reqs, width])?;
+        Ok(Self {
+            step_id: plan.step_id,
+            num_reqs,
+            num_tokens: plan.num_tokens(),
+            num_decodes: plan.num_decodes,
+            req_ids: as_i64(&plan.req_ids).into_pyarray(py).unbind(),
+            num_scheduled_tokens: plan.num_scheduled_tokens.clone().into_pyarray(py).unbind(),
+            num_computed_tokens: std::mem::take(&mut plan.num_computed_tokens)
+                .into_pyarray(py)
+                .unbind(),
+            input_ids: std::mem::take(&mut plan.input_ids)
+                .into_pyarray(py)
+                .unbind(),
+            positions: std::mem::take(&mut plan.positions)
+                .into_pyarray(py)
+                .unbind(),
+            query_start_loc: std::mem::take(&mut plan.query_start_loc)
+                .into_pyarray(py)
+                .unbind(),
+            seq_lens: std::mem::take(&mut plan.seq_lens).into_pyarray(py).unbind(),
+            block_table: block_table.unbind(),
+            slot_mapping: std::mem::take(&mut plan.slot_mapping)
+                .into_pyarray(py)
+                .unbind(),
+            logits_indices: std::mem::take(&mut plan.logits_indices)
+                .into_pyarray(py)
+                .unbind(),
+            sample_rows: plan.sample_rows.clone().into_pyarray(py).unbind(),
+            preempted_ids: as_i64(&plan.preempted_ids).into_pyarray(py).unbind(),
+            aborted_ids: as_i64(&plan.aborted_ids).into_pyarray(py).unbind(),
+            core: plan,
+        })
+    }
+}
+
+#[pymethods]
+impl PyBatchPlan {
+    fn __len__(&self) -> usize {
+        self.num_reqs
+    }
+    #[getter]
+    fn num_sampled(&self) -> usize {
+        self.core.sample_rows.len()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "BatchPlan(step_id={}, num_reqs={}, num_tokens={}, num_decodes={}, num_sampled={})",
+            self.step_id,
+            self.num_reqs,
+            self.num_tokens,
+            self.num_decodes,
+            self.core.sample_rows.len()
+        )
+    }
+}
+
+/// What one `update` reports: per request that sampled or finished, the new
+/// token (-1 for none) and the finish reason (0 running, 1 stop, 2 length,
+/// 3 abort).
+#[pyclass(name = "StepEvents", module = "ferrox._native", frozen)]
+pub struct PyStepEvents {
+    #[pyo3(get)]
+    req_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    token_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    finish_reasons: Py<PyArray1<u8>>,
+    len: usize,
+}
+
+impl PyStepEvents {
+    fn new(py: Python<'_>, events: StepEvents) -> Self {
+        Self {
+            len: events.len(),
+            req_ids: as_i64(&events.req_ids).into_pyarray(py).unbind(),
+            token_ids: events.token_ids.into_pyarray(py).unbind(),
+            finish_reasons: events.finish_reasons.into_pyarray(py).unbind(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyStepEvents {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+}
+
+/// Continuous-batching scheduler over a paged KV pool with prefix caching.
+#[pyclass(name = "Scheduler", module = "ferrox._native")]
+pub struct PyScheduler {
+    inner: Scheduler,
+}
+
+fn request_id(id: i64) -> PyResult<u64> {
+    u64::try_from(id)
+        .map_err(|_| invalid_argument(format!("request ids must be non-negative, got {id}")))
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (
+        *, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
+        vocab_size, enable_prefix_caching = true, enable_chunked_prefill = true,
+        policy = "fcfs", num_speculative_tokens = 0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        block_size: usize,
+        num_blocks: usize,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_model_len: usize,
+        vocab_size: usize,
+        enable_prefix_caching: bool,
+        enable_chunked_prefill: bool,
+        policy: &str,
+        num_speculative_tokens: usize,
+    ) -> PyResult<Self> {
+        let config = SchedulerConfig {
+            block_size,
+            num_blocks,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            vocab_size,
+            enable_prefix_caching,
+            enable_chunked_prefill,
+            policy: policy.parse::<Policy>().or_raise()?,
+            num_speculative_tokens,
+        };
+        Ok(Self {
+            inner: Scheduler::new(config).or_raise()?,
+        })
+    }
+
+    /// Queues a request; `max_tokens=None` means up to the context limit.
+    #[pyo3(signature = (
+        request_id, prompt_token_ids, *, max_tokens = None, min_tokens = 0,
+        eos_token_ids = None, stop_token_ids = None, ignore_eos = false, priority = 0,
+        use_prefix_cache = true
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        py: Python<'_>,
+        request_id: i64,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: Option<usize>,
+        min_tokens: usize,
+        eos_token_ids: Option<&Bound<'_, PyAny>>,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+        ignore_eos: bool,
+        priority: i32,
+        use_prefix_cache: bool,
+    ) -> PyResult<()> {
+        let id = self::request_id(request_id)?;
+        let prompt = extract_ids(prompt_token_ids, "prompt_token_ids")?;
+        let ids = |obj: Option<&Bound<'_, PyAny>>, what| {
+            obj.map_or(Ok(Vec::new()), |o| extract_ids(o, what))
+        };
+        let params = RequestParams {
+            max_tokens: max_tokens.unwrap_or(usize::MAX),
+            min_tokens,
+            eos_token_ids: ids(eos_token_ids, "eos_token_ids")?,
+            stop_token_ids: ids(stop_token_ids, "stop_token_ids")?,
+            ignore_eos,
+            priority,
+            use_prefix_cache,
+        };
+        let inner = &mut self.inner;
+        py.detach(|| inner.add_request(id, &prompt, params))
+            .or_raise()
+    }
+
+    /// Ends a request in any state; False if the id is unknown.
+    fn abort(&mut self, py: Python<'_>, request_id: i64) -> PyResult<bool> {
+        let id = self::request_id(request_id)?;
+        let inner = &mut self.inner;
+        py.detach(|| inner.abort(id)).or_raise()
+    }
+
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<PyBatchPlan> {
+        let inner = &mut self.inner;
+        let plan = py.detach(|| inner.schedule()).or_raise()?;
+        PyBatchPlan::new(py, plan)
+    }
+
+    #[pyo3(signature = (plan, sampled_token_ids, finished_externally = None))]
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        plan: PyRef<'_, PyBatchPlan>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+        finished_externally: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyStepEvents> {
+        let sampled = extract_ids(sampled_token_ids, "sampled_token_ids")?;
+        let finished = match finished_externally {
+            Some(obj) => extract_u64s(obj, "finished_externally")?,
+            None => Vec::new(),
+        };
+        let core = &plan.core;
+        let inner = &mut self.inner;
+        let events = py
+            .detach(|| inner.update(core, &sampled, &finished))
+            .or_raise()?;
+        Ok(PyStepEvents::new(py, events))
+    }
+
+    fn has_unfinished(&self) -> bool {
+        self.inner.has_unfinished()
+    }
+    #[getter]
+    fn num_requests(&self) -> usize {
+        self.inner.num_requests()
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.config().num_blocks
+    }
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.config().max_model_len
+    }
+    #[getter]
+    fn max_num_seqs(&self) -> usize {
+        self.inner.config().max_num_seqs
+    }
+    #[getter]
+    fn max_num_batched_tokens(&self) -> usize {
+        self.inner.config().max_num_batched_tokens
+    }
+
+    /// Counters for metrics, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("num_running", s.num_running)?;
+        d.set_item("num_waiting", s.num_waiting)?;
+        d.set_item("num_total_blocks", s.num_total_blocks)?;
+        d.set_item("num_free_blocks", s.num_free_blocks)?;
+        d.set_item("num_used_blocks", s.num_used_blocks)?;
+        d.set_item("num_cached_blocks", s.num_cached_blocks)?;
+        d.set_item("prefix_queried_tokens", s.prefix_queried_tokens)?;
+        d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
+        d.set_item("num_preemptions", s.num_preemptions)?;
+        Ok(d)
+    }
+
+    /// A live request's state as a dict, or None for an unknown id.
+    fn request_info<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: i64,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(req) = self.inner.request(self::request_id(request_id)?) else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        let status = match req.status {
+            RequestStatus::Waiting => "waiting",
+            RequestStatus::Running => "running",
+        };
+        d.set_item("status", status)?;
+        d.set_item("num_prompt_tokens", req.num_prompt_tokens)?;
+        d.set_item("num_tokens", req.num_tokens())?;
+        d.set_item("num_computed_tokens", req.num_computed_tokens)?;
+        d.set_item("num_prefix_hit_tokens", req.num_prefix_hit_tokens)?;
+        d.set_item("num_preemptions", req.num_preemptions)?;
+        d.set_item("num_blocks", req.block_table.len())?;
+        Ok(Some(d))
+    }
+
+    fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = &self.inner;
+        py.detach(|| inner.check_integrity()).or_raise()
+    }
+}

@@ -1,0 +1,146 @@
+"""Tiny random-weight models for tests, and transformers as the oracle."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB_SIZE = 320
+# name -> (config class, options): GQA, odd head counts, tied and untied.
+TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
+    "llama-gqa-tied": (
+        LlamaConfig,
+        dict(
+            hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True
+        ),
+    ),
+    "llama-mha-untied": (
+        LlamaConfig,
+        dict(
+            hidden_size=80, num_attention_heads=5, num_key_value_heads=5, tie_word_embeddings=False
+        ),
+    ),
+    "llama3-rope-scaling": (
+        LlamaConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+            rope_theta=500000.0,
+        ),
+    ),
+    "qwen2": (
+        Qwen2Config,
+        dict(
+            hidden_size=96, num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=False
+        ),
+    ),
+    "qwen3": (
+        Qwen3Config,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+TEXT = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "Pack my box with five dozen liquor jugs! ",
+    "Über café naïve — 中文 测试 😀 emoji 🚀. ",
+    "def add(a, b):\n    return a + b\n",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 3.14159. ",
+]
+
+
+def train_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - 2,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TEXT * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def build_tiny_model(path: Path, name: str) -> Path:
+    config_cls, options = TINY_SPECS[name]
+    tokenizer = train_tokenizer()
+    config = config_cls(
+        vocab_size=VOCAB_SIZE,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        # Large weights make logits spread out, so greedy choices are not
+        # near-ties that rounding could flip.
+        initializer_range=0.25,
+        **options,
+    )
+    torch.manual_seed(zlib.crc32(name.encode()))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if "qwen2" in name:
+        with torch.no_grad():  # make the q/k/v biases matter
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def hf_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(
+    model: torch.nn.Module, prompt: list[int], max_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from transformers' forward pass with
+    its own KV cache, one prompt alone; EOS does not stop it."""
+    ids = torch.tensor([prompt])
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    past = None
+    for _ in range(max_tokens):
+        out = model(input_ids=ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        step = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        tok = int(step.argmax())
+        tokens.append(tok)
+        logprobs.append(float(step[tok]))
+        ids = torch.tensor([[tok]])
+    return tokens, logprobs
