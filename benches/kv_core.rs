@@ -48,7 +48,11 @@ fn build_tree() -> (BlockAllocator, RadixCache, Vec<Vec<u32>>) {
             seq
         })
         .collect();
-    let num_blocks: usize = sequences.iter().map(|s| s.len() / BLOCK_SIZE).sum::<usize>() + 4096;
+    let num_blocks: usize = sequences
+        .iter()
+        .map(|s| s.len() / BLOCK_SIZE)
+        .sum::<usize>()
+        + 4096;
     let mut alloc = BlockAllocator::new(num_blocks, BLOCK_SIZE).unwrap();
     let mut cache = RadixCache::new(BLOCK_SIZE, num_blocks).unwrap();
     for seq in &sequences {

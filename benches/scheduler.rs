@@ -72,24 +72,28 @@ fn bench_decode(c: &mut Criterion) {
     let mut group = c.benchmark_group("scheduler_step");
     group.measurement_time(Duration::from_secs(4));
     for num_running in [256usize, 1_024] {
-        group.bench_with_input(BenchmarkId::new("decode", num_running), &num_running, |b, &n| {
-            let mut sched = build(n, 8_192);
-            let mut steps = 0;
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    if steps == STEPS_PER_BUILD {
-                        sched = build(n, 8_192);
-                        steps = 0;
+        group.bench_with_input(
+            BenchmarkId::new("decode", num_running),
+            &num_running,
+            |b, &n| {
+                let mut sched = build(n, 8_192);
+                let mut steps = 0;
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        if steps == STEPS_PER_BUILD {
+                            sched = build(n, 8_192);
+                            steps = 0;
+                        }
+                        let start = Instant::now();
+                        black_box(step(&mut sched));
+                        total += start.elapsed();
+                        steps += 1;
                     }
-                    let start = Instant::now();
-                    black_box(step(&mut sched));
-                    total += start.elapsed();
-                    steps += 1;
-                }
-                total
-            })
-        });
+                    total
+                })
+            },
+        );
     }
     // 256 decodes plus a 2,048-token chunk of a new 4,096-token prompt that
     // shares a 1,024-token prefix with the previous one.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from collections.abc import Sequence
@@ -12,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from ferrox.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 from ferrox.errors import UnsupportedModelError
@@ -31,7 +30,6 @@ ACCENTED = ["café", "naïve", "façade", "Ünïcödé", "señor"]
 RARE_CJK = "齉"
 RARE_EMOJI = "🦀"
 PROMPTS = ["", "Hello", "The engine said:", "你好 世界", "emoji 🚀 and café", "a b c d e f g"]
-GGUF_PATH = "/root/.cache/ferrox/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _training_text(num_lines: int = 400) -> list[str]:
@@ -424,11 +422,10 @@ def test_stop_string_cuts_at_its_first_occurrence(byte_level, data, include):
     assert detokenizer.output_text == text[: first + len(stop) if include else first]
 
 
-@pytest.mark.skipif(not os.path.exists(GGUF_PATH), reason="SmolLM2 GGUF not downloaded")
-def test_smollm2_tokenizer():
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH)
-    )
+def test_smollm2_tokenizer(smollm2_path):
+    from ferrox.loader import load_gguf
+
+    tokenizer = load_gguf(smollm2_path).tokenizer
     text = "Hello, world! 你好 世界 😀 café"
     ids = _encode(tokenizer, text)
     detokenizer, deltas = _stream(tokenizer, ids, _encode(tokenizer, "Say:"))

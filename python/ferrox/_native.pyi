@@ -13,6 +13,7 @@ __all__ = [
     "Scheduler",
     "StepEvents",
     "__version__",
+    "paged_attention_cpu",
 ]
 
 __version__: str
@@ -167,3 +168,16 @@ class Scheduler:
     def stats(self) -> dict[str, int]: ...
     def request_info(self, request_id: int) -> dict[str, Any] | None: ...
     def check_integrity(self) -> None: ...
+
+def paged_attention_cpu(
+    out: npt.NDArray[np.float32],
+    q: npt.NDArray[np.float32],
+    k_cache: npt.NDArray[np.float32],
+    v_cache: npt.NDArray[np.float32],
+    block_table: npt.NDArray[np.int32],
+    query_start_loc: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    rows: npt.NDArray[np.int32],
+    scale: float,
+    num_threads: int,
+) -> None: ...

@@ -54,13 +54,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T]; x: [T, heads, D] (queries and keys side by side)
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D / 2]
         sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate(x, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

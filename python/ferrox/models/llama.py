@@ -53,14 +53,13 @@ class DecoderAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KvCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)  # [T, *]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)  # [T, H + 2 Hkv, D]
+        qk, v = qkv[:, : h + hkv], qkv[:, h + hkv :]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = self.rotary(positions, qk)  # queries and keys rotated in one pass
+        q, k = qk[:, :h], qk[:, h:]
         o = self.attn.forward(q, k, v, kv[0], kv[1], meta)  # [T, H, D]
         return self.o_proj(o.reshape(t, -1))
 

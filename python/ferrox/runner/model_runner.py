@@ -164,6 +164,7 @@ class ModelRunner:
             num_tokens=plan.num_tokens,  # type: ignore[attr-defined]
             slot_mapping=self._tensor(plan.slot_mapping),  # type: ignore[attr-defined]
             block_table=self._tensor(plan.block_table),  # type: ignore[attr-defined]
+            block_table_cpu=plan.block_table,  # type: ignore[attr-defined]
             query_start_loc=self._tensor(qsl),
             seq_lens=self._tensor(seq_lens),
             query_start_loc_cpu=qsl,

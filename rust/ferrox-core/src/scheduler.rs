@@ -416,7 +416,11 @@ impl Scheduler {
             let req = self.slots[slot].as_ref().expect("live slot");
             let total = req.num_tokens();
             let found = if self.config.enable_prefix_caching {
-                let reusable = if req.params.use_prefix_cache { total - 1 } else { 0 };
+                let reusable = if req.params.use_prefix_cache {
+                    total - 1
+                } else {
+                    0
+                };
                 Some(self.cache.find_prefix(&req.tokens[..reusable]))
             } else {
                 None

@@ -630,10 +630,16 @@ fn opting_out_of_the_prefix_cache_recomputes_the_prompt() {
     let prompt: Vec<u32> = (1..=17).collect();
     sched.add_request(1, &prompt, params(2)).unwrap();
     drive(&mut sched, &mut model, |_, _| {});
-    let p = RequestParams { use_prefix_cache: false, ..params(2) };
+    let p = RequestParams {
+        use_prefix_cache: false,
+        ..params(2)
+    };
     sched.add_request(2, &prompt, p).unwrap();
     let plan = sched.schedule().unwrap();
-    assert_eq!((plan.num_computed_tokens[0], plan.num_scheduled_tokens[0]), (0, 17));
+    assert_eq!(
+        (plan.num_computed_tokens[0], plan.num_scheduled_tokens[0]),
+        (0, 17)
+    );
     sched.check_integrity().unwrap();
     sched.update(&plan, &model.run(&plan), &[]).unwrap();
     drive(&mut sched, &mut model, |_, _| {});

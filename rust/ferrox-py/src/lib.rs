@@ -4,6 +4,7 @@
 mod allocator;
 mod convert;
 mod errors;
+mod kernels;
 mod radix;
 mod scheduler;
 
@@ -16,6 +17,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PyBatchPlan>()?;
     m.add_class::<scheduler::PyStepEvents>()?;
+    m.add_function(wrap_pyfunction!(kernels::paged_attention_cpu, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -12,7 +12,7 @@ query token each), the remaining rows are prefill chunks whose first
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -34,10 +34,26 @@ class AttentionMetadata:
     num_computed_cpu: np.ndarray  # [B]
     max_query_len: int
     max_seq_len: int
+    block_table_cpu: np.ndarray | None = None  # [B, W] int32, host copy
+    _row_split: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
+
+    def row_split(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows that read the paged cache, rows of fresh prompts), int32.
+
+        A fresh prompt (nothing cached, several tokens) attends only within
+        its chunk; every other row reads its context from the cache."""
+        if self._row_split is None:
+            num_sched = np.diff(self.query_start_loc_cpu)
+            fresh = (self.num_computed_cpu == 0) & (num_sched > 1)
+            self._row_split = (
+                np.flatnonzero(~fresh).astype(np.int32),
+                np.flatnonzero(fresh).astype(np.int32),
+            )
+        return self._row_split
 
 
 class AttentionBackend(ABC):

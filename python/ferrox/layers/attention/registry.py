@@ -4,11 +4,15 @@ import torch
 
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention.base import AttentionBackend
+from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
 from ferrox.layers.attention.torch_backend import TorchAttentionBackend
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {TorchAttentionBackend.name: TorchAttentionBackend}
-# Preference order for `auto`; GPU backends register themselves ahead of torch.
-_AUTO_ORDER: list[str] = [TorchAttentionBackend.name]
+_BACKENDS: dict[str, type[AttentionBackend]] = {
+    CpuAttentionBackend.name: CpuAttentionBackend,
+    TorchAttentionBackend.name: TorchAttentionBackend,
+}
+# Preference order for `auto`: the first that supports the device wins.
+_AUTO_ORDER: list[str] = [CpuAttentionBackend.name, TorchAttentionBackend.name]
 
 
 def register_backend(cls: type[AttentionBackend], *, preferred: bool = False) -> None:

@@ -1,0 +1,5 @@
+import sys
+
+from ferrox.cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""Command-line flags for every EngineConfig option, generated from the
+dataclass so that the CLI and the Python API never drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from ferrox.config import EngineConfig
+
+HELP = {
+    "model": "Hugging Face model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer directory, when it differs from the model's",
+    "load_format": "auto | safetensors | gguf | dummy (random weights, for benchmarks)",
+    "dtype": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16",
+    "device": "auto (CUDA when available) | cpu | cuda",
+    "seed": "random seed of the engine",
+    "max_model_len": "context length (default: the model's)",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "fixed KV-cache size in blocks (overrides the memory-based sizing)",
+    "kv_cache_memory_bytes": "KV-cache memory budget in bytes",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks plus decodes)",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "scheduling_policy": "fcfs | priority (lower `priority` values first)",
+    "attention_backend": "auto | cpu | torch | triton",
+    "enforce_eager": "never capture CUDA graphs",
+    "num_speculative_tokens": "KV room reserved per decode for speculative tokens",
+    "max_logprobs": "largest logprobs / top_logprobs a request may ask for",
+}
+
+
+def _base_type(annotation: Any) -> type:
+    hint = annotation
+    if isinstance(hint, str):
+        hint = eval(hint, {**typing.__dict__, "torch": None})
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]
+    return hint
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in EngineConfig.field_names():
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(f.type)
+        help_text = f"{HELP.get(f.name, '')} (default: {f.default})"
+        if kind is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        else:
+            group.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in EngineConfig.field_names()}

@@ -1,0 +1,59 @@
+"""CPU attention: a Rust kernel reads the paged cache in place (each cached
+key and value once per request and KV head) for decodes and for chunks that
+continue a cached prefix; fresh prompts use torch's fused causal attention.
+Float32 only; other dtypes fall back to the torch backend."""
+
+import torch
+
+import ferrox
+from ferrox._native import paged_attention_cpu
+from ferrox.layers.attention.base import AttentionMetadata
+from ferrox.layers.attention.torch_backend import TorchAttentionBackend, store_kv
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        # With OpenMP's workers still spinning after each op, extra kernel
+        # threads would fight them for the cores: use one thread then.
+        self.num_threads = torch.get_num_threads() if ferrox.OPENMP_SPIN_LIMITED else 1
+
+    @classmethod
+    def is_supported(cls, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            return super().forward(q, k, v, k_cache, v_cache, meta)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)  # [T, H, D]
+        paged_rows, fresh_rows = meta.row_split()
+        if len(paged_rows):
+            paged_attention_cpu(
+                out.numpy(),
+                q.numpy(),
+                k_cache.numpy(),
+                v_cache.numpy(),
+                meta.block_table_cpu,
+                meta.query_start_loc_cpu,
+                meta.seq_lens_cpu,
+                paged_rows,
+                self.scale,
+                self.num_threads,
+            )
+        qsl = meta.query_start_loc_cpu
+        for row in fresh_rows.tolist():
+            start, end = int(qsl[row]), int(qsl[row + 1])
+            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None, True)
+        return out

@@ -1,0 +1,518 @@
+//! Attention of a step's queries over the paged KV cache, in float32, reading
+//! every cached key and value once per (request, KV head).
+//!
+//! ```text
+//!  row r:  | cached context ........ | this step's queries (q_len) |
+//!          <---------------- seq_len[r] -------------------------->
+//!  query i of row r sees keys [0, seq_len - q_len + i]
+//! ```
+//!
+//! Keys are visited a block at a time with an online softmax (running max and
+//! sum), so no score matrix is materialised. The query heads that share a KV
+//! head (grouped-query attention) are served together.
+
+use std::fmt;
+
+/// Shapes and data of one call. Layouts are row-major:
+/// `q`, `out`: [T, H, D]; caches: [N, BS, Hkv, D]; `block_table`: [B, W].
+pub struct PagedAttentionArgs<'a> {
+    pub q: &'a [f32],
+    pub k_cache: &'a [f32],
+    pub v_cache: &'a [f32],
+    pub block_table: &'a [i32],
+    pub query_start_loc: &'a [i32],
+    pub seq_lens: &'a [i32],
+    /// The rows (requests) to compute; others are left untouched in `out`.
+    pub rows: &'a [i32],
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub scale: f32,
+    pub num_threads: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShapeError(pub String);
+
+impl fmt::Display for ShapeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "paged attention: {}", self.0)
+    }
+}
+
+impl std::error::Error for ShapeError {}
+
+macro_rules! check {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err(ShapeError(format!($($arg)+)));
+        }
+    };
+}
+
+impl PagedAttentionArgs<'_> {
+    fn num_blocks(&self) -> usize {
+        self.k_cache.len() / (self.block_size * self.num_kv_heads * self.head_dim)
+    }
+
+    /// Every index the kernel will follow stays inside its slice.
+    fn validate(&self, out_len: usize) -> Result<(), ShapeError> {
+        let (h, hkv, d, bs) = (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+        );
+        check!(h > 0 && hkv > 0 && d > 0 && bs > 0, "empty dimensions");
+        check!(
+            h % hkv == 0,
+            "{h} heads are not a multiple of {hkv} KV heads"
+        );
+        check!(self.q.len() % (h * d) == 0, "q is not [T, {h}, {d}]");
+        check!(out_len == self.q.len(), "out and q differ in size");
+        check!(
+            self.k_cache.len() == self.v_cache.len() && self.k_cache.len() % (bs * hkv * d) == 0,
+            "caches are not [N, {bs}, {hkv}, {d}]"
+        );
+        let num_tokens = self.q.len() / (h * d);
+        let num_reqs = self.seq_lens.len();
+        check!(
+            self.query_start_loc.len() == num_reqs + 1,
+            "query_start_loc must have B + 1 entries"
+        );
+        check!(
+            num_reqs == 0 || self.block_table.len() % num_reqs == 0,
+            "block_table is not [B, W]"
+        );
+        let width = self.block_table.len().checked_div(num_reqs).unwrap_or(0);
+        let num_blocks = self.num_blocks() as i64;
+        for &row in self.rows {
+            check!(
+                row >= 0 && (row as usize) < num_reqs,
+                "row {row} out of range"
+            );
+            let r = row as usize;
+            let (qs, qe) = (self.query_start_loc[r], self.query_start_loc[r + 1]);
+            let seq_len = self.seq_lens[r];
+            check!(
+                0 <= qs && qs <= qe && qe as usize <= num_tokens,
+                "row {r}: bad query range"
+            );
+            check!(
+                seq_len >= qe - qs && (seq_len as usize) <= width * bs,
+                "row {r}: seq_len {seq_len} does not fit its queries or block table"
+            );
+            let used = (seq_len as usize).div_ceil(bs);
+            for &b in &self.block_table[r * width..r * width + used] {
+                check!(
+                    0 <= b && (b as i64) < num_blocks,
+                    "row {r}: block {b} is outside the cache"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Computes `out[t]` for the tokens of `args.rows`.
+pub fn paged_attention(args: &PagedAttentionArgs<'_>, out: &mut [f32]) -> Result<(), ShapeError> {
+    args.validate(out.len())?;
+    let mut rows: Vec<usize> = args.rows.iter().map(|&r| r as usize).collect();
+    rows.sort_unstable();
+    rows.dedup();
+    let cost = |r: usize| {
+        let q_len = (args.query_start_loc[r + 1] - args.query_start_loc[r]) as usize;
+        (q_len * args.seq_lens[r] as usize).max(1)
+    };
+    // Contiguous runs of rows of about equal cost, one per thread; each run
+    // owns the slice of `out` its tokens occupy.
+    let threads = args.num_threads.clamp(1, rows.len().max(1));
+    let total: usize = rows.iter().map(|&r| cost(r)).sum();
+    let share = total.div_ceil(threads);
+    let mut runs: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut acc = 0;
+    for &r in &rows {
+        if acc >= share * runs.len() && runs.len() < threads {
+            runs.push(Vec::new());
+        }
+        acc += cost(r);
+        runs.last_mut().expect("a run").push(r);
+    }
+    let token_width = args.num_heads * args.head_dim;
+    let mut pieces: Vec<(&[usize], &mut [f32], usize)> = Vec::new();
+    let mut rest = out;
+    let mut offset = 0;
+    for run in runs.iter().filter(|r| !r.is_empty()) {
+        let first = args.query_start_loc[run[0]] as usize * token_width;
+        let last = args.query_start_loc[run[run.len() - 1] + 1] as usize * token_width;
+        let (_, tail) = rest.split_at_mut(first - offset);
+        let (mine, tail) = tail.split_at_mut(last - first);
+        pieces.push((run.as_slice(), mine, first));
+        rest = tail;
+        offset = last;
+    }
+    let work = |run: &[usize], out: &mut [f32], base: usize| {
+        let mut scratch = Scratch::new(args);
+        for &r in run {
+            for g in 0..args.num_kv_heads {
+                run_item(args, r, g, &mut scratch, &mut |t, h, v| {
+                    let at = t * token_width + h * args.head_dim - base;
+                    out[at..at + args.head_dim].copy_from_slice(v);
+                });
+            }
+        }
+    };
+    if pieces.len() <= 1 {
+        for (run, out, base) in pieces {
+            work(run, out, base);
+        }
+        return Ok(());
+    }
+    std::thread::scope(|s| {
+        for (run, out, base) in pieces {
+            s.spawn(move || work(run, out, base));
+        }
+    });
+    Ok(())
+}
+
+struct Scratch {
+    scores: Vec<f32>, // [G, BS]
+    acc: Vec<f32>,    // [G, D]
+    max: Vec<f32>,    // [G]
+    sum: Vec<f32>,    // [G]
+}
+
+impl Scratch {
+    fn new(args: &PagedAttentionArgs<'_>) -> Self {
+        let g = args.num_heads / args.num_kv_heads;
+        Self {
+            scores: vec![0.0; g * args.block_size],
+            acc: vec![0.0; g * args.head_dim],
+            max: vec![0.0; g],
+            sum: vec![0.0; g],
+        }
+    }
+}
+
+fn run_item(
+    args: &PagedAttentionArgs<'_>,
+    row: usize,
+    kv_head: usize,
+    scratch: &mut Scratch,
+    emit: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports the features the function is built for.
+            unsafe { run_item_avx2(args, row, kv_head, scratch, emit) };
+            return;
+        }
+    }
+    run_item_impl::<Portable>(args, row, kv_head, scratch, emit);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_item_avx2(
+    args: &PagedAttentionArgs<'_>,
+    row: usize,
+    kv_head: usize,
+    scratch: &mut Scratch,
+    emit: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    run_item_impl::<avx2::Avx2>(args, row, kv_head, scratch, emit)
+}
+
+/// The vector loops of the kernel over one block of keys: a portable
+/// version the compiler may vectorise, and an AVX2/FMA one.
+trait VectorOps {
+    /// scores[j] = scale * q . k_j for the block's keys (k_j at `base + j *
+    /// stride`); returns the largest score.
+    fn scores(
+        q: &[f32],
+        keys: &[f32],
+        base: usize,
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) -> f32;
+    /// acc = acc * correction + sum_j probs[j] * v_j
+    fn accumulate(
+        acc: &mut [f32],
+        correction: f32,
+        probs: &[f32],
+        values: &[f32],
+        base: usize,
+        stride: usize,
+    );
+}
+
+struct Portable;
+
+impl VectorOps for Portable {
+    #[inline(always)]
+    fn scores(
+        q: &[f32],
+        keys: &[f32],
+        base: usize,
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) -> f32 {
+        let d = q.len();
+        let mut max = f32::NEG_INFINITY;
+        for (j, score) in scores.iter_mut().enumerate() {
+            let k = &keys[base + j * stride..][..d];
+            let mut acc = [0.0f32; 8];
+            let (cq, ck) = (q.chunks_exact(8), k.chunks_exact(8));
+            let tail: f32 = cq
+                .remainder()
+                .iter()
+                .zip(ck.remainder())
+                .map(|(x, y)| x * y)
+                .sum();
+            for (x, y) in cq.zip(ck) {
+                for l in 0..8 {
+                    acc[l] += x[l] * y[l];
+                }
+            }
+            *score = (acc.iter().sum::<f32>() + tail) * scale;
+            max = max.max(*score);
+        }
+        max
+    }
+
+    #[inline(always)]
+    fn accumulate(
+        acc: &mut [f32],
+        correction: f32,
+        probs: &[f32],
+        values: &[f32],
+        base: usize,
+        stride: usize,
+    ) {
+        let d = acc.len();
+        if correction != 1.0 {
+            acc.iter_mut().for_each(|a| *a *= correction);
+        }
+        for (j, &p) in probs.iter().enumerate() {
+            let v = &values[base + j * stride..][..d];
+            for (a, x) in acc.iter_mut().zip(v) {
+                *a += p * x;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Portable, VectorOps};
+
+    pub struct Avx2;
+
+    /// Horizontal sum of the eight lanes.
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+    }
+
+    /// `R` registers hold a head of `8 * R` floats for the whole block.
+    #[inline(always)]
+    unsafe fn scores_regs<const R: usize>(
+        q: &[f32],
+        keys: &[f32],
+        base: usize,
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) -> f32 {
+        let mut qv = [_mm256_setzero_ps(); R];
+        for (r, v) in qv.iter_mut().enumerate() {
+            *v = _mm256_loadu_ps(q.as_ptr().add(8 * r));
+        }
+        let mut max = f32::NEG_INFINITY;
+        for (j, score) in scores.iter_mut().enumerate() {
+            let k = keys.as_ptr().add(base + j * stride);
+            let mut acc = _mm256_setzero_ps();
+            for (r, v) in qv.iter().enumerate() {
+                acc = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(8 * r)), acc);
+            }
+            *score = hsum(acc) * scale;
+            max = max.max(*score);
+        }
+        max
+    }
+
+    #[inline(always)]
+    unsafe fn accumulate_regs<const R: usize>(
+        acc: &mut [f32],
+        correction: f32,
+        probs: &[f32],
+        values: &[f32],
+        base: usize,
+        stride: usize,
+    ) {
+        let c = _mm256_set1_ps(correction);
+        let mut av = [_mm256_setzero_ps(); R];
+        for (r, v) in av.iter_mut().enumerate() {
+            *v = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(8 * r)), c);
+        }
+        for (j, &p) in probs.iter().enumerate() {
+            let x = values.as_ptr().add(base + j * stride);
+            let pv = _mm256_set1_ps(p);
+            for (r, v) in av.iter_mut().enumerate() {
+                *v = _mm256_fmadd_ps(pv, _mm256_loadu_ps(x.add(8 * r)), *v);
+            }
+        }
+        for (r, v) in av.iter().enumerate() {
+            _mm256_storeu_ps(acc.as_mut_ptr().add(8 * r), *v);
+        }
+    }
+
+    // SAFETY (both methods): only reached from `run_item_avx2`, where AVX2
+    // and FMA are enabled; `validate` has checked that every key and value
+    // row `base + j * stride .. + d` lies inside the cache, and `d == 8 * R`.
+    impl VectorOps for Avx2 {
+        #[inline(always)]
+        fn scores(
+            q: &[f32],
+            keys: &[f32],
+            base: usize,
+            stride: usize,
+            scale: f32,
+            scores: &mut [f32],
+        ) -> f32 {
+            unsafe {
+                match q.len() {
+                    32 => scores_regs::<4>(q, keys, base, stride, scale, scores),
+                    64 => scores_regs::<8>(q, keys, base, stride, scale, scores),
+                    96 => scores_regs::<12>(q, keys, base, stride, scale, scores),
+                    128 => scores_regs::<16>(q, keys, base, stride, scale, scores),
+                    _ => Portable::scores(q, keys, base, stride, scale, scores),
+                }
+            }
+        }
+
+        #[inline(always)]
+        fn accumulate(
+            acc: &mut [f32],
+            correction: f32,
+            probs: &[f32],
+            values: &[f32],
+            base: usize,
+            stride: usize,
+        ) {
+            unsafe {
+                match acc.len() {
+                    32 => accumulate_regs::<4>(acc, correction, probs, values, base, stride),
+                    64 => accumulate_regs::<8>(acc, correction, probs, values, base, stride),
+                    96 => accumulate_regs::<12>(acc, correction, probs, values, base, stride),
+                    128 => accumulate_regs::<16>(acc, correction, probs, values, base, stride),
+                    _ => Portable::accumulate(acc, correction, probs, values, base, stride),
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn sum(values: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = values.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for l in 0..8 {
+            acc[l] += c[l];
+        }
+    }
+    acc.iter().sum::<f32>() + rest
+}
+
+/// e^x for x <= 0 (a softmax weight), within about 2e-7 relative error:
+/// 2^(x log2 e) split into 2^n (built in the exponent bits) times a degree-6
+/// polynomial of 2^f with |f| <= 1/2. Written so the compiler vectorises it.
+#[inline(always)]
+fn fast_exp(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    let t = x.max(-87.0) * LOG2_E;
+    let n = t.round();
+    let f = t - n;
+    // Taylor coefficients of 2^f = e^(f ln 2).
+    let p = 1.0
+        + f * (std::f32::consts::LN_2
+            + f * (0.240_226_5
+                + f * (0.055_504_11
+                    + f * (0.009_618_129 + f * (0.001_333_355_8 + f * 0.000_154_035_3)))));
+    // SAFETY: n lies in [-126, 0] after the clamp, so it fits an i32.
+    let n = unsafe { n.to_int_unchecked::<i32>() };
+    p * f32::from_bits(((n + 127) << 23) as u32)
+}
+
+#[inline(always)]
+fn run_item_impl<V: VectorOps>(
+    args: &PagedAttentionArgs<'_>,
+    row: usize,
+    kv_head: usize,
+    s: &mut Scratch,
+    emit: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    let (h, hkv, d, bs) = (
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        args.block_size,
+    );
+    let group = h / hkv;
+    let width = args.block_table.len() / args.seq_lens.len();
+    let table = &args.block_table[row * width..(row + 1) * width];
+    let q_start = args.query_start_loc[row] as usize;
+    let q_len = args.query_start_loc[row + 1] as usize - q_start;
+    let seq_len = args.seq_lens[row] as usize;
+    let ctx = seq_len - q_len;
+    for i in 0..q_len {
+        let t = q_start + i;
+        let num_keys = ctx + i + 1;
+        s.max.fill(f32::NEG_INFINITY);
+        s.sum.fill(0.0);
+        s.acc.fill(0.0);
+        let q_row = &args.q[(t * h + kv_head * group) * d..][..group * d];
+        let mut start = 0;
+        while start < num_keys {
+            let n = bs.min(num_keys - start);
+            let block = table[start / bs] as usize;
+            let base = (block * bs * hkv + kv_head) * d;
+            for g in 0..group {
+                let qg = &q_row[g * d..(g + 1) * d];
+                let scores = &mut s.scores[g * bs..g * bs + n];
+                let block_max = V::scores(qg, args.k_cache, base, hkv * d, args.scale, scores);
+                let new_max = s.max[g].max(block_max);
+                let correction = fast_exp(s.max[g] - new_max);
+                s.max[g] = new_max;
+                for score in scores.iter_mut() {
+                    *score = fast_exp(*score - new_max);
+                }
+                s.sum[g] = s.sum[g] * correction + sum(scores);
+                let acc = &mut s.acc[g * d..(g + 1) * d];
+                V::accumulate(acc, correction, scores, args.v_cache, base, hkv * d);
+            }
+            start += n;
+        }
+        for g in 0..group {
+            let inv = 1.0 / s.sum[g];
+            let acc = &mut s.acc[g * d..(g + 1) * d];
+            acc.iter_mut().for_each(|a| *a *= inv);
+            emit(t, kv_head * group + g, acc);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "paged_attention_tests.rs"]
+mod tests;

@@ -1,0 +1,210 @@
+use super::*;
+use proptest::prelude::*;
+
+/// Plain softmax attention over gathered context, for comparison.
+fn reference(args: &PagedAttentionArgs<'_>, num_tokens: usize) -> Vec<f32> {
+    let (h, hkv, d, bs) = (
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        args.block_size,
+    );
+    let width = args.block_table.len() / args.seq_lens.len();
+    let mut out = vec![0.0; num_tokens * h * d];
+    for &row in args.rows {
+        let r = row as usize;
+        let qs = args.query_start_loc[r] as usize;
+        let q_len = args.query_start_loc[r + 1] as usize - qs;
+        let seq_len = args.seq_lens[r] as usize;
+        for i in 0..q_len {
+            let t = qs + i;
+            let keys = seq_len - q_len + i + 1;
+            for head in 0..h {
+                let kvh = head / (h / hkv);
+                let q = &args.q[(t * h + head) * d..][..d];
+                let slot = |j: usize| {
+                    let b = args.block_table[r * width + j / bs] as usize;
+                    ((b * bs + j % bs) * hkv + kvh) * d
+                };
+                let scores: Vec<f64> = (0..keys)
+                    .map(|j| {
+                        let k = &args.k_cache[slot(j)..][..d];
+                        q.iter()
+                            .zip(k)
+                            .map(|(a, b)| (*a as f64) * (*b as f64))
+                            .sum::<f64>()
+                            * args.scale as f64
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+                for (j, sc) in scores.iter().enumerate() {
+                    let p = (sc - m).exp() / z;
+                    let v = &args.v_cache[slot(j)..][..d];
+                    for c in 0..d {
+                        out[(t * h + head) * d + c] += (p * v[c] as f64) as f32;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    heads: (usize, usize),
+    head_dim: usize,
+    block_size: usize,
+    rows: Vec<(usize, usize)>, // (q_len, seq_len)
+    threads: usize,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        prop_oneof![
+            Just((1, 1)),
+            Just((3, 1)),
+            Just((4, 2)),
+            Just((8, 1)),
+            Just((6, 3))
+        ],
+        prop_oneof![
+            Just(8usize),
+            Just(16),
+            Just(32),
+            Just(64),
+            Just(128),
+            Just(13)
+        ],
+        prop_oneof![Just(1usize), Just(4), Just(16)],
+        prop::collection::vec((1usize..6, 0usize..40), 1..6),
+        1usize..4,
+    )
+        .prop_map(|(heads, head_dim, block_size, rows, threads)| Case {
+            heads,
+            head_dim,
+            block_size,
+            rows: rows.into_iter().map(|(q, ctx)| (q, q + ctx)).collect(),
+            threads,
+        })
+}
+
+fn run_case(c: &Case, seed: u64) {
+    let (h, hkv) = c.heads;
+    let (d, bs) = (c.head_dim, c.block_size);
+    let width = c.rows.iter().map(|r| r.1.div_ceil(bs)).max().unwrap();
+    let num_blocks = c.rows.len() * width + 3;
+    // Blocks are handed out in a scrambled order to exercise the table.
+    let mut order: Vec<i32> = (0..num_blocks as i32).collect();
+    order.reverse();
+    let mut table = vec![0i32; c.rows.len() * width];
+    let mut next = 0;
+    let mut qsl = vec![0i32];
+    for (r, &(q_len, seq_len)) in c.rows.iter().enumerate() {
+        for j in 0..seq_len.div_ceil(bs) {
+            table[r * width + j] = order[next];
+            next += 1;
+        }
+        qsl.push(qsl[r] + q_len as i32);
+    }
+    let num_tokens = *qsl.last().unwrap() as usize;
+    let q = values(num_tokens * h * d, seed);
+    let k = values(num_blocks * bs * hkv * d, seed + 1);
+    let v = values(num_blocks * bs * hkv * d, seed + 2);
+    let seq_lens: Vec<i32> = c.rows.iter().map(|r| r.1 as i32).collect();
+    let rows: Vec<i32> = (0..c.rows.len() as i32).collect();
+    let args = PagedAttentionArgs {
+        q: &q,
+        k_cache: &k,
+        v_cache: &v,
+        block_table: &table,
+        query_start_loc: &qsl,
+        seq_lens: &seq_lens,
+        rows: &rows,
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: bs,
+        scale: 1.0 / (d as f32).sqrt(),
+        num_threads: c.threads,
+    };
+    let mut out = vec![0.0; q.len()];
+    paged_attention(&args, &mut out).unwrap();
+    let expected = reference(&args, num_tokens);
+    for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+        assert!((a - b).abs() < 1e-5, "element {i}: {a} vs {b}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    #[test]
+    fn matches_reference(c in case(), seed in any::<u64>()) {
+        run_case(&c, seed);
+    }
+}
+
+#[test]
+fn out_of_range_blocks_are_rejected() {
+    let q = vec![0.0; 4];
+    let kv = vec![0.0; 4 * 2];
+    let mut out = vec![0.0; 4];
+    let args = PagedAttentionArgs {
+        q: &q,
+        k_cache: &kv,
+        v_cache: &kv,
+        block_table: &[5],
+        query_start_loc: &[0, 1],
+        seq_lens: &[1],
+        rows: &[0],
+        num_heads: 1,
+        num_kv_heads: 1,
+        head_dim: 4,
+        block_size: 2,
+        scale: 1.0,
+        num_threads: 1,
+    };
+    assert!(paged_attention(&args, &mut out).is_err());
+    let args = PagedAttentionArgs {
+        seq_lens: &[3],
+        block_table: &[0],
+        ..args
+    };
+    assert!(
+        paged_attention(&args, &mut out).is_err(),
+        "seq_len past the table"
+    );
+}
+
+#[test]
+fn fast_exp_is_accurate() {
+    let mut x = -90.0f32;
+    while x <= 0.0 {
+        let (got, want) = (fast_exp(x), x.exp());
+        // Below -87 the result is clamped to about 1.6e-38: zero for a softmax.
+        // x log2(e) is rounded to f32: the relative error grows with |x|.
+        let tolerance = if x > -10.0 {
+            1e-6 * want
+        } else {
+            1e-5 * want + 1e-37
+        };
+        assert!((got - want).abs() <= tolerance, "exp({x}): {got} vs {want}");
+        x += 0.013;
+    }
+    assert_eq!(fast_exp(f32::NEG_INFINITY), fast_exp(-87.0));
+}

@@ -1,0 +1,77 @@
+//! CPU kernels over numpy views of torch tensors.
+
+use ferrox_cpu::{paged_attention, PagedAttentionArgs};
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
+    PyUntypedArrayMethods,
+};
+use pyo3::prelude::*;
+
+use crate::errors::invalid_argument;
+
+fn dims<const N: usize>(shape: &[usize], what: &str) -> PyResult<[usize; N]> {
+    shape.try_into().map_err(|_| {
+        invalid_argument(format!(
+            "{what} must have {N} dimensions, got {}",
+            shape.len()
+        ))
+    })
+}
+
+fn contiguous<T, E>(slice: Result<&[T], E>) -> PyResult<&[T]> {
+    slice.map_err(|_| invalid_argument("arrays must be C-contiguous".into()))
+}
+
+/// Paged attention in float32: writes `out[t]` ([T, H, D]) for the tokens of
+/// `rows`, reading keys and values ([N, BS, Hkv, D]) through `block_table`.
+#[pyfunction]
+#[pyo3(signature = (out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, rows, scale, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_cpu(
+    py: Python<'_>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    q: PyReadonlyArrayDyn<'_, f32>,
+    k_cache: PyReadonlyArrayDyn<'_, f32>,
+    v_cache: PyReadonlyArrayDyn<'_, f32>,
+    block_table: PyReadonlyArray2<'_, i32>,
+    query_start_loc: PyReadonlyArray1<'_, i32>,
+    seq_lens: PyReadonlyArray1<'_, i32>,
+    rows: PyReadonlyArray1<'_, i32>,
+    scale: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [_, num_heads, head_dim] = dims::<3>(q.shape(), "q")?;
+    let [_, block_size, num_kv_heads, kv_dim] = dims::<4>(k_cache.shape(), "k_cache")?;
+    if kv_dim != head_dim || v_cache.shape() != k_cache.shape() || out.shape() != q.shape() {
+        return Err(invalid_argument(
+            "q, out and the caches disagree in shape".into(),
+        ));
+    }
+    let q = contiguous(q.as_slice())?;
+    let k = contiguous(k_cache.as_slice())?;
+    let v = contiguous(v_cache.as_slice())?;
+    let table = contiguous(block_table.as_slice())?;
+    let qsl = contiguous(query_start_loc.as_slice())?;
+    let lens = contiguous(seq_lens.as_slice())?;
+    let rows = contiguous(rows.as_slice())?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let args = PagedAttentionArgs {
+        q,
+        k_cache: k,
+        v_cache: v,
+        block_table: table,
+        query_start_loc: qsl,
+        seq_lens: lens,
+        rows,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        num_threads,
+    };
+    py.detach(|| paged_attention(&args, out))
+        .map_err(|e| invalid_argument(e.to_string()))
+}
