@@ -129,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(chat)
     chat.set_defaults(handler=cmd_chat)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from ferrox.server.launch import add_server_arguments
+    from ferrox.server.launch import serve as run_server
+
+    add_server_arguments(serve)
+    add_engine_arguments(serve)
+    serve.set_defaults(handler=run_server)
+
     info = sub.add_parser("info", help="print the version, the device and the resolved config")
     add_engine_arguments(info)
     info.set_defaults(handler=cmd_info)

@@ -22,6 +22,7 @@ import torch
 from ferrox._native import BatchPlan, Scheduler
 from ferrox.config import EngineConfig
 from ferrox.engine.detokenizer import IncrementalDetokenizer
+from ferrox.engine.protocol import PromptLogprobs, SequenceDelta, TokenLogprobs
 from ferrox.engine.sequence import RequestState, SequenceState, now, position_logprobs
 from ferrox.errors import (
     ContextLengthExceededError,
@@ -56,8 +57,13 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, *, detokenize: bool = True
+    ) -> None:
+        """`detokenize=False` (the server's engine process) leaves text, stop
+        strings and token strings to the caller, which reads `step_deltas()`."""
         self.config = config
+        self.detokenize = detokenize
         loaded = loaded or load_model(config)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -85,6 +91,7 @@ class EngineCore:
         self._next_seq_id = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._wire_prompt_logprobs: list[PromptLogprobs] = []
 
     # ---- requests --------------------------------------------------------
 
@@ -121,6 +128,8 @@ class EngineCore:
                 f"token id {(bad_stop + bad_bias)[0]} in stop_token_ids / logit_bias is outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
+        if params.stop and not self.detokenize:
+            raise InvalidArgumentError("stop strings are matched by the caller in this mode")
         if (params.stop or params.logprobs is not None) and self.tokenizer is None:
             raise InvalidArgumentError("stop strings and logprobs need a tokenizer")
 
@@ -167,7 +176,7 @@ class EngineCore:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed((params.seed + index) % (1 << 64))
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         seq = SequenceState(
             seq_id=self._next_seq_id,
@@ -214,6 +223,24 @@ class EngineCore:
             self._seqs.pop(seq.seq_id, None)
         return True
 
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """Ends one sequence of a request as stopped (the caller matched a
+        stop string); its blocks go back to the pool or the prefix cache."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.sequences:
+            if seq.index == index and not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)
+                seq.finish_reason = "stop"
+                self._seqs.pop(seq.seq_id, None)
+        req.pending_siblings = [s for s in req.pending_siblings if s.index != index]
+        if req.is_finished:
+            self._requests.pop(request_id, None)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -229,6 +256,20 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns the finished requests, and a
         delta for each streaming request that produced tokens."""
+        return self._collect_outputs(self._run_step())
+
+    def step_deltas(self) -> tuple[list[SequenceDelta], list[PromptLogprobs]]:
+        """Runs one scheduler step; returns each progressed sequence's new
+        tokens (and finish), for a caller that detokenizes."""
+        seqs = self._run_step()
+        deltas = [self._delta(seq) for seq in seqs]
+        for req in {s.request.request_id: s.request for s in seqs}.values():
+            if req.is_finished:
+                self._finish_request(req)
+        prompt, self._wire_prompt_logprobs = self._wire_prompt_logprobs, []
+        return deltas, prompt
+
+    def _run_step(self) -> list[SequenceState]:
         plan = self.scheduler.schedule()
         for sid in plan.preempted_ids.tolist():
             seq = self._seqs.get(sid)
@@ -250,7 +291,26 @@ class EngineCore:
         stopped = self._append_tokens(seqs, out, t_now)
         events = self.scheduler.update(plan, out.sampled, stopped)
         self.num_generated_tokens += len(seqs)
-        return self._finish_and_collect(seqs, events)
+        self._apply_events(events)
+        self._start_siblings(seqs)
+        return seqs
+
+    def _delta(self, seq: SequenceState) -> SequenceDelta:
+        start = seq.num_streamed_tokens
+        seq.num_streamed_tokens = len(seq.output_token_ids)
+        first = start == 0
+        metrics = seq.request.metrics
+        wire, seq.wire_logprobs = seq.wire_logprobs, None
+        return SequenceDelta(
+            request_id=seq.request.request_id,
+            index=seq.index,
+            token_ids=seq.output_token_ids[start:],
+            logprobs=wire,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+            first_scheduled_time=metrics.first_scheduled_time if first else None,
+            num_cached_tokens=metrics.num_cached_tokens if first else None,
+        )
 
     def _append_tokens(
         self, seqs: list[SequenceState], out: RunnerOutput, t_now: float
@@ -278,7 +338,9 @@ class EngineCore:
                     stopped.append(seq.seq_id)
                     seq.stop_reason = stop
             seq.output_token_ids.append(tok)
-            if seq.logprobs is not None and out.sampled_logprobs is not None:
+            if not self.detokenize and seq.params.logprobs is not None:
+                self._add_wire_logprobs(seq, out, i)
+            elif seq.logprobs is not None and out.sampled_logprobs is not None:
                 lp = float(out.sampled_logprobs[i])
                 seq.cumulative_logprob += lp
                 k = seq.params.logprobs or 0
@@ -290,8 +352,7 @@ class EngineCore:
                 seq.logprobs.append(position_logprobs(seq, tok, lp, rank or 0, top, top_lp))
         return stopped
 
-    def _finish_and_collect(self, seqs: list[SequenceState], events: Any) -> list[RequestOutput]:
-        t_now = now()
+    def _apply_events(self, events: Any) -> None:
         for rid, reason in zip(
             events.req_ids.tolist(), events.finish_reasons.tolist(), strict=True
         ):
@@ -301,10 +362,11 @@ class EngineCore:
             seq.finish_reason = _FINISH_REASONS[reason]
             if seq.detokenizer is not None and seq.stop_reason is None:
                 seq.detokenizer.finish()
-        updated: dict[str, RequestState] = {}
+
+    def _start_siblings(self, seqs: list[SequenceState]) -> None:
+        """Submits the other n - 1 sequences once the first has prefilled."""
         for seq in seqs:
             req = seq.request
-            updated[req.request_id] = req
             if (
                 seq.index == 0
                 and req.pending_siblings
@@ -314,18 +376,37 @@ class EngineCore:
                     self._submit(sibling)
                 req.sequences += req.pending_siblings
                 req.pending_siblings = []
+
+    def _finish_request(self, req: RequestState) -> None:
+        req.metrics.finished_time = now()
+        req.metrics.num_generation_tokens = sum(len(s.output_token_ids) for s in req.sequences)
+        self._requests.pop(req.request_id, None)
+
+    def _collect_outputs(self, seqs: list[SequenceState]) -> list[RequestOutput]:
         outputs = []
-        for req in updated.values():
+        for req in {s.request.request_id: s.request for s in seqs}.values():
             finished = req.is_finished
             if finished:
-                req.metrics.finished_time = t_now
-                req.metrics.num_generation_tokens = sum(
-                    len(s.output_token_ids) for s in req.sequences
-                )
-                self._requests.pop(req.request_id, None)
+                self._finish_request(req)
             if req.stream or finished:
                 outputs.append(req.output(delta=req.stream))
         return outputs
+
+    @staticmethod
+    def _add_wire_logprobs(seq: SequenceState, out: RunnerOutput, i: int) -> None:
+        if out.sampled_logprobs is None or out.sampled_ranks is None:
+            return
+        k = seq.params.logprobs or 0
+        wire = seq.wire_logprobs
+        if wire is None:
+            wire = seq.wire_logprobs = TokenLogprobs([], [], [], [])
+        wire.logprobs.append(float(out.sampled_logprobs[i]))
+        wire.ranks.append(int(out.sampled_ranks[i]))
+        has_top = k and out.top_ids is not None and out.top_logprobs is not None
+        wire.top_ids.append(out.top_ids[i, :k].tolist() if has_top else [])  # type: ignore[index]
+        wire.top_logprobs.append(
+            out.top_logprobs[i, :k].tolist() if has_top else []  # type: ignore[index]
+        )
 
     # ---- prompt logprobs ---------------------------------------------------
 
@@ -364,6 +445,10 @@ class EngineCore:
             start = int(plan.num_computed_tokens[entry.row])
             if len(req.prompt_logprobs) != start + 1:
                 continue  # a chunk recomputed after preemption
+            if not self.detokenize:
+                self._wire_prompt_logprobs.append(_wire_prompt(req.request_id, start + 1, entry))
+                req.prompt_logprobs.extend([None] * len(entry.token_logprobs))
+                continue
             decode = seq.detokenizer.decode_token if seq.detokenizer else (lambda _t: None)
             for j, lp in enumerate(entry.token_logprobs.tolist()):
                 token = req.prompt_token_ids[start + j + 1]
@@ -374,3 +459,19 @@ class EngineCore:
                     ):
                         pos.setdefault(tid, Logprob(tlp, r + 1, decode(tid)))
                 req.prompt_logprobs.append(pos)
+
+
+def _wire_prompt(request_id: str, start: int, entry: Any) -> PromptLogprobs:
+    """Prompt logprobs for positions [start, start + n) as a wire message."""
+    has_top = entry.top_ids is not None and entry.top_logprobs is not None
+    n = len(entry.token_logprobs)
+    return PromptLogprobs(
+        request_id=request_id,
+        start=start,
+        logprobs=TokenLogprobs(
+            logprobs=entry.token_logprobs.tolist(),
+            ranks=entry.token_ranks.tolist(),
+            top_ids=entry.top_ids.tolist() if has_top else [[] for _ in range(n)],
+            top_logprobs=entry.top_logprobs.tolist() if has_top else [[] for _ in range(n)],
+        ),
+    )

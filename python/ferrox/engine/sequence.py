@@ -9,6 +9,7 @@ from typing import cast
 import torch
 
 from ferrox.engine.detokenizer import IncrementalDetokenizer
+from ferrox.engine.protocol import TokenLogprobs
 from ferrox.outputs import (
     CompletionOutput,
     FinishReason,
@@ -39,6 +40,8 @@ class SequenceState:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_streamed_tokens: int = 0
+    # Logprobs of tokens not yet sent, when the caller detokenizes.
+    wire_logprobs: TokenLogprobs | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -83,6 +83,19 @@ class _ArrayGGUFReader(GGUFReader):
         self._array = np.asarray(mapped)  # the view keeps the map alive
 
 
+def load_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
+    """Only the tokenizer of a GGUF file (its metadata; no tensor is read)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        reader = _ArrayGGUFReader(path, mode="r")
+    except (OSError, ValueError, IndexError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read {path} as a GGUF file: {exc}") from exc
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    return build_tokenizer(metadata)
+
+
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Read a GGUF file and dequantize all its tensors into `dtype`."""
     if not dtype.is_floating_point:

@@ -19,7 +19,7 @@ from ferrox.errors import ModelLoadError
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
 from ferrox.loader.default import default_model_path
-from ferrox.loader.gguf import load_gguf
+from ferrox.loader.gguf import load_gguf, load_gguf_tokenizer
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.registry import resolve_model_class
 
@@ -73,6 +73,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
         source=str(path),
         load_seconds=time.perf_counter() - start,
     )
+
+
+def load_tokenizer(config: EngineConfig) -> Any | None:
+    """The tokenizer alone (for a frontend process that runs no model)."""
+    if config.tokenizer is not None:
+        return _load_tokenizer(Path(config.tokenizer), config.load_format)
+    path = Path(config.model) if config.model is not None else default_model_path()
+    if path.suffix == ".gguf":
+        return load_gguf_tokenizer(path)
+    return _load_tokenizer(path, config.load_format)
 
 
 def build_model(hf_config: PretrainedConfig, config: EngineConfig) -> LlamaForCausalLM:

@@ -1,0 +1,143 @@
+"""The same workload through `ferrox serve` (streaming completions, all
+requests at once) and through `LLM.generate` in-process.
+
+    python benches/server_vs_offline.py [--num-requests 64] [--output-len 64]
+
+Prints output tokens/s of both and their ratio, and the per-token latency the
+frontend adds: the p50 inter-token latency seen by the streaming clients
+minus the p50 decode step time of the offline engine on the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from ferrox import LLM, SamplingParams
+
+
+def workload(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 49000, size=int(rng.integers(32, 257))).tolist() for _ in range(n)]
+
+
+def offline(prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(output tokens/s, p50 decode step seconds)."""
+    llm = LLM(max_num_seqs=len(prompts))
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    steps = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    elapsed = time.perf_counter() - start
+    decode_steps = steps[-(output_len - 2) :]  # the steady decode phase
+    return len(prompts) * output_len / elapsed, float(np.median(decode_steps))
+
+
+async def _stream_one(client, url: str, prompt: list[int], output_len: int) -> list[float]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    times = []
+    async with client.stream("POST", url, json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    return times
+
+
+def served(prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(output tokens/s, p50 inter-token latency seconds)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ferrox", "serve", "--port", str(port),
+         "--max-num-seqs", str(len(prompts)), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+
+        async def run() -> tuple[float, list[list[float]]]:
+            limits = httpx.Limits(max_connections=len(prompts) + 8)
+            async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                await _stream_one(client, base + "/v1/completions", prompts[0], 2)  # warm up
+                start = time.perf_counter()
+                results = await asyncio.gather(
+                    *(_stream_one(client, base + "/v1/completions", p, output_len) for p in prompts)
+                )
+                return time.perf_counter() - start, results
+
+        elapsed, token_times = asyncio.run(run())
+        # Gaps between tokens after the first (the first gap is the TTFT).
+        gaps = [b - a for times in token_times for a, b in itertools.pairwise(times[1:])]
+        return len(prompts) * output_len / elapsed, float(np.median(gaps))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    prompts = workload(args.num_requests, args.seed)
+    off_rate, step = offline(prompts, args.output_len)
+    print(
+        f"offline LLM.generate: {off_rate:8.1f} tok/s, p50 decode step {step * 1e3:.1f} ms",
+        flush=True,
+    )
+    srv_rate, itl = served(prompts, args.output_len)
+    print(
+        f"server (streaming):   {srv_rate:8.1f} tok/s, p50 inter-token latency {itl * 1e3:.1f} ms"
+    )
+    added = (itl - step) * 1e3
+    print(
+        f"server / offline = {srv_rate / off_rate:.2f}; frontend adds {added:.2f} ms/token at p50"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"offline_tok_s": off_rate, "server_tok_s": srv_rate, "ratio": srv_rate / off_rate,
+                 "offline_step_p50_s": step, "server_itl_p50_s": itl, "cpus": os.cpu_count()},
+                f, indent=2,
+            )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The engine-core process: the EngineCore step loop behind two ZMQ ipc
+sockets. Inputs (add / abort / finish / shutdown) arrive as msgpack; each
+step's token deltas and stats go back the same way."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from ferrox.config import EngineConfig
+from ferrox.engine import protocol as p
+from ferrox.engine.core import EngineCore
+from ferrox.errors import FerroxError
+
+logger = logging.getLogger("ferrox.engine")
+IDLE_POLL_MS = 50
+
+
+def run_engine_core(options: dict[str, Any], input_address: str, output_address: str) -> None:
+    """Process entry point: load, announce readiness, serve until shut down."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.connect(output_address)
+    parent = os.getppid()
+    try:
+        engine = EngineCore(EngineConfig.create(**options), detokenize=False)
+        outputs.send(
+            p.encoder.encode(
+                p.Ready(
+                    model=engine.loaded.source,
+                    max_model_len=engine.max_model_len,
+                    vocab_size=engine.vocab_size,
+                    num_kv_blocks=engine.runner.num_kv_blocks,
+                    block_size=engine.config.block_size,
+                    load_seconds=engine.loaded.load_seconds,
+                )
+            )
+        )
+        EngineLoop(engine, inputs, outputs, parent).run()
+    except Exception as e:
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        outputs.send(p.encoder.encode(p.EngineDead(message=f"{type(e).__name__}: {e}")))
+        time.sleep(0.2)  # let the message leave before the process ends
+        os._exit(1)
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=1000)
+        ctx.term()
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent: int):
+        self.engine = engine
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent = parent
+        self.poller = zmq.Poller()
+        self.poller.register(inputs, zmq.POLLIN)
+        self.failed: list[p.RequestFailed] = []
+        self.stopping = False
+
+    def run(self) -> None:
+        last_stats: p.EngineStats | None = None
+        while not self.stopping:
+            busy = self.engine.has_unfinished_requests()
+            if self.poller.poll(0 if busy else IDLE_POLL_MS):
+                self._drain_inputs()
+            if os.getppid() != self.parent:
+                logger.warning("the frontend process is gone; stopping")
+                return
+            deltas: list[p.SequenceDelta] = []
+            prompt: list[p.PromptLogprobs] = []
+            if self.engine.has_unfinished_requests():
+                deltas, prompt = self.engine.step_deltas()
+            stats = self._stats()
+            if deltas or prompt or self.failed or stats != last_stats:
+                message = p.StepOutputs(deltas, prompt, self.failed, stats)
+                self.outputs.send(p.encoder.encode(message), copy=False)
+                self.failed = []
+                last_stats = stats
+
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                raw = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(p.input_decoder.decode(raw.buffer))
+
+    def _handle(self, msg: p.EngineInput) -> None:
+        engine = self.engine
+        if isinstance(msg, p.AddRequest):
+            try:
+                engine.add_request(
+                    msg.request_id,
+                    msg.prompt_token_ids,
+                    msg.params.to_params(),
+                    arrival_time=msg.arrival_time,
+                    priority=msg.priority,
+                )
+            except FerroxError as e:
+                self.failed.append(p.RequestFailed(msg.request_id, type(e).__name__, str(e)))
+        elif isinstance(msg, p.AbortRequests):
+            for rid in msg.request_ids:
+                engine.abort_request(rid)
+        elif isinstance(msg, p.FinishSequences):
+            for rid, index in msg.sequences:
+                engine.finish_sequence(rid, index)
+        elif isinstance(msg, p.Shutdown):
+            for rid in engine.request_ids():
+                engine.abort_request(rid)
+            self.stopping = True
+
+    def _stats(self) -> p.EngineStats:
+        s = self.engine.stats()
+        return p.EngineStats(
+            num_running=s["num_running"],
+            num_waiting=s["num_waiting"],
+            num_total_blocks=s["num_total_blocks"],
+            num_used_blocks=s["num_used_blocks"],
+            num_cached_blocks=s["num_cached_blocks"],
+            prefix_queried_tokens=s["prefix_queried_tokens"],
+            prefix_hit_tokens=s["prefix_hit_tokens"],
+            num_preemptions=s["num_preemptions"],
+            prompt_tokens=self.engine.num_prompt_tokens,
+            generation_tokens=self.engine.num_generated_tokens,
+        )

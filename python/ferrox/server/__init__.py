@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: request/response schemas and the ASGI app."""

@@ -1,0 +1,114 @@
+"""The OpenAI-compatible ASGI application (Starlette).
+
+Starlette rather than FastAPI: the request and response schemas are msgspec
+Structs decoded and encoded by hand, so FastAPI's pydantic validation and
+dependency injection would only add per-request overhead; the few routes fit
+Starlette's routing directly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import ferrox
+from ferrox.server import openai_protocol as op
+from ferrox.server.errors import error_response, exception_response
+from ferrox.server.middleware import GuardMiddleware
+from ferrox.server.serving import OpenAIServing, ServingContext
+
+
+def _json(value: msgspec.Struct | dict) -> Response:
+    return Response(msgspec.json.encode(value), media_type="application/json")
+
+
+def build_app(
+    ctx: ServingContext,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = 8 << 20,
+    lifespan: object = None,
+) -> Starlette:
+    serving = OpenAIServing(ctx)
+
+    async def health(_: Request) -> Response:
+        if ctx.client.is_dead:
+            return error_response(503, f"the engine stopped: {ctx.client.dead_message}")
+        return Response(status_code=200)
+
+    async def version(_: Request) -> Response:
+        return _json({"version": ferrox.__version__})
+
+    async def models(_: Request) -> Response:
+        cards = [op.ModelCard(id=name, max_model_len=ctx.max_model_len) for name in ctx.model_names]
+        return _json(op.ModelList(data=cards))
+
+    async def metrics(_: Request) -> Response:
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def tokenize(http: Request) -> Response:
+        try:
+            req = serving.decode(await http.body(), op.TokenizeRequest)
+            if (missing := serving.check_model(req.model)) is not None:
+                return missing
+            if req.messages is not None:
+                tokens = serving.chat_prompt(req)
+            else:
+                tokens = list(
+                    ctx.tokenizer.encode(
+                        req.prompt or "", add_special_tokens=req.add_special_tokens
+                    )
+                )
+            return _json(
+                op.TokenizeResponse(
+                    tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len
+                )
+            )
+        except Exception as e:
+            return exception_response(e)
+
+    async def detokenize(http: Request) -> Response:
+        try:
+            req = serving.decode(await http.body(), op.DetokenizeRequest)
+            if (missing := serving.check_model(req.model)) is not None:
+                return missing
+            text, _ = serving.encode_prompt(req.tokens)
+            return _json(op.DetokenizeResponse(prompt=text))
+        except Exception as e:
+            return exception_response(e)
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return error_response(404, "no such route", code="not_found")
+        if exc.status_code == 405:
+            return error_response(405, "method not allowed for this route")
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def server_error(_: Request, exc: Exception) -> Response:
+        return exception_response(exc)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/completions", serving.completions, methods=["POST"]),
+        Route("/v1/chat/completions", serving.chat, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,  # type: ignore[arg-type]
+    )
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+__all__ = ["JSONResponse", "build_app"]

@@ -1,0 +1,63 @@
+"""OpenAI error envelopes: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+from ferrox.errors import ContextLengthExceededError, EngineDeadError, InvalidArgumentError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> Response:
+    body = msgspec.json.encode(error_body(status, message, param=param, code=code))
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def describe(exc: BaseException) -> tuple[int, str, str | None, str | None]:
+    """(status, message, param, code) of an exception raised while serving."""
+    if isinstance(exc, EngineDeadError):
+        return 503, f"the engine stopped: {exc}", None, "engine_dead"
+    if isinstance(exc, ContextLengthExceededError):
+        return 400, str(exc), getattr(exc, "param", None), "context_length_exceeded"
+    if isinstance(exc, InvalidArgumentError | ValueError):
+        return 400, str(exc), getattr(exc, "param", None), getattr(exc, "code", None)
+    return 500, f"internal error: {type(exc).__name__}: {exc}", None, None
+
+
+def exception_response(exc: BaseException) -> Response:
+    status, message, param, code = describe(exc)
+    return error_response(status, message, param=param, code=code)
+
+
+def sse_error(exc: BaseException) -> bytes:
+    """An error event for a stream that already started, then the end marker."""
+    status, message, param, code = describe(exc)
+    body = msgspec.json.encode(error_body(status, message, param=param, code=code))
+    return b"data: " + body + b"\n\ndata: [DONE]\n\n"

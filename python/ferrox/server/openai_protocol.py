@@ -1,0 +1,298 @@
+"""OpenAI-compatible request and response bodies, as msgspec Structs.
+
+Requests decode with ``msgspec.json.decode(body, type=...)``: unknown fields are
+ignored and wrong JSON types raise ``msgspec.ValidationError``. Decoding checks
+types only; what the values mean (ranges, limits, the prompt's length) is checked
+by ``ferrox.server.request_translation``, which raises ``BadRequest``.
+
+Responses encode with ``msgspec.json.encode`` in the OpenAI wire format. The
+``object`` field is the struct's tag, so it is always written and never passed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Literal
+
+import msgspec
+
+from ferrox.errors import ContextLengthExceededError, InvalidArgumentError
+
+
+class BadRequest(InvalidArgumentError):
+    """A request field the server cannot serve; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ContextLengthBadRequest(BadRequest, ContextLengthExceededError):
+    """The prompt, or the prompt plus the requested tokens, exceeds the context window."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+def random_id(prefix: str) -> str:
+    """A fresh response id such as ``cmpl-<32 hex digits>``."""
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+# ---- requests ----------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingRequest(msgspec.Struct, kw_only=True):
+    """Fields that completions and chat completions share (OpenAI's, then vLLM's).
+
+    ``None`` means the server's default, as OpenAI's schema allows null for each.
+    """
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    seed: int | None = None
+    user: str | None = None
+    # vLLM extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    priority: int = 0
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    """``POST /v1/completions``."""
+
+    # A string, a list of strings, a list of token ids or a list of token-id lists;
+    # msgspec allows one list type per union, so completion_prompts() sorts them out.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16  # None: as many as the context window leaves
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    type: str
+    text: str | None = None
+
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class ChatMessageParam(msgspec.Struct, kw_only=True):
+    """One message of a chat request."""
+
+    role: Role
+    content: str | list[ContentPart] | None = None  # None only for assistant messages
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessageParam]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize``: exactly one of ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        # Raised while decoding, msgspec reports this as a ValidationError.
+        if (self.prompt is None) == (self.messages is None):
+            raise BadRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ---------------------------------------------------------------
+
+
+class UsageInfo(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """Legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for the first echoed prompt token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None  # written as null while streaming
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True, tag_field="object", tag="text_completion"):
+    id: str
+    created: int = msgspec.field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(
+    msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="object", tag="text_completion"
+):
+    """One server-sent event of a streamed completion (OpenAI reuses the Completion shape)."""
+
+    id: str
+    created: int = msgspec.field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None  # only on the last chunk, with include_usage
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class ChatLogprobToken(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(
+    msgspec.Struct, kw_only=True, tag_field="object", tag="chat.completion"
+):
+    id: str
+    created: int = msgspec.field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The new part of a streamed message; the first chunk carries the role."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None  # written as null until the last chunk
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(
+    msgspec.Struct,
+    kw_only=True,
+    omit_defaults=True,
+    tag_field="object",
+    tag="chat.completion.chunk",
+):
+    id: str
+    created: int = msgspec.field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None  # only on the last chunk, with include_usage
+
+
+class ModelCard(msgspec.Struct, kw_only=True, tag_field="object", tag="model"):
+    id: str
+    created: int = msgspec.field(default_factory=_now)
+    owned_by: str = "ferrox"
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True, tag_field="object", tag="list"):
+    data: list[ModelCard]
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo

@@ -1,0 +1,264 @@
+"""From OpenAI request bodies to engine inputs: prompts, chat messages and
+SamplingParams. Every rejection is a ``BadRequest`` that names its field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, cast
+
+from ferrox.errors import InvalidArgumentError
+from ferrox.sampling_params import SamplingParams
+from ferrox.server.openai_protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    ChatMessageParam,
+    CompletionRequest,
+    ContentPart,
+    ContextLengthBadRequest,
+    TokenizeRequest,
+)
+
+_SAMPLING_PARAM_NAMES = frozenset(field.name for field in fields(SamplingParams))
+# Longer keys cannot be token ids (and would trip Python's int-parsing digit limit).
+_MAX_TOKEN_ID_DIGITS = 20
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Caps on one request that the server enforces beyond SamplingParams' checks."""
+
+    max_n: int = 16
+    max_logprobs: int = 20  # for logprobs, top_logprobs and prompt_logprobs
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"{field.name} must be an int >= 0, got {value!r}")
+
+
+def sampling_params_from(
+    request: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_model_len: int,
+    prompt_len: int,
+    limits: ServerLimits,
+) -> SamplingParams:
+    """The SamplingParams of one prompt of ``request``, which has ``prompt_len`` tokens.
+
+    An omitted ``max_tokens`` becomes the room the prompt leaves in the context.
+    """
+    requested: int | None
+    if isinstance(request, ChatCompletionRequest):
+        prompt_param = "messages"
+        if request.max_completion_tokens is not None:
+            max_tokens_param, requested = "max_completion_tokens", request.max_completion_tokens
+        else:
+            max_tokens_param, requested = "max_tokens", request.max_tokens
+    else:
+        prompt_param, max_tokens_param, requested = "prompt", "max_tokens", request.max_tokens
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise ContextLengthBadRequest(
+            f"the prompt has {prompt_len} tokens, but the model's context length is "
+            f"{max_model_len} tokens, which leaves no room for a completion",
+            param=prompt_param,
+        )
+    max_tokens = _max_tokens(requested, max_tokens_param, room, max_model_len, prompt_len)
+    n = 1 if request.n is None else request.n
+    if n > limits.max_n:
+        raise BadRequest(f"n must be at most {limits.max_n}, got {n}", param="n")
+    if isinstance(request, CompletionRequest):
+        _check_unsupported_completion_fields(request, n)
+    logprobs, prompt_logprobs = _logprobs(request, limits)
+
+    optional: dict[str, Any] = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "repetition_penalty": request.repetition_penalty,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "seed": request.seed,
+    }
+    stop = _stop_strings(request.stop, limits)
+    logit_bias = _logit_bias(request.logit_bias)
+    try:
+        return SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            **{name: value for name, value in optional.items() if value is not None},
+        )
+    except InvalidArgumentError as exc:
+        # SamplingParams' messages start with the parameter's name.
+        name = str(exc).split(" ", 1)[0]
+        raise BadRequest(str(exc), param=name if name in _SAMPLING_PARAM_NAMES else None) from exc
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: texts or token-id lists, never empty."""
+    prompt = request.prompt
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(item, int) for item in prompt):
+        prompts = [cast(list[int], list(prompt))]
+    elif all(isinstance(item, str) for item in prompt) or all(
+        isinstance(item, list) for item in prompt
+    ):
+        prompts = cast(list[str | list[int]], list(prompt))
+    else:
+        raise BadRequest(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists, not a mix of them",
+            param="prompt",
+        )
+    if not prompts:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    for item in prompts:
+        if len(item) == 0:
+            raise BadRequest("prompt must not contain an empty prompt", param="prompt")
+        if isinstance(item, list) and min(item) < 0:
+            raise BadRequest(f"prompt token ids must be >= 0, got {min(item)}", param="prompt")
+    return prompts
+
+
+def chat_messages(request: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
+    """The messages as ``{"role": ..., "content": str}`` dicts for ``apply_chat_template``.
+
+    Text parts are joined with newlines; "developer" messages become "system" ones,
+    the role chat templates know.
+    """
+    if not request.messages:
+        raise BadRequest("messages must not be empty", param="messages")
+    return [_message_dict(index, message) for index, message in enumerate(request.messages)]
+
+
+def _max_tokens(
+    requested: int | None, param: str, room: int, max_model_len: int, prompt_len: int
+) -> int:
+    if requested is None:
+        return room
+    if requested < 1:
+        raise BadRequest(f"{param} must be at least 1, got {requested}", param=param)
+    if requested > room:
+        raise ContextLengthBadRequest(
+            f"{param}={requested} is more than the {room} tokens left: the model's context "
+            f"length is {max_model_len} tokens and the prompt has {prompt_len}",
+            param=param,
+        )
+    return requested
+
+
+def _check_unsupported_completion_fields(request: CompletionRequest, n: int) -> None:
+    if request.suffix is not None:
+        raise BadRequest("suffix is not supported", param="suffix")
+    if request.best_of is not None and request.best_of != n:
+        raise BadRequest(
+            f"best_of must be omitted or equal to n={n} (returning the best of several "
+            f"completions is not supported), got {request.best_of}",
+            param="best_of",
+        )
+
+
+def _logprobs(
+    request: CompletionRequest | ChatCompletionRequest, limits: ServerLimits
+) -> tuple[int | None, int | None]:
+    """The (logprobs, prompt_logprobs) SamplingParams fields of ``request``."""
+    prompt_logprobs = request.prompt_logprobs
+    _check_at_most("prompt_logprobs", prompt_logprobs, limits.max_logprobs)
+    if isinstance(request, ChatCompletionRequest):
+        top = request.top_logprobs
+        if top is not None:
+            if not request.logprobs:
+                raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+            if top < 0:
+                raise BadRequest(f"top_logprobs must be >= 0, got {top}", param="top_logprobs")
+            _check_at_most("top_logprobs", top, limits.max_logprobs)
+        return ((top or 0) if request.logprobs else None), prompt_logprobs
+    logprobs = request.logprobs
+    _check_at_most("logprobs", logprobs, limits.max_logprobs)
+    if request.echo and logprobs is not None:
+        # The echoed prompt's tokens carry logprobs too.
+        prompt_logprobs = logprobs if prompt_logprobs is None else max(prompt_logprobs, logprobs)
+    return logprobs, prompt_logprobs
+
+
+def _check_at_most(param: str, value: int | None, limit: int) -> None:
+    if value is not None and value > limit:
+        raise BadRequest(f"{param} must be at most {limit}, got {value}", param=param)
+
+
+def _stop_strings(stop: str | list[str] | None, limits: ServerLimits) -> list[str]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > limits.max_stop_strings:
+        raise BadRequest(
+            f"stop may hold at most {limits.max_stop_strings} strings, got {len(strings)}",
+            param="stop",
+        )
+    for string in strings:
+        if len(string) > limits.max_stop_string_len:
+            raise BadRequest(
+                f"stop strings may be at most {limits.max_stop_string_len} characters long, "
+                f"got one of {len(string)}",
+                param="stop",
+            )
+    return strings
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """Parses the token-id keys; SamplingParams checks their range and the values."""
+    if bias is None:
+        return None
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
+        digits = key.removeprefix("-")
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= _MAX_TOKEN_ID_DIGITS):
+            raise BadRequest(
+                f"logit_bias keys must be token ids written as integers, got {key!r}",
+                param="logit_bias",
+            )
+        parsed[int(key)] = value
+    return parsed
+
+
+def _message_dict(index: int, message: ChatMessageParam) -> dict[str, Any]:
+    content = message.content
+    if content is None:
+        if message.role != "assistant":
+            raise BadRequest(
+                f"messages[{index}] ({message.role}) has no content; only assistant "
+                "messages may omit it",
+                param="messages",
+            )
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        text = "\n".join(_part_text(index, part) for part in content)
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": text}
+
+
+def _part_text(index: int, part: ContentPart) -> str:
+    if part.type != "text":
+        raise BadRequest(
+            f"messages[{index}] has a content part of type {part.type!r}; only 'text' parts "
+            "are supported (this server serves text-only models)",
+            param="messages",
+        )
+    if part.text is None:
+        raise BadRequest(f"messages[{index}] has a 'text' part without text", param="messages")
+    return part.text

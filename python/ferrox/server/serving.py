@@ -1,0 +1,378 @@
+"""The completion and chat endpoints: requests in, engine runs, OpenAI
+responses or SSE streams out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ferrox.engine.client import AsyncEngineClient
+from ferrox.engine.output_processor import SequenceUpdate
+from ferrox.outputs import PositionLogprobs
+from ferrox.server import openai_protocol as op
+from ferrox.server.errors import error_response, exception_response, sse_error
+from ferrox.server.metrics import Metrics
+from ferrox.server.request_run import RequestRun, merge, run_to_end
+from ferrox.server.request_translation import (
+    ServerLimits,
+    chat_messages,
+    completion_prompts,
+    sampling_params_from,
+)
+
+T = TypeVar("T")
+_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    pass
+
+
+def _sse(chunk: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+
+@dataclass
+class ServingContext:
+    client: AsyncEngineClient
+    tokenizer: Any
+    model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    limits: ServerLimits
+    metrics: Metrics
+    log_token_ids: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+
+class OpenAIServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    # ---- shared ----------------------------------------------------------
+
+    def decode(self, body: bytes, kind: type[T]) -> T:
+        try:
+            return msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError as e:
+            raise op.BadRequest(f"invalid request: {e}") from e
+        except msgspec.DecodeError as e:
+            raise op.BadRequest(f"the body is not valid JSON: {e}") from e
+
+    def check_model(self, model: str | None) -> Response | None:
+        if model is not None and model not in self.ctx.model_names:
+            return error_response(
+                404,
+                f"the model {model!r} does not exist; this server has {self.ctx.model_names}",
+                param="model",
+                code="model_not_found",
+            )
+        return None
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        tok = self.ctx.tokenizer
+        if isinstance(prompt, str):
+            return prompt, list(tok.encode(prompt))
+        bad = [t for t in prompt if not 0 <= t < self.ctx.vocab_size]
+        if bad:
+            raise op.BadRequest(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.ctx.vocab_size})",
+                param="prompt",
+            )
+        return tok.decode(prompt), list(prompt)
+
+    def new_run(self, request_id: str, prompt_ids: list[int], request: Any) -> RequestRun:
+        params = sampling_params_from(
+            request,
+            max_model_len=self.ctx.max_model_len,
+            prompt_len=len(prompt_ids),
+            limits=self.ctx.limits,
+        )
+        return RequestRun(
+            client=self.ctx.client,
+            tokenizer=self.ctx.tokenizer,
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            priority=request.priority,
+            log_token_ids=self.ctx.log_token_ids,
+        )
+
+    async def run_all(self, http: Request, runs: list[RequestRun]) -> None:
+        """Runs every request to the end; aborts them all if the client
+        disconnects or one of them fails."""
+        tasks = [asyncio.create_task(run_to_end(r)) for r in runs]
+        disconnect = asyncio.create_task(_wait_disconnect(http))
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending | {disconnect}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if disconnect in done:
+                    raise ClientGone
+                for task in done:
+                    task.result()  # re-raises a failure
+                pending.discard(disconnect)
+        finally:
+            disconnect.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, disconnect, return_exceptions=True)
+            self.record(runs)
+
+    def record(self, runs: list[RequestRun]) -> None:
+        for run in runs:
+            if run.is_finished:
+                run.finish(self.ctx.metrics)
+
+    def stream(self, chunks: AsyncIterator[bytes], runs: list[RequestRun]) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+                yield _DONE
+            except Exception as e:
+                yield sse_error(e)
+            finally:
+                self.record(runs)
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    @staticmethod
+    def usage(runs: list[RequestRun]) -> op.UsageInfo:
+        prompt = sum(len(r.prompt_token_ids) for r in runs)
+        completion = sum(r.num_output_tokens for r in runs)
+        return op.UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    async def handle(self, http: Request, build: Callable[[bytes], Any]) -> Response:
+        try:
+            return await build(await http.body())
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            return exception_response(e)
+
+    # ---- /v1/completions ---------------------------------------------------
+
+    async def completions(self, http: Request) -> Response:
+        return await self.handle(http, lambda body: self._completions(http, body))
+
+    async def _completions(self, http: Request, body: bytes) -> Response:
+        req = self.decode(body, op.CompletionRequest)
+        if (missing := self.check_model(req.model)) is not None:
+            return missing
+        prompts = [self.encode_prompt(p) for p in completion_prompts(req)]
+        base = op.random_id("cmpl")
+        runs = [self.new_run(f"{base}-{i}", ids, req) for i, (_, ids) in enumerate(prompts)]
+        texts = [text for text, _ in prompts]
+        if req.stream:
+            return self.stream(self._completion_chunks(req, base, runs, texts), runs)
+        await self.run_all(http, runs)
+        choices = []
+        for i, (run, prompt_text) in enumerate(zip(runs, texts, strict=True)):
+            for seq in run.seqs:
+                echo = prompt_text if req.echo else ""
+                logprobs = None
+                if req.logprobs is not None:
+                    entries = self._echo_entries(run) if req.echo else []
+                    logprobs = _completion_logprobs(entries + self._seq_entries(run, seq.index), 0)
+                choices.append(
+                    op.CompletionChoice(
+                        index=i * run.params.n + seq.index,
+                        text=echo + seq.text,
+                        logprobs=logprobs,
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                )
+        response = op.CompletionResponse(
+            id=base, model=self.ctx.model_name, choices=choices, usage=self.usage(runs)
+        )
+        return Response(msgspec.json.encode(response), media_type="application/json")
+
+    async def _completion_chunks(
+        self, req: op.CompletionRequest, base: str, runs: list[RequestRun], texts: list[str]
+    ) -> AsyncIterator[bytes]:
+        model = self.ctx.model_name
+        if req.echo:
+            for i, (run, text) in enumerate(zip(runs, texts, strict=True)):
+                for seq in run.seqs:
+                    choice = op.CompletionChoice(index=i * run.params.n + seq.index, text=text)
+                    yield _sse(op.CompletionStreamResponse(id=base, model=model, choices=[choice]))
+        async for i, upd in merge(runs):
+            if not (upd.text or upd.finish_reason or upd.token_ids):
+                continue
+            logprobs = None
+            if req.logprobs is not None and upd.logprobs is not None:
+                logprobs = _completion_logprobs(
+                    list(zip(upd.token_ids, upd.logprobs, strict=True)), 0
+                )
+            choice = op.CompletionChoice(
+                index=i * runs[i].params.n + upd.index,
+                text=upd.text,
+                logprobs=logprobs,
+                finish_reason=upd.finish_reason,
+                stop_reason=upd.stop_reason,
+            )
+            yield _sse(op.CompletionStreamResponse(id=base, model=model, choices=[choice]))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield _sse(
+                op.CompletionStreamResponse(
+                    id=base, model=model, choices=[], usage=self.usage(runs)
+                )
+            )
+
+    def _seq_entries(
+        self, run: RequestRun, index: int
+    ) -> list[tuple[int, PositionLogprobs | None]]:
+        seq = run.seqs[index]
+        return list(zip(seq.token_ids, seq.logprobs or [None] * len(seq.token_ids), strict=True))
+
+    def _echo_entries(self, run: RequestRun) -> list[tuple[int, PositionLogprobs | None]]:
+        prompt_lp = run.prompt_logprobs or [None] * len(run.prompt_token_ids)
+        return list(zip(run.prompt_token_ids, prompt_lp, strict=True))
+
+    # ---- /v1/chat/completions ----------------------------------------------
+
+    async def chat(self, http: Request) -> Response:
+        return await self.handle(http, lambda body: self._chat(http, body))
+
+    def chat_prompt(self, req: op.ChatCompletionRequest | op.TokenizeRequest) -> list[int]:
+        template = getattr(req, "chat_template", None)
+        try:
+            text = self.ctx.tokenizer.apply_chat_template(
+                chat_messages(req),
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template=template,
+            )
+        except op.BadRequest:
+            raise
+        except Exception as e:
+            raise op.BadRequest(f"cannot apply the chat template: {e}", param="messages") from e
+        return list(self.ctx.tokenizer.encode(text, add_special_tokens=False))
+
+    async def _chat(self, http: Request, body: bytes) -> Response:
+        req = self.decode(body, op.ChatCompletionRequest)
+        if (missing := self.check_model(req.model)) is not None:
+            return missing
+        run = self.new_run(op.random_id("chatcmpl"), self.chat_prompt(req), req)
+        if req.stream:
+            return self.stream(self._chat_chunks(req, run), [run])
+        await self.run_all(http, [run])
+        choices = [
+            op.ChatCompletionChoice(
+                index=seq.index,
+                message=op.ChatMessage(role="assistant", content=seq.text),
+                logprobs=_chat_logprobs(seq.logprobs, req.top_logprobs) if req.logprobs else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in run.seqs
+        ]
+        response = op.ChatCompletionResponse(
+            id=run.request_id, model=self.ctx.model_name, choices=choices, usage=self.usage([run])
+        )
+        return Response(msgspec.json.encode(response), media_type="application/json")
+
+    async def _chat_chunks(
+        self, req: op.ChatCompletionRequest, run: RequestRun
+    ) -> AsyncIterator[bytes]:
+        model, rid = self.ctx.model_name, run.request_id
+
+        def chunk(choices: list[op.ChatCompletionStreamChoice], **kw: Any) -> bytes:
+            return _sse(op.ChatCompletionStreamResponse(id=rid, model=model, choices=choices, **kw))
+
+        for seq in run.seqs:
+            delta = op.DeltaMessage(role="assistant", content="")
+            yield chunk([op.ChatCompletionStreamChoice(index=seq.index, delta=delta)])
+        async for _, upd in merge([run]):
+            if not (upd.text or upd.finish_reason):
+                continue
+            logprobs = None
+            if req.logprobs and upd.logprobs is not None:
+                logprobs = _chat_logprobs(upd.logprobs, req.top_logprobs)
+            choice = op.ChatCompletionStreamChoice(
+                index=upd.index,
+                delta=op.DeltaMessage(content=upd.text) if upd.text else op.DeltaMessage(),
+                logprobs=logprobs,
+                finish_reason=upd.finish_reason,
+                stop_reason=upd.stop_reason,
+            )
+            yield chunk([choice])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage=self.usage([run]))
+
+
+async def _wait_disconnect(http: Request) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _token_text(entry: PositionLogprobs | None, token: int) -> str:
+    if entry is not None and token in entry and entry[token].decoded_token is not None:
+        return str(entry[token].decoded_token)
+    return ""
+
+
+def _completion_logprobs(
+    entries: list[tuple[int, PositionLogprobs | None]], offset: int
+) -> op.CompletionLogprobs:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token, entry in entries:
+        text = _token_text(entry, token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(entry[token].logprob)
+        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+    return op.CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets
+    )
+
+
+def _chat_logprobs(entries: list[PositionLogprobs] | None, top: int | None) -> op.ChatLogprobs:
+    content = []
+    for entry in entries or []:
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)
+        chosen = next(iter(entry.values()))  # the sampled token comes first
+        text = chosen.decoded_token or ""
+        content.append(
+            op.ChatLogprobToken(
+                token=text,
+                logprob=chosen.logprob,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    op.TopLogprob(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode()),
+                    )
+                    for lp in ranked[: top or 0]
+                ],
+            )
+        )
+    return op.ChatLogprobs(content=content)
+
+
+__all__ = ["OpenAIServing", "SequenceUpdate", "ServingContext"]

@@ -1,0 +1,383 @@
+"""A live `ferrox serve` on loopback, driven with the official openai SDK and
+raw HTTP: endpoints, errors, concurrency, disconnects, shutdown and engine
+death. Every server here runs a tiny random model on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+API_KEY = "test-key"
+MODEL = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+class Server:
+    def __init__(self, model: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        args = [
+            sys.executable,
+            "-m",
+            "ferrox",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+        ]
+        args += ["--served-model-name", MODEL, "--num-kv-blocks", "512", "--block-size", "4"]
+        args += ["--max-num-seqs", "64", *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not start")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def post(self, path: str, body: object, **kw: object) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=60, **kw)  # type: ignore[arg-type]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(f"ferrox:{name}{{") or line.startswith(f"ferrox:{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Until no request runs and every KV block is free or cached."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = self.metric("num_requests_running") + self.metric("num_requests_waiting")
+            if busy == 0 and self.metric("kv_cache_used_blocks") == 0:
+                total = self.metric("kv_cache_total_blocks")
+                free = self.metric("kv_cache_free_blocks") + self.metric("kv_cache_cached_blocks")
+                assert free == total
+                return
+            time.sleep(0.1)
+        raise AssertionError("KV blocks still in use: a request leaked")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def engine_processes(server: Server) -> list[psutil.Process]:
+    """The engine-core child (not multiprocessing's resource tracker)."""
+    children = psutil.Process(server.proc.pid).children()
+    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("served") / "model"
+    shutil.copytree(tiny_models["llama-gqa-tied"], path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[Server]:
+    s = Server(model_dir, "--max-body-bytes", str(64 * 1024))
+    yield s
+    s.stop()
+
+
+def test_completions_and_usage(server: Server, model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    c = server.client()
+    r = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.usage.prompt_tokens == len(tok.encode("Hello world"))
+    assert r.usage.completion_tokens == 6 and r.usage.total_tokens == r.usage.prompt_tokens + 6
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=MODEL, prompt="Hello world", max_tokens=6, temperature=0, stream=True
+        )
+        if ch.choices
+    )
+    assert streamed == r.choices[0].text
+    many = c.completions.create(
+        model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, n=2, temperature=0
+    )
+    assert sorted(ch.index for ch in many.choices) == [0, 1, 2, 3]
+    echo = c.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=2, echo=True, logprobs=2, temperature=0
+    )
+    assert echo.choices[0].text.startswith("Hello world")
+    assert echo.choices[0].logprobs.token_logprobs[0] is None
+    assert len(echo.choices[0].logprobs.tokens) == r.usage.prompt_tokens + 2
+    server.wait_idle()
+
+
+def test_chat_streaming_and_logprobs(server: Server) -> None:
+    c = server.client()
+    messages = [{"role": "user", "content": "hi"}]
+    full = c.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    assert full.choices[0].message.role == "assistant"
+    assert len(full.choices[0].logprobs.content) == 5
+    assert all(len(t.top_logprobs) == 2 for t in full.choices[0].logprobs.content)
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finish[-1] in ("stop", "length") and all(f is None for f in finish[:-1])
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    r = c.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=3, n=2, temperature=1.0, seed=5
+    )
+    assert len(r.choices) == 2 and r.usage.completion_tokens <= 6
+
+
+def test_stop_strings_and_seeds(server: Server) -> None:
+    c = server.client()
+    base = c.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    stop = text[4:7]
+    stopped = c.completions.create(
+        model=MODEL, prompt="abc", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    kw = dict(model=MODEL, prompt="seeded", max_tokens=8, temperature=1.0, seed=42)
+    assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
+    server.wait_idle()
+
+
+def test_other_endpoints(server: Server) -> None:
+    h = server.headers
+    assert httpx.get(server.url + "/health").status_code == 200  # open without a key
+    assert httpx.get(server.url + "/version", headers=h).json()["version"]
+    models = httpx.get(server.url + "/v1/models", headers=h).json()
+    assert models["data"][0]["id"] == MODEL
+    toks = server.post("/tokenize", {"prompt": "Hello world"}).json()
+    assert toks["count"] == len(toks["tokens"]) > 0
+    assert server.post("/detokenize", {"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"
+    chat_toks = server.post("/tokenize", {"messages": [{"role": "user", "content": "x"}]}).json()
+    assert chat_toks["count"] > 3
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code_or_param"),
+    [
+        ("post", "/v1/completions", b"{not json", 400, None),
+        ("post", "/v1/completions", {"prompt": 5}, 400, None),
+        ("post", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("post", "/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+        ("post", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("post", "/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
+        (
+            "post",
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 100000},
+            400,
+            "context_length_exceeded",
+        ),
+        ("post", "/v1/completions", {"prompt": [[1] * 300]}, 400, "context_length_exceeded"),
+        ("post", "/v1/completions", {"prompt": [[99999]]}, 400, "prompt"),
+        ("post", "/v1/completions", {"prompt": "x", "model": "other"}, 404, "model_not_found"),
+        ("post", "/v1/chat/completions", {"messages": []}, 400, None),
+        ("post", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, None),
+        ("post", "/v1/nowhere", {}, 404, None),
+        ("get", "/v1/completions", None, 405, None),
+        ("post", "/detokenize", {"tokens": [-1]}, 400, None),
+        ("post", "/v1/completions", {"prompt": "x" * 70000}, 413, None),
+    ],
+)
+def test_bad_input_gets_an_envelope(
+    server: Server, method: str, path: str, body: object, status: int, code_or_param: str | None
+) -> None:
+    kw: dict = {"headers": {**server.headers, "content-type": "application/json"}, "timeout": 30}
+    if isinstance(body, bytes):
+        kw["content"] = body
+    elif body is not None:
+        kw["content"] = json.dumps(body).encode()
+    r = httpx.request(method.upper(), server.url + path, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code_or_param is not None:
+        assert code_or_param in (err["code"], err["param"])
+    assert httpx.get(server.url + "/health").status_code == 200
+    server.wait_idle()
+
+
+def test_authentication(server: Server) -> None:
+    r = httpx.get(server.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_concurrent_streams(server: Server) -> None:
+    c = server.client()
+    expected = (
+        c.completions.create(model=MODEL, prompt="stream me", max_tokens=10, temperature=0)
+        .choices[0]
+        .text
+    )
+
+    async def one(client: openai.AsyncOpenAI) -> str:
+        stream = await client.completions.create(
+            model=MODEL, prompt="stream me", max_tokens=10, temperature=0, stream=True
+        )
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+        )
+        return await asyncio.gather(*(one(client) for _ in range(64)))
+
+    results = asyncio.run(main())
+    assert results == [expected] * 64
+    server.wait_idle()
+
+
+def test_disconnects_abort_requests(server: Server) -> None:
+    body = {"prompt": "long answer", "max_tokens": 200, "ignore_eos": True}
+
+    async def leave(client: httpx.AsyncClient, stream: bool) -> None:
+        async def request() -> None:
+            if stream:
+                async with client.stream(
+                    "POST",
+                    server.url + "/v1/completions",
+                    headers=server.headers,
+                    json={**body, "stream": True},
+                ) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+            else:
+                await client.post(server.url + "/v1/completions", headers=server.headers, json=body)
+
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(request(), 0.3)  # the client gives up and disconnects
+
+    async def main() -> None:
+        async with httpx.AsyncClient(
+            timeout=30, limits=httpx.Limits(max_connections=100)
+        ) as client:
+            await asyncio.gather(*(leave(client, i % 2 == 0) for i in range(50)))
+
+    asyncio.run(main())
+    start = time.monotonic()
+    r = server.client().completions.create(model=MODEL, prompt="after", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4 and time.monotonic() - start < 20
+    server.wait_idle()
+
+
+def test_sigterm_finishes_in_flight_requests(model_dir: Path) -> None:
+    s = Server(model_dir, "--shutdown-timeout", "20", api_key=None)
+    engine = engine_processes(s)
+
+    async def one() -> int:
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.post(
+                s.url + "/v1/completions",
+                json={"prompt": "x", "max_tokens": 40, "ignore_eos": True},
+            )
+            return r.status_code
+
+    async def main() -> list[int]:
+        tasks = [asyncio.create_task(one()) for _ in range(4)]
+        await asyncio.sleep(0.5)
+        s.proc.send_signal(signal.SIGTERM)
+        return await asyncio.gather(*tasks)
+
+    codes = asyncio.run(main())
+    assert codes == [200] * 4
+    assert s.proc.wait(30) == 0
+    assert engine and all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in engine)
+
+
+def test_engine_death_fails_requests_and_exits(model_dir: Path) -> None:
+    s = Server(model_dir, api_key=None)
+    (engine,) = engine_processes(s)
+    body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}
+
+    async def plain() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await client.post(s.url + "/v1/completions", json=body)
+
+    async def streamed() -> list[str]:
+        async with (
+            httpx.AsyncClient(timeout=60) as client,
+            client.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}) as r,
+        ):
+            return [line async for line in r.aiter_lines() if line]
+
+    async def main() -> tuple[httpx.Response, list[str], int]:
+        tasks = asyncio.gather(plain(), streamed())
+        while s.metric("num_requests_running") < 2:
+            await asyncio.sleep(0.01)
+        engine.kill()
+        response, lines = await tasks
+        async with httpx.AsyncClient(timeout=5) as client:
+            health = (await client.get(s.url + "/health")).status_code
+        return response, lines, health
+
+    response, lines, health = asyncio.run(main())
+    assert response.status_code >= 500 and response.json()["error"]["message"]
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+    assert health == 503
+    assert s.proc.wait(30) != 0
