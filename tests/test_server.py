@@ -101,10 +101,17 @@ class Server:
                 self.proc.kill()
 
 
-def engine_processes(server: Server) -> list[psutil.Process]:
+def engine_processes_of(pid: int) -> list[psutil.Process]:
     """The engine-core child (not multiprocessing's resource tracker)."""
-    children = psutil.Process(server.proc.pid).children()
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
     return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+
+
+def engine_processes(server: Server) -> list[psutil.Process]:
+    return engine_processes_of(server.proc.pid)
 
 
 @pytest.fixture(scope="module")
@@ -326,8 +333,22 @@ def test_disconnects_abort_requests(server: Server) -> None:
     server.wait_idle()
 
 
-def test_sigterm_finishes_in_flight_requests(model_dir: Path) -> None:
+@pytest.fixture
+def own_server(model_dir: Path) -> Iterator[list[Server]]:
+    """Servers a test starts itself; stopped whatever the test's outcome."""
+    started: list[Server] = []
+    yield started
+    for s in started:
+        engines = engine_processes_of(s.proc.pid)
+        s.stop()
+        for p in engines:
+            if p.is_running():
+                p.kill()
+
+
+def test_sigterm_finishes_in_flight_requests(model_dir: Path, own_server: list[Server]) -> None:
     s = Server(model_dir, "--shutdown-timeout", "20", api_key=None)
+    own_server.append(s)
     engine = engine_processes(s)
 
     async def one() -> int:
@@ -350,8 +371,9 @@ def test_sigterm_finishes_in_flight_requests(model_dir: Path) -> None:
     assert engine and all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in engine)
 
 
-def test_engine_death_fails_requests_and_exits(model_dir: Path) -> None:
+def test_engine_death_fails_requests_and_exits(model_dir: Path, own_server: list[Server]) -> None:
     s = Server(model_dir, api_key=None)
+    own_server.append(s)
     (engine,) = engine_processes(s)
     body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}
 

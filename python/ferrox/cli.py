@@ -137,6 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.set_defaults(handler=run_server)
 
+    bench = sub.add_parser("bench", help="benchmarks: serve (load a server), latency (one batch)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from ferrox.bench import latency as bench_latency
+    from ferrox.bench import serve as bench_serve
+
+    bench_serve_parser = bench_sub.add_parser("serve", help="load an OpenAI-compatible server")
+    bench_serve.add_arguments(bench_serve_parser)
+    bench_serve_parser.set_defaults(handler=bench_serve.main)
+    bench_latency_parser = bench_sub.add_parser(
+        "latency", help="prefill and decode time of a batch"
+    )
+    bench_latency.add_arguments(bench_latency_parser)
+    bench_latency_parser.set_defaults(handler=bench_latency.main)
+
     info = sub.add_parser("info", help="print the version, the device and the resolved config")
     add_engine_arguments(info)
     info.set_defaults(handler=cmd_info)

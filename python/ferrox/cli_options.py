@@ -28,7 +28,7 @@ HELP = {
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts over several steps",
     "scheduling_policy": "fcfs | priority (lower `priority` values first)",
-    "attention_backend": "auto | cpu | torch | triton",
+    "attention_backend": "auto | cpu | torch | triton | flash-attn",
     "enforce_eager": "never capture CUDA graphs",
     "num_speculative_tokens": "KV room reserved per decode for speculative tokens",
     "max_logprobs": "largest logprobs / top_logprobs a request may ask for",

@@ -42,16 +42,17 @@ class AttentionMetadata:
         return self.num_reqs - self.num_decodes
 
     def row_split(self) -> tuple[np.ndarray, np.ndarray]:
-        """(rows that read the paged cache, rows of fresh prompts), int32.
+        """(rows with one query token, rows with several), int32.
 
-        A fresh prompt (nothing cached, several tokens) attends only within
-        its chunk; every other row reads its context from the cache."""
+        Single-token rows (decodes) suit a kernel that streams each row's
+        cached keys once; multi-token rows (prefill chunks, with or without a
+        cached prefix) suit matrix-multiply attention."""
         if self._row_split is None:
             num_sched = np.diff(self.query_start_loc_cpu)
-            fresh = (self.num_computed_cpu == 0) & (num_sched > 1)
+            single = num_sched == 1
             self._row_split = (
-                np.flatnonzero(~fresh).astype(np.int32),
-                np.flatnonzero(fresh).astype(np.int32),
+                np.flatnonzero(single).astype(np.int32),
+                np.flatnonzero(~single).astype(np.int32),
             )
         return self._row_split
 

@@ -1,6 +1,7 @@
 """CPU attention: a Rust kernel reads the paged cache in place (each cached
-key and value once per request and KV head) for decodes and for chunks that
-continue a cached prefix; fresh prompts use torch's fused causal attention.
+key and value once per request and KV head) for single-token rows (decodes);
+prefill chunks use torch's matrix-multiply attention (fused causal attention
+for fresh prompts, a gathered context and a mask after a cached prefix).
 Float32 only; other dtypes fall back to the torch backend."""
 
 import torch
@@ -38,8 +39,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, H, D]
-        paged_rows, fresh_rows = meta.row_split()
-        if len(paged_rows):
+        single_rows, chunk_rows = meta.row_split()
+        if len(single_rows):
             paged_attention_cpu(
                 out.numpy(),
                 q.numpy(),
@@ -48,12 +49,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 meta.block_table_cpu,
                 meta.query_start_loc_cpu,
                 meta.seq_lens_cpu,
-                paged_rows,
+                single_rows,
                 self.scale,
                 self.num_threads,
             )
-        qsl = meta.query_start_loc_cpu
-        for row in fresh_rows.tolist():
-            start, end = int(qsl[row]), int(qsl[row + 1])
-            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None, True)
+        for row in chunk_rows.tolist():
+            self._attend_chunk(q, k, v, k_cache, v_cache, meta, row, out)
         return out

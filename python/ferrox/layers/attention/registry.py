@@ -5,14 +5,28 @@ import torch
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention.base import AttentionBackend
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
+from ferrox.layers.attention.flash_attn_backend import FlashAttnBackend
 from ferrox.layers.attention.torch_backend import TorchAttentionBackend
+from ferrox.layers.attention.triton_backend import TritonAttentionBackend
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
-    CpuAttentionBackend.name: CpuAttentionBackend,
-    TorchAttentionBackend.name: TorchAttentionBackend,
+    cls.name: cls
+    for cls in (
+        CpuAttentionBackend,
+        TritonAttentionBackend,
+        FlashAttnBackend,
+        TorchAttentionBackend,
+    )
 }
-# Preference order for `auto`: the first that supports the device wins.
-_AUTO_ORDER: list[str] = [CpuAttentionBackend.name, TorchAttentionBackend.name]
+# Preference order for `auto`: the first that supports the device wins. `cpu`
+# supports only CPUs and comes first, so a CPU device never gets `triton` even
+# under TRITON_INTERPRET=1; on CUDA `triton` wins. flash-attn's paged kernels
+# need blocks of a multiple of 256 tokens, so it is picked by name only.
+_AUTO_ORDER: list[str] = [
+    CpuAttentionBackend.name,
+    TritonAttentionBackend.name,
+    TorchAttentionBackend.name,
+]
 
 
 def register_backend(cls: type[AttentionBackend], *, preferred: bool = False) -> None:

@@ -46,22 +46,34 @@ class TorchAttentionBackend(AttentionBackend):
         d = meta.num_decodes
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
-        qsl = meta.query_start_loc_cpu
         for row in range(d, meta.num_reqs):
-            start, end = int(qsl[row]), int(qsl[row + 1])
-            num_cached = int(meta.num_computed_cpu[row])
-            if num_cached == 0:
-                # Nothing cached: attend over the chunk's own K/V.
-                out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None, True)
-                continue
-            seq_len = int(meta.seq_lens_cpu[row])
-            ctx_k = gather_context(k_cache, meta.block_table[row], seq_len)  # [L, Hkv, D]
-            ctx_v = gather_context(v_cache, meta.block_table[row], seq_len)
-            q_pos = torch.arange(num_cached, seq_len, device=q.device)  # [n]
-            k_pos = torch.arange(seq_len, device=q.device)  # [L]
-            mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
-            out[start:end] = self._attend(q[start:end], ctx_k, ctx_v, mask, False)
+            self._attend_chunk(q, k, v, k_cache, v_cache, meta, row, out)
         return out
+
+    def _attend_chunk(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        row: int,
+        out: torch.Tensor,  # [T, H, D], written for this row's tokens
+    ) -> None:
+        start, end = int(meta.query_start_loc_cpu[row]), int(meta.query_start_loc_cpu[row + 1])
+        num_cached = int(meta.num_computed_cpu[row])
+        if num_cached == 0:
+            # Nothing cached: attend over the chunk's own K/V.
+            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None, True)
+            return
+        seq_len = int(meta.seq_lens_cpu[row])
+        ctx_k = gather_context(k_cache, meta.block_table[row], seq_len)  # [L, Hkv, D]
+        ctx_v = gather_context(v_cache, meta.block_table[row], seq_len)
+        q_pos = torch.arange(num_cached, seq_len, device=q.device)  # [n]
+        k_pos = torch.arange(seq_len, device=q.device)  # [L]
+        mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+        out[start:end] = self._attend(q[start:end], ctx_k, ctx_v, mask, False)
 
     def _attend(
         self,

@@ -1,0 +1,63 @@
+"""PNG plots of benchmark reports (matplotlib, imported only when plotting)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def plot_reports(reports: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for report in reports:
+        raw = [r for r in report["_raw"] if r["ok"]]
+        series = {
+            "TTFT (ms)": [r["ttft"] * 1e3 for r in raw],
+            "ITL (ms)": [g * 1e3 for r in raw for g in r["itls"]],
+            "E2E latency (ms)": [r["e2e"] * 1e3 for r in raw],
+        }
+        for ax, (name, values) in zip(axes, series.items(), strict=True):
+            if values:
+                xs = np.sort(values)
+                ax.plot(
+                    xs, np.arange(1, len(xs) + 1) / len(xs), label=f"rate {report['request_rate']}"
+                )
+            ax.set_xlabel(name)
+            ax.set_ylabel("fraction of requests" if "ITL" not in name else "fraction of tokens")
+            ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{stem}: latency CDFs")
+    fig.tight_layout()
+    paths.append(out / f"{stem}-latency-cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    if len(reports) > 1:
+        finite = [r["request_rate"] for r in reports if not math.isinf(r["request_rate"])]
+        top = (max(finite) if finite else 1.0) * 2
+        xs = [top if math.isinf(r["request_rate"]) else r["request_rate"] for r in reports]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        left.plot(xs, [r["output_tok_s"] for r in reports], marker="o")
+        left.set_xlabel("request rate (req/s; rightmost = all at once)")
+        left.set_ylabel("output tokens/s")
+        right.plot(xs, [r["ttft_ms"]["p99"] for r in reports], marker="o", color="tab:red")
+        right.set_xlabel("request rate (req/s; rightmost = all at once)")
+        right.set_ylabel("p99 TTFT (ms)")
+        for ax in (left, right):
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{stem}: request-rate sweep")
+        fig.tight_layout()
+        paths.append(out / f"{stem}-sweep.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
