@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import ferrox  # noqa: F401 (before torch: ferrox tunes OpenMP for its CPU kernels)
+
 
 @dataclass
 class Workload:

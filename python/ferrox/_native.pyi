@@ -13,7 +13,9 @@ __all__ = [
     "Scheduler",
     "StepEvents",
     "__version__",
+    "add_rms_norm_cpu",
     "paged_attention_cpu",
+    "rotary_in_place_cpu",
 ]
 
 __version__: str
@@ -179,5 +181,21 @@ def paged_attention_cpu(
     seq_lens: npt.NDArray[np.int32],
     rows: npt.NDArray[np.int32],
     scale: float,
+    num_threads: int,
+) -> None: ...
+def rotary_in_place_cpu(
+    x: npt.NDArray[np.float32],
+    num_heads: int,
+    positions: npt.NDArray[np.int64],
+    cos: npt.NDArray[np.float32],
+    sin: npt.NDArray[np.float32],
+    num_threads: int,
+) -> None: ...
+def add_rms_norm_cpu(
+    residual: npt.NDArray[np.float32],
+    delta: npt.NDArray[np.float32] | None,
+    weight: npt.NDArray[np.float32],
+    eps: float,
+    out: npt.NDArray[np.float32],
     num_threads: int,
 ) -> None: ...

@@ -4,12 +4,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrox._native import add_rms_norm_cpu
+from ferrox.layers.cpu_kernels import kernel_threads, on_cpu_fp32
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+
+    def add_forward(
+        self, residual: torch.Tensor | None, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta); with no residual yet,
+        `delta` starts it. The sum is formed in place in `residual`."""
+        if residual is None:
+            return self.forward(delta), delta
+        if on_cpu_fp32(residual, delta, self.weight) and residual.is_contiguous():
+            out = torch.empty_like(residual)
+            add_rms_norm_cpu(
+                residual.numpy(),
+                delta.contiguous().numpy(),
+                self.weight.detach().numpy(),
+                self.eps,
+                out.numpy(),
+                kernel_threads(),
+            )
+            return out, residual
+        residual = residual + delta
+        return self.forward(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., hidden]

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ferrox._native import rotary_in_place_cpu
 from ferrox.errors import UnsupportedModelError
+from ferrox.layers.cpu_kernels import kernel_threads, on_cpu_fp32
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -54,11 +56,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions: [T]; x: [T, heads, D] (queries and keys side by side)
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        """Rotates the first `num_heads` heads of x in place.
+
+        positions: [T]; x: [T, heads, D] (queries, then keys, then others)."""
+        if on_cpu_fp32(x, self.cos_cache) and x.is_contiguous() and positions.dtype == torch.int64:
+            rotary_in_place_cpu(
+                x.numpy(),
+                num_heads,
+                positions.contiguous().numpy(),
+                self.cos_cache.numpy(),
+                self.sin_cache.numpy(),
+                kernel_threads(),
+            )
+            return
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D / 2]
         sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(x, cos, sin)
+        x[:, :num_heads] = _rotate(x[:, :num_heads], cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

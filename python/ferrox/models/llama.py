@@ -55,11 +55,13 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)  # [T, H + 2 Hkv, D]
-        qk, v = qkv[:, : h + hkv], qkv[:, h + hkv :]
+        v = qkv[:, h + hkv :]
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = self.rotary(positions, qk)  # queries and keys rotated in one pass
-        q, k = qk[:, :h], qk[:, h:]
+            qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv])), dim=1)
+        else:
+            qk = qkv
+        self.rotary.rotate_(positions, qk, h + hkv)  # queries and keys, in place
+        q, k = qk[:, :h], qk[:, h : h + hkv]
         o = self.attn.forward(q, k, v, kv[0], kv[1], meta)  # [T, H, D]
         return self.o_proj(o.reshape(t, -1))
 
@@ -92,11 +94,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv: KvCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        # x: [T, hidden]
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's MLP output
+        residual: torch.Tensor | None,  # [T, hidden]: the stream before it
+        kv: KvCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # residual + x is the layer input; its sum with the attention output
+        # feeds the MLP. The sums are formed inside the fused add + norm.
+        normed, residual = self.input_layernorm.add_forward(residual, x)
+        attn = self.self_attn(positions, normed, kv, meta)
+        normed, residual = self.post_attention_layernorm.add_forward(residual, attn)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -136,9 +146,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv, meta)
+        return self.norm.add_forward(residual, x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> [S, vocab] float32

@@ -14,6 +14,7 @@ from ferrox.config import CPU_KV_CACHE_BYTES, EngineConfig
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.loader.model_loader import LoadedModel
+from ferrox.runner.cuda_graph import DecodeGraphs
 from ferrox.runner.kv_cache import KVCache, bytes_per_block
 from ferrox.runner.sampler import Sampler
 from ferrox.runner.sampling_batch import SamplingBatch
@@ -65,6 +66,19 @@ class ModelRunner:
             self.device,
         )
         self.sampler = Sampler()
+        self._staging: dict[str, torch.Tensor] = {}
+        self.graphs: DecodeGraphs | None = None
+        backend = self.model.layers[0].self_attn.attn
+        if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache.layers,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+                block_size=config.block_size,
+                device=self.device,
+            )
+            self.graphs.capture()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -98,19 +112,28 @@ class ModelRunner:
         """Memory left for the KV cache on the GPU after a profiling forward
         pass at the largest step, within `gpu_memory_utilization`."""
         torch.cuda.synchronize(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_run()
+        num_tokens = self.profile_run()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory other processes hold counts against us too.
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - peak - max(used_elsewhere, 0)
+        # CUDA graphs keep the activations of their largest batch alive in a
+        # private pool: budget for them (a share of the profiled activations).
+        graphs = 0
+        if not self.config.enforce_eager:
+            activations = peak - weights
+            graphs = activations * self.config.max_num_seqs // max(num_tokens, 1) + (64 << 20)
+        budget = (
+            int(total * self.config.gpu_memory_utilization) - peak - graphs - max(used_elsewhere, 0)
+        )
         return max(budget, 0)
 
-    def profile_run(self) -> None:
+    def profile_run(self) -> int:
         """One forward pass over a full token budget, written into a scratch
-        one-block cache, to measure activation memory."""
+        one-block cache, to measure activation memory; returns its tokens."""
         cfg = self.config
         num_tokens = min(cfg.batched_tokens_limit(self.max_model_len), 8192)
         seq = min(num_tokens, 2048)
@@ -147,12 +170,23 @@ class ModelRunner:
             hidden = self.model(ids, positions, scratch.layers, meta)
             self.model.compute_logits(hidden[: cfg.max_num_seqs])
         del scratch
+        return num_tokens
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+    def _tensor(self, array: np.ndarray, name: str = "") -> torch.Tensor:
+        """The array on the device: as is on the CPU; through a reusable
+        pinned buffer and an asynchronous copy on CUDA (safe to reuse: each
+        step ends by synchronising on the sampled tokens)."""
         t = torch.from_numpy(array)
         if self.device.type == "cpu":
             return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        key = name or str(t.dtype)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(max(t.numel(), 1024), dtype=t.dtype).pin_memory()
+            self._staging[key] = buf
+        staged = buf[: t.numel()].view(t.shape)
+        staged.copy_(t)
+        return staged.to(self.device, non_blocking=True)
 
     def build_metadata(self, plan: object) -> AttentionMetadata:
         qsl = plan.query_start_loc  # type: ignore[attr-defined]
@@ -162,11 +196,11 @@ class ModelRunner:
             num_reqs=plan.num_reqs,  # type: ignore[attr-defined]
             num_decodes=plan.num_decodes,  # type: ignore[attr-defined]
             num_tokens=plan.num_tokens,  # type: ignore[attr-defined]
-            slot_mapping=self._tensor(plan.slot_mapping),  # type: ignore[attr-defined]
-            block_table=self._tensor(plan.block_table),  # type: ignore[attr-defined]
+            slot_mapping=self._tensor(plan.slot_mapping, "slots"),  # type: ignore[attr-defined]
+            block_table=self._tensor(plan.block_table, "blocks"),  # type: ignore[attr-defined]
             block_table_cpu=plan.block_table,  # type: ignore[attr-defined]
-            query_start_loc=self._tensor(qsl),
-            seq_lens=self._tensor(seq_lens),
+            query_start_loc=self._tensor(qsl, "qsl"),
+            seq_lens=self._tensor(seq_lens, "seq_lens"),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
             num_computed_cpu=plan.num_computed_tokens,  # type: ignore[attr-defined]
@@ -186,15 +220,24 @@ class ModelRunner:
         their positions gets logits; `next token` is the prompt token after
         the chunk (-1 when the chunk ends the prompt)."""
         meta = self.build_metadata(plan)
-        input_ids = self._tensor(plan.input_ids)  # type: ignore[attr-defined]
-        positions = self._tensor(plan.positions)  # type: ignore[attr-defined]
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
-        logits_indices = self._tensor(plan.logits_indices)  # type: ignore[attr-defined]
-        logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
+        input_ids = self._tensor(plan.input_ids, "ids")  # type: ignore[attr-defined]
+        positions = self._tensor(plan.positions, "positions")  # type: ignore[attr-defined]
+        graphs = self.graphs if self._graph_fits(meta, prompt_logprob_rows) else None
+        if graphs is not None:
+            # A decode-only step samples every row, in order.
+            logits = graphs.run(
+                input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_table
+            )
+            hidden = None
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
+            logits_indices = self._tensor(plan.logits_indices, "logits")  # type: ignore[attr-defined]
+            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
         out = self.sampler(logits, sampling)
         prompt = [
             self._prompt_logprobs(hidden, plan, row, k, nxt)
             for row, k, nxt in (prompt_logprob_rows or [])
+            if hidden is not None
         ]
         return RunnerOutput(
             sampled=out.sampled.cpu().numpy(),
@@ -203,6 +246,17 @@ class ModelRunner:
             top_ids=_np(out.top_ids),
             top_logprobs=_np(out.top_logprobs),
             prompt_logprobs=prompt,
+        )
+
+    def _graph_fits(
+        self, meta: AttentionMetadata, prompt_logprob_rows: list[tuple[int, int, int]] | None
+    ) -> bool:
+        return (
+            self.graphs is not None
+            and not prompt_logprob_rows
+            and meta.num_decodes == meta.num_reqs
+            and meta.num_reqs <= self.graphs.max_batch
+            and meta.block_table.shape[1] <= self.graphs.width
         )
 
     def _prompt_logprobs(

@@ -66,6 +66,15 @@ pub struct PrefixMatch {
     pub handle: NodeHandle,
 }
 
+/// Where a lookup ends: see `RadixCache::walk`.
+struct Walk {
+    node: NodeId,
+    blocks: Vec<BlockId>,
+    num_tokens: usize,
+    /// A child whose first `n` blocks matched, but not all of them.
+    partial: Option<(NodeId, usize)>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InsertOutcome {
     /// The node that ends exactly at the inserted prefix.
@@ -177,12 +186,32 @@ impl RadixCache {
     /// as recently used and splits a node so that the handle ends exactly at
     /// the match.
     pub fn find_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
+        let walk = self.walk(tokens);
+        let mut node = walk.node;
+        if let Some((child, n)) = walk.partial {
+            node = self.split(child, n);
+        }
+        self.touch(node);
+        PrefixMatch {
+            blocks: walk.blocks,
+            num_tokens: walk.num_tokens,
+            handle: self.handle_of(node),
+        }
+    }
+
+    /// Follows `tokens` down the tree without changing it: the deepest node
+    /// matched whole, the blocks matched, and a child matched only in part.
+    fn walk(&self, tokens: &[u32]) -> Walk {
         let bs = self.block_size;
-        let mut blocks = Vec::new();
-        let mut node = ROOT;
-        let mut pos = 0;
-        while tokens.len() - pos >= bs {
-            let Some(&child) = self.nodes[node as usize]
+        let mut walk = Walk {
+            node: ROOT,
+            blocks: Vec::new(),
+            num_tokens: 0,
+            partial: None,
+        };
+        while tokens.len() - walk.num_tokens >= bs {
+            let pos = walk.num_tokens;
+            let Some(&child) = self.nodes[walk.node as usize]
                 .children
                 .get(&tokens[pos..pos + bs])
             else {
@@ -190,20 +219,15 @@ impl RadixCache {
             };
             let child_node = &self.nodes[child as usize];
             let n = common_blocks(&child_node.key, &tokens[pos..], bs);
-            blocks.extend_from_slice(&child_node.blocks[..n]);
-            pos += n * bs;
+            walk.blocks.extend_from_slice(&child_node.blocks[..n]);
+            walk.num_tokens += n * bs;
             if n < child_node.blocks.len() {
-                node = self.split(child, n);
+                walk.partial = Some((child, n));
                 break;
             }
-            node = child;
+            walk.node = child;
         }
-        self.touch(node);
-        PrefixMatch {
-            blocks,
-            num_tokens: pos,
-            handle: self.handle_of(node),
-        }
+        walk
     }
 
     /// Adds the full blocks of a sequence. Takes over one reference of every
@@ -232,7 +256,7 @@ impl RadixCache {
                 "the allocator does not match this cache's pool".into(),
             ));
         }
-        let num_present = self.dry_match_blocks(&tokens[..num_blocks * bs]);
+        let num_present = self.walk(&tokens[..num_blocks * bs]).num_tokens / bs;
         self.validate_insert(blocks, num_present, alloc)?;
 
         let mut node = ROOT;
@@ -501,29 +525,6 @@ impl RadixCache {
             }
             id = n.parent;
         }
-    }
-
-    /// Tokens (in whole blocks) of `tokens` the tree already holds, without
-    /// changing anything.
-    fn dry_match_blocks(&self, tokens: &[u32]) -> usize {
-        let bs = self.block_size;
-        let (mut node, mut pos) = (ROOT, 0);
-        while tokens.len() - pos >= bs {
-            let Some(&child) = self.nodes[node as usize]
-                .children
-                .get(&tokens[pos..pos + bs])
-            else {
-                break;
-            };
-            let child_node = &self.nodes[child as usize];
-            let n = common_blocks(&child_node.key, &tokens[pos..], bs);
-            pos += n * bs;
-            if n < child_node.blocks.len() {
-                break;
-            }
-            node = child;
-        }
-        pos / bs
     }
 
     fn validate_insert(

@@ -1,6 +1,6 @@
 //! CPU kernels over numpy views of torch tensors.
 
-use ferrox_cpu::{paged_attention, PagedAttentionArgs};
+use ferrox_cpu::{add_rms_norm, paged_attention, rotary_in_place, PagedAttentionArgs};
 use numpy::{
     PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
     PyUntypedArrayMethods,
@@ -73,5 +73,68 @@ pub fn paged_attention_cpu(
         num_threads,
     };
     py.detach(|| paged_attention(&args, out))
+        .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// Rotary embedding in place on the first `num_heads` heads of `x`
+/// ([T, heads, D], float32), with cos/sin tables [max_position, D/2].
+#[pyfunction]
+#[pyo3(signature = (x, num_heads, positions, cos, sin, num_threads))]
+pub fn rotary_in_place_cpu(
+    py: Python<'_>,
+    mut x: PyReadwriteArrayDyn<'_, f32>,
+    num_heads: usize,
+    positions: PyReadonlyArray1<'_, i64>,
+    cos: PyReadonlyArray2<'_, f32>,
+    sin: PyReadonlyArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [_, heads, head_dim] = dims::<3>(x.shape(), "x")?;
+    let positions = contiguous(positions.as_slice())?;
+    let cos = contiguous(cos.as_slice())?;
+    let sin = contiguous(sin.as_slice())?;
+    let x = x
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("x must be C-contiguous".into()))?;
+    py.detach(|| {
+        rotary_in_place(
+            x,
+            heads * head_dim,
+            num_heads,
+            head_dim,
+            positions,
+            cos,
+            sin,
+            num_threads,
+        )
+    })
+    .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// `residual += delta` (if given), then `out = rms_norm(residual) * weight`,
+/// row by row over the last dimension (float32).
+#[pyfunction]
+#[pyo3(signature = (residual, delta, weight, eps, out, num_threads))]
+pub fn add_rms_norm_cpu(
+    py: Python<'_>,
+    mut residual: PyReadwriteArrayDyn<'_, f32>,
+    delta: Option<PyReadonlyArrayDyn<'_, f32>>,
+    weight: PyReadonlyArray1<'_, f32>,
+    eps: f32,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let delta = match &delta {
+        Some(d) => Some(contiguous(d.as_slice())?),
+        None => None,
+    };
+    let weight = contiguous(weight.as_slice())?;
+    let residual = residual
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("residual must be C-contiguous".into()))?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    py.detach(|| add_rms_norm(residual, delta, weight, eps, out, num_threads))
         .map_err(|e| invalid_argument(e.to_string()))
 }

@@ -18,6 +18,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyBatchPlan>()?;
     m.add_class::<scheduler::PyStepEvents>()?;
     m.add_function(wrap_pyfunction!(kernels::paged_attention_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::rotary_in_place_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::add_rms_norm_cpu, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

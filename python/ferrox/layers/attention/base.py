@@ -64,6 +64,9 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Whether a decode step can be captured in a CUDA graph: the forward must
+    # read no host-side metadata and launch work sized by static bounds only.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads

@@ -6,10 +6,10 @@ Float32 only; other dtypes fall back to the torch backend."""
 
 import torch
 
-import ferrox
 from ferrox._native import paged_attention_cpu
 from ferrox.layers.attention.base import AttentionMetadata
 from ferrox.layers.attention.torch_backend import TorchAttentionBackend, store_kv
+from ferrox.layers.cpu_kernels import kernel_threads
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -17,9 +17,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        # With OpenMP's workers still spinning after each op, extra kernel
-        # threads would fight them for the cores: use one thread then.
-        self.num_threads = torch.get_num_threads() if ferrox.OPENMP_SPIN_LIMITED else 1
+        self.num_threads = kernel_threads()
 
     @classmethod
     def is_supported(cls, device: torch.device) -> bool:

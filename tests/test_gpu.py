@@ -1,0 +1,105 @@
+"""Whole-model checks on an NVIDIA GPU (skipped without one): greedy tokens
+against transformers in float32 and bfloat16 with the Triton backend, and
+CUDA-graph replay against eager execution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrox import LLM, SamplingParams
+from tests import models
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+MAX_TOKENS = 12
+
+
+def batch(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(2, vocab, (n,), generator=gen).tolist() for n in (3, 9, 17, 33, 60, 5, 21, 48)
+    ]
+
+
+def greedy(logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs
+    )
+
+
+@pytest.mark.parametrize("name", list(models.TINY_SPECS))
+def test_tiny_models_fp32_match_transformers(tiny_models: dict[str, Path], name: str) -> None:
+    path = tiny_models[name]
+    hf = models.hf_model(path)
+    prompts = batch(models.VOCAB_SIZE)
+    llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=8)
+    outs = llm.generate(prompts, greedy(logprobs=1), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens, logprobs = models.hf_greedy(hf, prompt, MAX_TOKENS)
+        assert out.outputs[0].token_ids == tokens
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+        assert got == pytest.approx(logprobs, abs=1e-3)
+
+
+def test_smollm2_fp32_and_bf16(smollm2_path: Path) -> None:
+    from transformers import LlamaForCausalLM as HfLlama
+
+    from ferrox.loader import load_gguf
+
+    gguf = load_gguf(smollm2_path)
+    hf = HfLlama(gguf.config).eval()
+    hf.load_state_dict(gguf.state_dict, strict=False)
+    hf.tie_weights()
+    prompts = [
+        gguf.tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):", "1, 2, 3,")
+    ]
+    expected = [models.hf_greedy(hf, p, MAX_TOKENS)[0] for p in prompts]
+    fp32 = LLM(str(smollm2_path), device="cuda", dtype="float32")
+    assert [
+        o.outputs[0].token_ids for o in fp32.generate(prompts, greedy(), use_tqdm=False)
+    ] == expected
+    del fp32
+    # bfloat16 rounds differently from float32: require the first tokens to agree
+    # and most of the rest.
+    bf16 = LLM(str(smollm2_path), device="cuda", dtype="bfloat16")
+    got = [o.outputs[0].token_ids for o in bf16.generate(prompts, greedy(), use_tqdm=False)]
+    for g, e in zip(got, expected, strict=True):
+        assert g[:3] == e[:3]
+        assert sum(a == b for a, b in zip(g, e, strict=True)) >= MAX_TOKENS // 2
+
+
+def test_cuda_graphs_replay_matches_eager(tiny_models: dict[str, Path]) -> None:
+    path = str(tiny_models["llama-gqa-tied"])
+    prompts = (
+        batch(models.VOCAB_SIZE) * 3
+    )  # 24 requests: buckets 1..24 are exercised as they finish
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=32)
+        assert (llm.engine.runner.graphs is None) == eager
+        runs[eager] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        stats = llm.engine.stats()
+        assert stats["num_used_blocks"] == 0
+        del llm
+        torch.cuda.empty_cache()
+    assert runs[False] == runs[True]
+
+
+def test_kv_pool_is_sized_from_gpu_memory(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(str(tiny_models["qwen3"]), device="cuda", gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
+    _, total = torch.cuda.mem_get_info()
+    assert runner.kv_cache.num_bytes < 0.5 * total
+    assert runner.num_kv_blocks > 1000
