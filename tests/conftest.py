@@ -32,3 +32,11 @@ def smollm2_path() -> Path:
         if "could not download" not in str(exc):
             raise
         pytest.skip(f"the default model is neither cached nor downloadable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a chat template, for the live-server tests."""
+    from tests.live_server import make_model_dir
+
+    return make_model_dir(tiny_models["llama-gqa-tied"], tmp_path_factory.mktemp("served"))

@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,107 +16,7 @@ import openai
 import psutil
 import pytest
 
-API_KEY = "test-key"
-MODEL = "tiny"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
-
-
-class Server:
-    def __init__(self, model: Path, *extra: str, api_key: str | None = API_KEY) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        args = [
-            sys.executable,
-            "-m",
-            "ferrox",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-        ]
-        args += ["--served-model-name", MODEL, "--num-kv-blocks", "512", "--block-size", "4"]
-        args += ["--max-num-seqs", "64", *extra]
-        if api_key:
-            args += ["--api-key", api_key]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("server did not start")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-    def post(self, path: str, body: object, **kw: object) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=60, **kw)  # type: ignore[arg-type]
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(f"ferrox:{name}{{") or line.startswith(f"ferrox:{name} "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def wait_idle(self, timeout: float = 30) -> None:
-        """Until no request runs and every KV block is free or cached."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            busy = self.metric("num_requests_running") + self.metric("num_requests_waiting")
-            if busy == 0 and self.metric("kv_cache_used_blocks") == 0:
-                total = self.metric("kv_cache_total_blocks")
-                free = self.metric("kv_cache_free_blocks") + self.metric("kv_cache_cached_blocks")
-                assert free == total
-                return
-            time.sleep(0.1)
-        raise AssertionError("KV blocks still in use: a request leaked")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-def engine_processes_of(pid: int) -> list[psutil.Process]:
-    """The engine-core child (not multiprocessing's resource tracker)."""
-    try:
-        children = psutil.Process(pid).children()
-    except psutil.NoSuchProcess:
-        return []
-    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-
-
-def engine_processes(server: Server) -> list[psutil.Process]:
-    return engine_processes_of(server.proc.pid)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("served") / "model"
-    shutil.copytree(tiny_models["llama-gqa-tied"], path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+from tests.live_server import API_KEY, MODEL, Server, engine_processes, engine_processes_of
 
 
 @pytest.fixture(scope="module")

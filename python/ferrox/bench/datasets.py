@@ -43,16 +43,24 @@ class TextSampler:
     def __init__(self, tokenizer: Any, seed: int) -> None:
         self.tokenizer = tokenizer
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self.ids = np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
+        # Tokens that are whole text on their own: byte fragments of
+        # multi-byte characters would decode to U+FFFD and re-encode longer.
+        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        self.ids = np.array(
+            [i for i, p in enumerate(pieces) if i not in special and p and "\ufffd" not in p],
+            dtype=np.int64,
+        )
         self.rng = np.random.default_rng(seed)
 
     def text(self, num_tokens: int) -> str:
-        """About `num_tokens` tokens of text (decoded random ids, adjusted so
-        that it re-encodes to the wanted length where possible)."""
+        """About `num_tokens` tokens of text: decoded random ids, trimmed so
+        that it re-encodes to at most `num_tokens` tokens."""
         ids = self.rng.choice(self.ids, size=max(num_tokens, 1)).tolist()
         text = self.tokenizer.decode(ids)
-        encoded = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(encoded) > num_tokens:
+        for _ in range(4):
+            encoded = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(encoded) <= num_tokens:
+                break
             text = self.tokenizer.decode(encoded[:num_tokens])
         return text
 

@@ -1,0 +1,110 @@
+"""`ferrox bench serve` against a live tiny-model server, the dataset
+generators, and `ferrox bench latency`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ferrox import cli
+from ferrox.bench import datasets, serve
+from tests.live_server import API_KEY, Server
+
+
+@pytest.fixture(scope="module")
+def bench_server(model_dir: Path) -> Iterator[Server]:
+    s = Server(model_dir)
+    yield s
+    s.stop()
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    serve.apply_presets(args)
+    return args
+
+
+def test_datasets_have_the_requested_shapes(model_dir: Path) -> None:
+    tok = serve.load_tokenizer(str(model_dir))
+    args = parse("--dataset-name", "random", "--num-prompts", "20", "--random-input-len", "40",
+                 "--random-output-len", "10", "--random-range-ratio", "0.5")  # fmt: skip
+    sessions = datasets.build_sessions(args, tok)
+    assert len(sessions) == 20 and all(len(s.turns) == 1 for s in sessions)
+    for s in sessions:
+        assert 5 <= s.turns[0].output_len <= 15
+        assert len(tok.encode(s.turns[0].user, add_special_tokens=False)) <= 60
+    chat = datasets.build_sessions(parse("--dataset-name", "chat", "--num-prompts", "7"), tok)
+    assert [len(s.turns) for s in chat] == [3, 3, 1]
+    assert all(s.turns[0].system == chat[0].turns[0].system for s in chat)
+    assert all(50 <= t.output_len <= 300 for s in chat for t in s.turns)
+    agent = datasets.build_sessions(
+        parse("--dataset-name", "agent", "--num-prompts", "10", "--agent-context-len", "100"), tok
+    )
+    assert [len(s.turns) for s in agent] == [8, 2]
+    batch = datasets.build_sessions(parse("--dataset-name", "batch", "--num-prompts", "3"), tok)
+    assert all(10 <= s.turns[0].output_len <= 50 for s in batch)
+    assert parse("--dataset-name", "chat").endpoint == "chat"
+    assert parse("--dataset-name", "agent").max_concurrency == 4
+
+
+def test_bench_serve_reports_and_plots(
+    bench_server: Server, tmp_path: Path, model_dir: Path
+) -> None:
+    argv = [
+        "bench", "serve", "--base-url", bench_server.url, "--api-key", API_KEY,
+        "--tokenizer", str(model_dir), "--dataset-name", "shared-prefix", "--num-prompts", "8",
+        "--shared-prefix-num-groups", "2", "--shared-prefix-len", "32",
+        "--shared-prefix-question-len", "8", "--shared-prefix-output-len", "6",
+        "--request-rate", "20", "inf", "--ignore-eos", "--disable-tqdm",
+        "--result-dir", str(tmp_path), "--label", "t",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    reports = json.loads((tmp_path / "t-shared-prefix.json").read_text())
+    assert [r["request_rate"] for r in reports] == [20.0, float("inf")]
+    for r in reports:
+        assert r["completed"] == 8 and r["failed"] == 0
+        assert r["total_output_tokens"] == 8 * 6
+        assert r["ttft_ms"]["p50"] > 0 and r["e2e_ms"]["p99"] >= r["ttft_ms"]["p99"]
+        assert 0 < r["prefix_cache_hit_rate"] <= 1  # the groups share their system prompt
+    assert (tmp_path / "t-shared-prefix-latency-cdf.png").stat().st_size > 0
+    assert (tmp_path / "t-shared-prefix-sweep.png").stat().st_size > 0
+
+
+def test_bench_serve_chat_turns_resend_history(bench_server: Server, model_dir: Path) -> None:
+    args = parse(
+        "--base-url", bench_server.url, "--api-key", API_KEY, "--tokenizer", str(model_dir),
+        "--dataset-name", "chat", "--num-prompts", "4", "--chat-num-turns", "2",
+        "--chat-system-prompt-len", "16", "--chat-user-len", "4",
+        "--chat-output-len-min", "3", "--chat-output-len-max", "5", "--request-rate", "inf",
+        "--disable-tqdm",
+    )  # fmt: skip
+    report = asyncio.run(serve.run_once(args, serve.load_tokenizer(args.tokenizer), float("inf")))
+    assert report["completed"] == 4
+    raw = report["_raw"]
+    # Second turns carry the first turn and its answer: longer prompts.
+    assert max(r["prompt_tokens"] for r in raw) > min(r["prompt_tokens"] for r in raw)
+
+
+def test_bench_serve_counts_failures(tmp_path: Path, model_dir: Path) -> None:
+    args = parse("--base-url", "http://127.0.0.1:9", "--model", "x", "--tokenizer", str(model_dir),
+                 "--num-prompts", "2", "--random-input-len", "4", "--disable-tqdm")  # fmt: skip
+    report = asyncio.run(serve.run_once(args, serve.load_tokenizer(args.tokenizer), float("inf")))
+    assert report["failed"] == 2 and report["completed"] == 0 and report["errors"]
+
+
+def test_bench_latency_writes_json(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "lat.json"
+    argv = [
+        "bench", "latency", "--model", str(tiny_models["qwen2"]), "--batch-size", "3",
+        "--input-len", "20", "--output-len", "4", "--runs", "1", "--json", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["batch_size"] == 3 and result["prefill_s"] > 0 and result["decode_step_ms"] > 0
