@@ -239,3 +239,15 @@ def test_unknown_model_and_architecture(tmp_path: Path) -> None:
         LLM(str(tmp_path), load_format="dummy")
     with pytest.raises(errors.InvalidArgumentError, match="unknown engine option"):
         LLM(str(tmp_path), max_num_sequences=3)
+
+
+def test_reset_prefix_cache(llm: LLM) -> None:
+    prompt = list(range(150, 190))
+    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.stats()["num_cached_blocks"] > 0
+    assert llm.reset_prefix_cache() > 0
+    assert llm.engine.stats()["num_cached_blocks"] == 0
+    hits = llm.engine.stats()["prefix_hit_tokens"]
+    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.stats()["prefix_hit_tokens"] == hits  # nothing left to hit
+    assert_idle(llm)

@@ -22,6 +22,8 @@ import torch
 from ferrox._native import BatchPlan, Scheduler
 from ferrox.config import EngineConfig
 from ferrox.engine.detokenizer import IncrementalDetokenizer
+from ferrox.engine.output_processor import decode_prompt_logprobs
+from ferrox.engine.prompt_logprobs import prompt_logprob_rows, wire_prompt_logprobs
 from ferrox.engine.protocol import PromptLogprobs, SequenceDelta, TokenLogprobs
 from ferrox.engine.sequence import RequestState, SequenceState, now, position_logprobs
 from ferrox.errors import (
@@ -30,7 +32,7 @@ from ferrox.errors import (
     InvalidArgumentError,
 )
 from ferrox.loader.model_loader import LoadedModel, load_model
-from ferrox.outputs import FinishReason, Logprob, RequestMetrics, RequestOutput
+from ferrox.outputs import FinishReason, RequestMetrics, RequestOutput
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
 from ferrox.runner.sampling_batch import SamplingBatch
 from ferrox.sampling_params import SamplingParams
@@ -238,6 +240,10 @@ class EngineCore:
         if req.is_finished:
             self._requests.pop(request_id, None)
 
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached prefix no request is using; returns the blocks freed."""
+        return self.scheduler.reset_prefix_cache()
+
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
@@ -286,7 +292,7 @@ class EngineCore:
                 metrics.first_scheduled_time = t_now
         seqs = [self._seqs[rid] for rid in req_ids[plan.sample_rows].tolist()]
         batch = SamplingBatch.build(seqs, self.vocab_size, self.runner.device)
-        out = self.runner.execute(plan, batch, self._prompt_logprob_rows(plan))
+        out = self.runner.execute(plan, batch, prompt_logprob_rows(plan, self._seqs))
         self._record_prompt_logprobs(plan, out)
         stopped = self._append_tokens(seqs, out, t_now)
         events = self.scheduler.update(plan, out.sampled, stopped)
@@ -410,68 +416,19 @@ class EngineCore:
 
     # ---- prompt logprobs ---------------------------------------------------
 
-    def _prompt_logprob_rows(self, plan: BatchPlan) -> list[tuple[int, int, int]]:
-        """(row, top-k, the prompt token after the chunk or -1) for prefill
-        chunks of requests that asked for prompt logprobs."""
-        rows = []
-        req_ids = plan.req_ids
-        for row in range(plan.num_decodes, plan.num_reqs):
-            seq = self._seqs[int(req_ids[row])]
-            if seq.index != 0 or seq.request.prompt_logprobs is None:
-                continue
-            end = int(plan.seq_lens[row])
-            prompt = seq.prompt_token_ids
-            if end > len(prompt):
-                continue  # recomputing after a preemption: already recorded
-            nxt = prompt[end] if end < len(prompt) else -1
-            rows.append((row, seq.params.prompt_logprobs or 0, nxt))
-        for row in range(plan.num_decodes):
-            seq = self._seqs[int(req_ids[row])]
-            if (
-                seq.request.prompt_logprobs is not None
-                and seq.index == 0
-                and (int(plan.seq_lens[row]) < len(seq.prompt_token_ids))
-            ):
-                end = int(plan.seq_lens[row])
-                rows.append((row, seq.params.prompt_logprobs or 0, seq.prompt_token_ids[end]))
-        return rows
-
     def _record_prompt_logprobs(self, plan: BatchPlan, out: RunnerOutput) -> None:
         for entry in out.prompt_logprobs:
             seq = self._seqs[int(plan.req_ids[entry.row])]
             req = seq.request
-            if req.prompt_logprobs is None:
-                continue
             start = int(plan.num_computed_tokens[entry.row])
-            if len(req.prompt_logprobs) != start + 1:
-                continue  # a chunk recomputed after preemption
+            if req.prompt_logprobs is None or len(req.prompt_logprobs) != start + 1:
+                continue  # not asked for, or a chunk recomputed after preemption
+            wire = wire_prompt_logprobs(req.request_id, start + 1, entry)
             if not self.detokenize:
-                self._wire_prompt_logprobs.append(_wire_prompt(req.request_id, start + 1, entry))
+                self._wire_prompt_logprobs.append(wire)
                 req.prompt_logprobs.extend([None] * len(entry.token_logprobs))
                 continue
             decode = seq.detokenizer.decode_token if seq.detokenizer else (lambda _t: None)
-            for j, lp in enumerate(entry.token_logprobs.tolist()):
-                token = req.prompt_token_ids[start + j + 1]
-                pos = {token: Logprob(lp, int(entry.token_ranks[j]), decode(token))}
-                if entry.top_ids is not None and entry.top_logprobs is not None:
-                    for r, (tid, tlp) in enumerate(
-                        zip(entry.top_ids[j].tolist(), entry.top_logprobs[j].tolist(), strict=True)
-                    ):
-                        pos.setdefault(tid, Logprob(tlp, r + 1, decode(tid)))
-                req.prompt_logprobs.append(pos)
-
-
-def _wire_prompt(request_id: str, start: int, entry: Any) -> PromptLogprobs:
-    """Prompt logprobs for positions [start, start + n) as a wire message."""
-    has_top = entry.top_ids is not None and entry.top_logprobs is not None
-    n = len(entry.token_logprobs)
-    return PromptLogprobs(
-        request_id=request_id,
-        start=start,
-        logprobs=TokenLogprobs(
-            logprobs=entry.token_logprobs.tolist(),
-            ranks=entry.token_ranks.tolist(),
-            top_ids=entry.top_ids.tolist() if has_top else [[] for _ in range(n)],
-            top_logprobs=entry.top_logprobs.tolist() if has_top else [[] for _ in range(n)],
-        ),
-    )
+            req.prompt_logprobs += decode_prompt_logprobs(
+                decode, req.prompt_token_ids, wire.start, wire.logprobs
+            )

@@ -11,9 +11,11 @@ pub use error::{CoreError, Result};
 pub use radix_cache::{InsertOutcome, NodeHandle, PrefixMatch, RadixCache};
 pub mod config;
 pub mod plan;
+mod plan_builder;
 pub mod request;
 pub mod scheduler;
 mod scheduler_integrity;
+mod scheduler_update;
 
 pub use config::{Policy, SchedulerConfig};
 pub use plan::{BatchPlan, SchedulerStats, StepEvents};

@@ -16,14 +16,14 @@
 
 use std::collections::BTreeSet;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use crate::block_allocator::BlockAllocator;
 use crate::config::{Policy, SchedulerConfig};
 use crate::error::{CoreError, Result};
-use crate::plan::{BatchPlan, SchedulerStats, StepEvents};
+use crate::plan::{BatchPlan, SchedulerStats};
 use crate::radix_cache::RadixCache;
-use crate::request::{FinishReason, Request, RequestParams, RequestStatus};
+use crate::request::{Request, RequestParams, RequestStatus};
 
 pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
@@ -39,16 +39,16 @@ pub struct Scheduler {
     pub(crate) running: Vec<usize>,
     next_arrival: u64,
     next_step: u64,
-    outstanding_step: Option<u64>,
+    pub(crate) outstanding_step: Option<u64>,
     pending_aborts: Vec<u64>,
     num_preemptions: u64,
 }
 
 /// Work chosen for one request in the step being planned.
 #[derive(Clone, Copy)]
-struct Chosen {
-    slot: usize,
-    num_tokens: usize,
+pub(crate) struct Chosen {
+    pub(crate) slot: usize,
+    pub(crate) num_tokens: usize,
 }
 
 impl Scheduler {
@@ -112,11 +112,11 @@ impl Scheduler {
         }
     }
 
-    fn req(&self, slot: usize) -> &Request {
+    pub(crate) fn req(&self, slot: usize) -> &Request {
         self.slots[slot].as_ref().expect("live slot")
     }
 
-    fn req_mut(&mut self, slot: usize) -> &mut Request {
+    pub(crate) fn req_mut(&mut self, slot: usize) -> &mut Request {
         self.slots[slot].as_mut().expect("live slot")
     }
 
@@ -195,6 +195,12 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Drops every prefix-cache entry no request is using; returns how many
+    /// blocks went back to the pool.
+    pub fn reset_prefix_cache(&mut self) -> Result<usize> {
+        self.cache.evict(usize::MAX, &mut self.alloc)
+    }
+
     /// Ends a request in any state; its computed blocks go to the prefix
     /// cache. Returns false for an unknown id.
     pub fn abort(&mut self, id: u64) -> Result<bool> {
@@ -206,7 +212,7 @@ impl Scheduler {
         Ok(true)
     }
 
-    fn remove_request(&mut self, slot: usize) -> Result<()> {
+    pub(crate) fn remove_request(&mut self, slot: usize) -> Result<()> {
         let req = self.req(slot);
         match req.status {
             RequestStatus::Waiting => {
@@ -252,7 +258,7 @@ impl Scheduler {
     /// Puts the computed full blocks of a running request into the prefix
     /// cache so that requests arriving later share them, and adopts the
     /// cache's copy of any block that another request computed first.
-    fn share_computed_blocks(&mut self, slot: usize) -> Result<()> {
+    pub(crate) fn share_computed_blocks(&mut self, slot: usize) -> Result<()> {
         let bs = self.config.block_size;
         let req = self.slots[slot].as_mut().expect("live slot");
         let num_full = req.num_computed_tokens / bs;
@@ -484,174 +490,6 @@ impl Scheduler {
     fn has_room(&self, num_blocks: usize) -> bool {
         self.alloc.num_free() + self.cache.num_evictable_blocks() >= num_blocks
     }
-
-    fn build_plan(
-        &self,
-        step_id: u64,
-        mut chosen: Vec<Chosen>,
-        preempted_ids: Vec<u64>,
-        aborted_ids: Vec<u64>,
-    ) -> BatchPlan {
-        // Decodes first, otherwise in the order chosen.
-        chosen.sort_by_key(|c| c.num_tokens != 1);
-        let bs = self.config.block_size;
-        let num_reqs = chosen.len();
-        let num_tokens: usize = chosen.iter().map(|c| c.num_tokens).sum();
-        let width = chosen
-            .iter()
-            .map(|c| self.req(c.slot).block_table.len())
-            .max()
-            .unwrap_or(0);
-        let mut plan = BatchPlan {
-            step_id,
-            req_ids: Vec::with_capacity(num_reqs),
-            num_scheduled_tokens: Vec::with_capacity(num_reqs),
-            num_computed_tokens: Vec::with_capacity(num_reqs),
-            num_decodes: chosen.iter().take_while(|c| c.num_tokens == 1).count(),
-            input_ids: Vec::with_capacity(num_tokens),
-            positions: Vec::with_capacity(num_tokens),
-            query_start_loc: Vec::with_capacity(num_reqs + 1),
-            seq_lens: Vec::with_capacity(num_reqs),
-            block_table: Vec::with_capacity(num_reqs * width),
-            block_table_width: width,
-            slot_mapping: Vec::with_capacity(num_tokens),
-            logits_indices: Vec::with_capacity(num_reqs),
-            sample_rows: Vec::with_capacity(num_reqs),
-            preempted_ids,
-            aborted_ids,
-            slots: Vec::with_capacity(num_reqs),
-        };
-        plan.query_start_loc.push(0);
-        for (row, c) in chosen.iter().enumerate() {
-            let req = self.req(c.slot);
-            let start = req.num_computed_tokens;
-            let end = start + c.num_tokens;
-            plan.req_ids.push(req.id);
-            plan.slots.push(c.slot);
-            plan.num_scheduled_tokens.push(c.num_tokens as i32);
-            plan.num_computed_tokens.push(start as i32);
-            plan.seq_lens.push(end as i32);
-            plan.input_ids
-                .extend(req.tokens[start..end].iter().map(|&t| t as i64));
-            plan.positions.extend((start as i64)..(end as i64));
-            for pos in start..end {
-                let block = req.block_table[pos / bs] as i64;
-                plan.slot_mapping
-                    .push(block * bs as i64 + (pos % bs) as i64);
-            }
-            plan.block_table
-                .extend(req.block_table.iter().map(|&b| b as i32));
-            plan.block_table.resize((row + 1) * width, 0);
-            let qend = plan.input_ids.len() as i32;
-            plan.query_start_loc.push(qend);
-            if end == req.num_tokens() {
-                plan.logits_indices.push(qend as i64 - 1);
-                plan.sample_rows.push(row as i32);
-            }
-        }
-        plan
-    }
-
-    /// Applies a step's results: advances computed counts, appends sampled
-    /// tokens (one per `plan.logits_indices` entry), finishes requests on
-    /// EOS / stop token ids / length, and finishes the requests the caller
-    /// stopped (a stop string matched). Rows of requests aborted since the
-    /// plan was made are skipped.
-    pub fn update(
-        &mut self,
-        plan: &BatchPlan,
-        sampled: &[u32],
-        finished_externally: &[u64],
-    ) -> Result<StepEvents> {
-        if self.outstanding_step != Some(plan.step_id) {
-            return Err(CoreError::PlanMismatch(format!(
-                "plan of step {} is not the step awaiting update ({:?})",
-                plan.step_id, self.outstanding_step
-            )));
-        }
-        if sampled.len() != plan.sample_rows.len() {
-            return Err(CoreError::InvalidArgument(format!(
-                "expected {} sampled tokens (one per logits index), got {}",
-                plan.sample_rows.len(),
-                sampled.len()
-            )));
-        }
-        if let Some(&bad) = sampled
-            .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
-            return Err(CoreError::InvalidArgument(format!(
-                "sampled token {bad} is outside the vocabulary [0, {})",
-                self.config.vocab_size
-            )));
-        }
-        self.outstanding_step = None;
-        let live = |s: &Self, row: usize| -> bool {
-            let slot = plan.slots[row];
-            matches!(s.slots.get(slot), Some(Some(r)) if r.id == plan.req_ids[row]
-                && r.status == RequestStatus::Running)
-        };
-        for row in 0..plan.num_reqs() {
-            if !live(self, row) {
-                continue;
-            }
-            let slot = plan.slots[row];
-            let n = plan.num_scheduled_tokens[row] as usize;
-            self.req_mut(slot).num_computed_tokens += n;
-            if n > 1 && self.config.enable_prefix_caching {
-                self.share_computed_blocks(slot)?;
-            }
-        }
-        let stopped: FxHashSet<u64> = finished_externally.iter().copied().collect();
-        let mut events = StepEvents::default();
-        for (&row, &token) in plan.sample_rows.iter().zip(sampled) {
-            let row = row as usize;
-            if !live(self, row) {
-                continue;
-            }
-            let slot = plan.slots[row];
-            let max_model_len = self.config.max_model_len;
-            let req = self.req_mut(slot);
-            req.tokens.push(token);
-            let reason = finish_reason(req, token, stopped.contains(&req.id), max_model_len);
-            events.push(req.id, Some(token), reason);
-            if reason.is_some() {
-                self.remove_request(slot)?;
-            }
-        }
-        for &id in finished_externally {
-            if let Some(&slot) = self.index.get(&id) {
-                self.remove_request(slot)?;
-                events.push(id, None, Some(FinishReason::Stop));
-            }
-        }
-        Ok(events)
-    }
-}
-
-/// Stop rules after appending `token`: stop token ids and EOS (not before
-/// `min_tokens`), a stop the caller found (a stop string), then
-/// `max_tokens`, then `max_model_len`.
-fn finish_reason(
-    req: &Request,
-    token: u32,
-    stopped_externally: bool,
-    max_model_len: usize,
-) -> Option<FinishReason> {
-    let p = &req.params;
-    let num_out = req.num_output_tokens();
-    let may_stop = num_out >= p.min_tokens;
-    if stopped_externally
-        || (may_stop
-            && (p.stop_token_ids.contains(&token)
-                || (!p.ignore_eos && p.eos_token_ids.contains(&token))))
-    {
-        return Some(FinishReason::Stop);
-    }
-    if num_out >= p.max_tokens || req.num_tokens() >= max_model_len {
-        return Some(FinishReason::Length);
-    }
-    None
 }
 
 #[cfg(test)]

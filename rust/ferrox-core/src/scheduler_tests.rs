@@ -645,3 +645,36 @@ fn opting_out_of_the_prefix_cache_recomputes_the_prompt() {
     drive(&mut sched, &mut model, |_, _| {});
     assert_idle(&sched);
 }
+
+#[test]
+fn reset_prefix_cache_frees_unused_entries_only() {
+    let cfg = config(64, 64);
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    sched
+        .add_request(1, &(1..=20).collect::<Vec<_>>(), params(2))
+        .unwrap();
+    drive(&mut sched, &mut model, |_, _| {});
+    sched
+        .add_request(
+            2,
+            &(1..=20).collect::<Vec<_>>(),
+            RequestParams {
+                ignore_eos: true,
+                ..params(30)
+            },
+        )
+        .unwrap();
+    let plan = sched.schedule().unwrap();
+    sched.update(&plan, &model.run(&plan), &[]).unwrap();
+    let cached = sched.stats().num_cached_blocks;
+    assert!(cached > 0 || sched.cache().num_locked_blocks() > 0);
+    let freed = sched.reset_prefix_cache().unwrap();
+    assert_eq!(freed, cached, "only blocks no request holds are dropped");
+    assert_eq!(sched.stats().num_cached_blocks, 0);
+    assert!(
+        sched.cache().num_locked_blocks() > 0,
+        "request 2's prefix stays"
+    );
+    sched.check_integrity().unwrap();
+}

@@ -155,12 +155,10 @@ pub fn paged_attention(args: &PagedAttentionArgs<'_>, out: &mut [f32]) -> Result
     let work = |run: &[usize], out: &mut [f32], base: usize| {
         let mut scratch = Scratch::new(args);
         for &r in run {
-            for g in 0..args.num_kv_heads {
-                run_item(args, r, g, &mut scratch, &mut |t, h, v| {
-                    let at = t * token_width + h * args.head_dim - base;
-                    out[at..at + args.head_dim].copy_from_slice(v);
-                });
-            }
+            run_row(args, r, &mut scratch, &mut |t, h, v| {
+                let at = t * token_width + h * args.head_dim - base;
+                out[at..at + args.head_dim].copy_from_slice(v);
+            });
         }
     };
     if pieces.len() <= 1 {
@@ -178,28 +176,27 @@ pub fn paged_attention(args: &PagedAttentionArgs<'_>, out: &mut [f32]) -> Result
 }
 
 struct Scratch {
-    scores: Vec<f32>, // [G, BS]
-    acc: Vec<f32>,    // [G, D]
-    max: Vec<f32>,    // [G]
-    sum: Vec<f32>,    // [G]
+    scores: Vec<f32>, // [H, BS]
+    acc: Vec<f32>,    // [H, D]
+    max: Vec<f32>,    // [H]
+    sum: Vec<f32>,    // [H]
 }
 
 impl Scratch {
     fn new(args: &PagedAttentionArgs<'_>) -> Self {
-        let g = args.num_heads / args.num_kv_heads;
+        let h = args.num_heads;
         Self {
-            scores: vec![0.0; g * args.block_size],
-            acc: vec![0.0; g * args.head_dim],
-            max: vec![0.0; g],
-            sum: vec![0.0; g],
+            scores: vec![0.0; h * args.block_size],
+            acc: vec![0.0; h * args.head_dim],
+            max: vec![0.0; h],
+            sum: vec![0.0; h],
         }
     }
 }
 
-fn run_item(
+fn run_row(
     args: &PagedAttentionArgs<'_>,
     row: usize,
-    kv_head: usize,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
@@ -207,23 +204,22 @@ fn run_item(
     {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU supports the features the function is built for.
-            unsafe { run_item_avx2(args, row, kv_head, scratch, emit) };
+            unsafe { run_row_avx2(args, row, scratch, emit) };
             return;
         }
     }
-    run_item_impl::<Portable>(args, row, kv_head, scratch, emit);
+    run_row_impl::<Portable>(args, row, scratch, emit);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_item_avx2(
+unsafe fn run_row_avx2(
     args: &PagedAttentionArgs<'_>,
     row: usize,
-    kv_head: usize,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
-    run_item_impl::<avx2::Avx2>(args, row, kv_head, scratch, emit)
+    run_row_impl::<avx2::Avx2>(args, row, scratch, emit)
 }
 
 /// The vector loops of the kernel over one block of keys: a portable
@@ -376,7 +372,7 @@ mod avx2 {
         }
     }
 
-    // SAFETY (both methods): only reached from `run_item_avx2`, where AVX2
+    // SAFETY (both methods): only reached from `run_row_avx2`, where AVX2
     // and FMA are enabled; `validate` has checked that every key and value
     // row `base + j * stride .. + d` lies inside the cache, and `d == 8 * R`.
     impl VectorOps for Avx2 {
@@ -455,11 +451,13 @@ fn fast_exp(x: f32) -> f32 {
     p * f32::from_bits(((n + 127) << 23) as u32)
 }
 
+/// One row (request): every query token, every head. The row's blocks are
+/// visited in order, all KV heads of a block together, so memory is read
+/// sequentially; query heads sharing a KV head reuse its keys from cache.
 #[inline(always)]
-fn run_item_impl<V: VectorOps>(
+fn run_row_impl<V: VectorOps>(
     args: &PagedAttentionArgs<'_>,
     row: usize,
-    kv_head: usize,
     s: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
@@ -482,33 +480,35 @@ fn run_item_impl<V: VectorOps>(
         s.max.fill(f32::NEG_INFINITY);
         s.sum.fill(0.0);
         s.acc.fill(0.0);
-        let q_row = &args.q[(t * h + kv_head * group) * d..][..group * d];
+        let q_row = &args.q[t * h * d..(t + 1) * h * d];
         let mut start = 0;
         while start < num_keys {
             let n = bs.min(num_keys - start);
             let block = table[start / bs] as usize;
-            let base = (block * bs * hkv + kv_head) * d;
-            for g in 0..group {
-                let qg = &q_row[g * d..(g + 1) * d];
-                let scores = &mut s.scores[g * bs..g * bs + n];
-                let block_max = V::scores(qg, args.k_cache, base, hkv * d, args.scale, scores);
-                let new_max = s.max[g].max(block_max);
-                let correction = fast_exp(s.max[g] - new_max);
-                s.max[g] = new_max;
-                for score in scores.iter_mut() {
-                    *score = fast_exp(*score - new_max);
+            for kv_head in 0..hkv {
+                let base = (block * bs * hkv + kv_head) * d;
+                for head in kv_head * group..(kv_head + 1) * group {
+                    let qh = &q_row[head * d..(head + 1) * d];
+                    let scores = &mut s.scores[head * bs..head * bs + n];
+                    let block_max = V::scores(qh, args.k_cache, base, hkv * d, args.scale, scores);
+                    let new_max = s.max[head].max(block_max);
+                    let correction = fast_exp(s.max[head] - new_max);
+                    s.max[head] = new_max;
+                    for score in scores.iter_mut() {
+                        *score = fast_exp(*score - new_max);
+                    }
+                    s.sum[head] = s.sum[head] * correction + sum(scores);
+                    let acc = &mut s.acc[head * d..(head + 1) * d];
+                    V::accumulate(acc, correction, scores, args.v_cache, base, hkv * d);
                 }
-                s.sum[g] = s.sum[g] * correction + sum(scores);
-                let acc = &mut s.acc[g * d..(g + 1) * d];
-                V::accumulate(acc, correction, scores, args.v_cache, base, hkv * d);
             }
             start += n;
         }
-        for g in 0..group {
-            let inv = 1.0 / s.sum[g];
-            let acc = &mut s.acc[g * d..(g + 1) * d];
+        for head in 0..h {
+            let inv = 1.0 / s.sum[head];
+            let acc = &mut s.acc[head * d..(head + 1) * d];
             acc.iter_mut().for_each(|a| *a *= inv);
-            emit(t, kv_head * group + g, acc);
+            emit(t, head, acc);
         }
     }
 }

@@ -272,6 +272,12 @@ impl PyScheduler {
         Ok(PyStepEvents::new(py, events))
     }
 
+    /// Drops every cached prefix no request uses; returns the blocks freed.
+    fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<usize> {
+        let inner = &mut self.inner;
+        py.detach(|| inner.reset_prefix_cache()).or_raise()
+    }
+
     fn has_unfinished(&self) -> bool {
         self.inner.has_unfinished()
     }

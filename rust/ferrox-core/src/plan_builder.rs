@@ -1,0 +1,73 @@
+//! Turning the requests chosen for a step into the flat arrays of a plan.
+
+use crate::plan::BatchPlan;
+use crate::scheduler::{Chosen, Scheduler};
+
+impl Scheduler {
+    pub(crate) fn build_plan(
+        &self,
+        step_id: u64,
+        mut chosen: Vec<Chosen>,
+        preempted_ids: Vec<u64>,
+        aborted_ids: Vec<u64>,
+    ) -> BatchPlan {
+        // Decodes first, otherwise in the order chosen.
+        chosen.sort_by_key(|c| c.num_tokens != 1);
+        let bs = self.config.block_size;
+        let num_reqs = chosen.len();
+        let num_tokens: usize = chosen.iter().map(|c| c.num_tokens).sum();
+        let width = chosen
+            .iter()
+            .map(|c| self.req(c.slot).block_table.len())
+            .max()
+            .unwrap_or(0);
+        let mut plan = BatchPlan {
+            step_id,
+            req_ids: Vec::with_capacity(num_reqs),
+            num_scheduled_tokens: Vec::with_capacity(num_reqs),
+            num_computed_tokens: Vec::with_capacity(num_reqs),
+            num_decodes: chosen.iter().take_while(|c| c.num_tokens == 1).count(),
+            input_ids: Vec::with_capacity(num_tokens),
+            positions: Vec::with_capacity(num_tokens),
+            query_start_loc: Vec::with_capacity(num_reqs + 1),
+            seq_lens: Vec::with_capacity(num_reqs),
+            block_table: Vec::with_capacity(num_reqs * width),
+            block_table_width: width,
+            slot_mapping: Vec::with_capacity(num_tokens),
+            logits_indices: Vec::with_capacity(num_reqs),
+            sample_rows: Vec::with_capacity(num_reqs),
+            preempted_ids,
+            aborted_ids,
+            slots: Vec::with_capacity(num_reqs),
+        };
+        plan.query_start_loc.push(0);
+        for (row, c) in chosen.iter().enumerate() {
+            let req = self.req(c.slot);
+            let start = req.num_computed_tokens;
+            let end = start + c.num_tokens;
+            plan.req_ids.push(req.id);
+            plan.slots.push(c.slot);
+            plan.num_scheduled_tokens.push(c.num_tokens as i32);
+            plan.num_computed_tokens.push(start as i32);
+            plan.seq_lens.push(end as i32);
+            plan.input_ids
+                .extend(req.tokens[start..end].iter().map(|&t| t as i64));
+            plan.positions.extend((start as i64)..(end as i64));
+            for pos in start..end {
+                let block = req.block_table[pos / bs] as i64;
+                plan.slot_mapping
+                    .push(block * bs as i64 + (pos % bs) as i64);
+            }
+            plan.block_table
+                .extend(req.block_table.iter().map(|&b| b as i32));
+            plan.block_table.resize((row + 1) * width, 0);
+            let qend = plan.input_ids.len() as i32;
+            plan.query_start_loc.push(qend);
+            if end == req.num_tokens() {
+                plan.logits_indices.push(qend as i64 - 1);
+                plan.sample_rows.push(row as i32);
+            }
+        }
+        plan
+    }
+}
