@@ -115,6 +115,74 @@ def test_other_endpoints(server: Server) -> None:
     assert chat_toks["count"] > 3
 
 
+def _scrape(server: Server) -> dict[str, float]:
+    """Every sample of /metrics: `name{labels}` -> value."""
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+def _total(samples: dict[str, float], name: str, *label: str) -> float:
+    return sum(
+        v
+        for k, v in samples.items()
+        if k.split("{", 1)[0] == f"ferrox:{name}" and all(x in k for x in label)
+    )
+
+
+def test_metrics_follow_requests(server: Server) -> None:
+    before = _scrape(server)
+    required = [
+        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+        "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+        "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+        "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+        "request_prompt_tokens_count", "request_generation_tokens_count",
+        "frontend_token_latency_seconds_count",
+    ]  # fmt: skip
+    names = {k.split("{", 1)[0] for k in before}
+    assert {f"ferrox:{n}" for n in required} <= names
+    prompt_ids = server.post("/tokenize", {"prompt": "count the metrics"}).json()["tokens"]
+    stream = server.client().completions.create(
+        model=MODEL,
+        prompt="count the metrics",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert len([ch for ch in stream if ch.choices]) >= 1
+    server.wait_idle()
+    deadline = time.monotonic() + 10
+    while True:  # the frontend records a request just after its last event
+        after = _scrape(server)
+        done = _total(after, "request_success_total", 'finished_reason="length"')
+        if done > _total(before, "request_success_total", 'finished_reason="length"'):
+            break
+        assert time.monotonic() < deadline, "the finished request was never counted"
+        time.sleep(0.05)
+
+    def grew(name: str) -> float:
+        return _total(after, name) - _total(before, name)
+
+    assert grew("request_success_total") == 1
+    assert grew("prompt_tokens_total") == len(prompt_ids)
+    assert grew("generation_tokens_total") == 8
+    assert grew("request_generation_tokens_sum") == 8
+    assert grew("request_prompt_tokens_sum") == len(prompt_ids)
+    assert grew("time_to_first_token_seconds_count") == 1
+    assert grew("inter_token_latency_seconds_count") == 7
+    assert grew("e2e_request_latency_seconds_count") == 1
+    assert grew("frontend_token_latency_seconds_count") == 8
+    assert 0 < grew("frontend_token_latency_seconds_sum") < grew("e2e_request_latency_seconds_sum")
+    assert grew("prefix_cache_queries_total") == len(prompt_ids)
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body", "status", "code_or_param"),
     [

@@ -31,20 +31,18 @@ StreamItem = p.SequenceDelta | p.PromptLogprobs | p.RequestFailed | Exception
 
 
 class RequestStream:
-    """What the engine reports for one request, in order."""
+    """What the engine reports for one request, in order, each item with the
+    `time.monotonic()` at which the engine sent it (0.0 for local errors)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[StreamItem, float]] = asyncio.Queue()
 
-    async def get(self) -> StreamItem:
+    def put(self, item: StreamItem, sent_at: float = 0.0) -> None:
+        self.queue.put_nowait((item, sent_at))
+
+    async def get(self) -> tuple[StreamItem, float]:
         return await self.queue.get()
-
-    def get_nowait(self) -> StreamItem | None:
-        try:
-            return self.queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
 
 
 class AsyncEngineClient:
@@ -153,7 +151,7 @@ class AsyncEngineClient:
             for item in (*msg.failed, *msg.prompt_logprobs, *msg.deltas):
                 stream = self.streams.get(item.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(item)
+                    stream.put(item, msg.sent_at)
 
     async def _watch_process(self) -> None:
         while self._process.is_alive():
@@ -168,7 +166,7 @@ class AsyncEngineClient:
         self.dead_message = message
         logger.error("engine core died: %s", message)
         for stream in self.streams.values():
-            stream.queue.put_nowait(EngineDeadError(message))
+            stream.put(EngineDeadError(message))
         if self.on_dead is not None:
             self.on_dead(message)
 

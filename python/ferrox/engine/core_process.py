@@ -83,7 +83,7 @@ class EngineLoop:
                 deltas, prompt = self.engine.step_deltas()
             stats = self._stats()
             if deltas or prompt or self.failed or stats != last_stats:
-                message = p.StepOutputs(deltas, prompt, self.failed, stats)
+                message = p.StepOutputs(deltas, prompt, self.failed, stats, time.monotonic())
                 self.outputs.send(p.encoder.encode(message), copy=False)
                 self.failed = []
                 last_stats = stats

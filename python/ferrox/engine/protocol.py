@@ -136,6 +136,9 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     prompt_logprobs: list[PromptLogprobs]
     failed: list[RequestFailed]
     stats: EngineStats
+    # time.monotonic() when the engine sent the step: one system-wide clock
+    # for both processes, so the frontend can time its own share of a token.
+    sent_at: float = 0.0
 
 
 class Ready(msgspec.Struct, tag="ready"):

@@ -7,7 +7,7 @@ observed in the frontend as requests finish.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +17,9 @@ from ferrox.engine.protocol import EngineStats
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+_FRONTEND_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
@@ -90,6 +93,12 @@ class Metrics:
             "ferrox:inter_token_latency_seconds", "Time between tokens of a request.", labels,
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.frontend_latency = Histogram(
+            "ferrox:frontend_token_latency_seconds",
+            "From the engine sending a step to the frontend handing its token on "
+            "(IPC, detokenization, stop strings, encoding, writing the SSE event).",
+            labels, buckets=_FRONTEND_BUCKETS, registry=r,
+        )  # fmt: skip
         self.e2e = Histogram(
             "ferrox:e2e_request_latency_seconds", "Arrival to last token.", labels,
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -113,6 +122,7 @@ class Metrics:
         finished_reason: str,
         ttft: float | None,
         itls: list[float],
+        frontend_latencies: Sequence[float] = (),
         e2e: float,
         queue_time: float | None,
         prompt_tokens: int,
@@ -125,6 +135,9 @@ class Metrics:
         itl = self.itl.labels(m)
         for gap in itls:
             itl.observe(gap)
+        frontend = self.frontend_latency.labels(m)
+        for latency in frontend_latencies:
+            frontend.observe(latency)
         self.e2e.labels(m).observe(e2e)
         if queue_time is not None:
             self.queue_time.labels(m).observe(max(queue_time, 0.0))

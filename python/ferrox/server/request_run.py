@@ -4,6 +4,7 @@ logprob updates out, timings for metrics and the request log line."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +42,8 @@ class RequestRun:
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
     token_times: list[float] = field(default_factory=list)
+    # Per token delta: engine sent the step -> the update was handed on.
+    frontend_latencies: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.seqs = [
@@ -71,9 +74,13 @@ class RequestRun:
         )
         try:
             while not self.is_finished:
-                item = await stream.get()
+                item, sent_at = await stream.get()
                 for update in self._apply(item):
                     yield update
+                # The consumer resumed this generator, so it has handed the
+                # update on (for a stream: written the SSE event).
+                if sent_at and isinstance(item, p.SequenceDelta) and item.token_ids:
+                    self.frontend_latencies.append(time.monotonic() - sent_at)
         finally:
             if self.is_finished:
                 self.client.release(self.request_id)
@@ -124,6 +131,7 @@ class RequestRun:
             finished_reason=reason,
             ttft=ttft,
             itls=gaps,
+            frontend_latencies=self.frontend_latencies,
             e2e=end - self.arrival,
             queue_time=queue,
             prompt_tokens=len(self.prompt_token_ids),
@@ -151,6 +159,11 @@ async def run_to_end(run: RequestRun) -> RequestRun:
 async def merge(runs: list[RequestRun]) -> AsyncIterator[tuple[int, SequenceUpdate]]:
     """Interleaves the updates of several runs as they come: (run index, update).
     Cancelling the consumer cancels (and so aborts) every run."""
+    if len(runs) == 1:  # the common case, without a task and a queue hop per token
+        async with contextlib.aclosing(runs[0].updates()) as updates:
+            async for update in updates:
+                yield 0, update
+        return
     queue: asyncio.Queue[tuple[int, SequenceUpdate | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, run: RequestRun) -> None:
