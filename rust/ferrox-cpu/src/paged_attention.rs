@@ -319,7 +319,9 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
     }
 
-    /// `R` registers hold a head of `8 * R` floats for the whole block.
+    /// `R` registers hold a head of `8 * R` floats for the whole block. Four
+    /// keys go at once: four independent FMA chains instead of one hide the
+    /// FMA latency, and one shuffle tree sums all four.
     #[inline(always)]
     unsafe fn scores_regs<const R: usize>(
         q: &[f32],
@@ -333,9 +335,39 @@ mod avx2 {
         for (r, v) in qv.iter_mut().enumerate() {
             *v = _mm256_loadu_ps(q.as_ptr().add(8 * r));
         }
-        let mut max = f32::NEG_INFINITY;
-        for (j, score) in scores.iter_mut().enumerate() {
+        let n = scores.len();
+        let scale4 = _mm_set1_ps(scale);
+        let mut max4 = _mm_set1_ps(f32::NEG_INFINITY);
+        let mut j = 0;
+        while j + 4 <= n {
             let k = keys.as_ptr().add(base + j * stride);
+            let (mut a0, mut a1, mut a2, mut a3) = (
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+            );
+            for (r, v) in qv.iter().enumerate() {
+                a0 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(8 * r)), a0);
+                a1 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(stride + 8 * r)), a1);
+                a2 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(2 * stride + 8 * r)), a2);
+                a3 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(3 * stride + 8 * r)), a3);
+            }
+            // hadd(hadd(a0, a1), hadd(a2, a3)) holds, per 128-bit half, the
+            // four keys' partial sums in order; adding the halves finishes them.
+            let s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            let s = _mm_mul_ps(
+                _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)),
+                scale4,
+            );
+            _mm_storeu_ps(scores.as_mut_ptr().add(j), s);
+            max4 = _mm_max_ps(max4, s);
+            j += 4;
+        }
+        let pair = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+        let mut max = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+        for (i, score) in scores.iter_mut().enumerate().skip(j) {
+            let k = keys.as_ptr().add(base + i * stride);
             let mut acc = _mm256_setzero_ps();
             for (r, v) in qv.iter().enumerate() {
                 acc = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(8 * r)), acc);
