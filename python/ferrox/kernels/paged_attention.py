@@ -43,6 +43,47 @@ def _tile_mask(rows, d, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr):
     return rows[:, None] if HEAD_DIM == DIM_P2 else rows[:, None] & (d < HEAD_DIM)[None, :]
 
 
+@triton.jit
+def _attend_keys(
+    q,  # [R, D] query rows of one KV head
+    m_i,  # [R] running max
+    l_i,  # [R] running sum
+    acc,  # [R, D] running weighted values
+    k_cache_ptr,
+    v_cache_ptr,
+    table,  # this row's block table
+    table_width,
+    pos,  # [N] key positions of the tile
+    valid,  # [N] positions that exist
+    key_ok,  # [R, N] or [1, N]: the keys each query row may see
+    kv_head,
+    d,
+    scale,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One tile of keys folded into the online softmax: (m_i, l_i, acc)."""
+    idx = pos // BLOCK_SIZE
+    page = tl.load(table + idx, mask=valid & (idx < table_width), other=0).to(tl.int64)
+    off = page * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    kv_mask = _tile_mask(valid, d, HEAD_DIM, DIM_P2)
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = _mma(q, tl.trans(k.to(q.dtype)), DOT_FP32) * scale  # [R, N]
+    s = tl.where(key_ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + _mma(p, v.to(q.dtype), DOT_FP32)  # [R, D]
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["table_width"])
 def _decode_kernel(
     q_ptr,  # [T, H, D]
@@ -97,21 +138,11 @@ def _decode_kernel(
     for pos0 in range(start, end, BLOCK_N):
         pos = pos0 + n  # [BLOCK_N]
         valid = pos < end
-        idx = pos // BLOCK_SIZE
-        page = tl.load(table + idx, mask=valid & (idx < table_width), other=0).to(tl.int64)
-        off = page * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = _tile_mask(valid, d, HEAD_DIM, DIM_P2)
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _mma(q, tl.trans(k.to(q.dtype)), DOT_FP32) * scale  # [G, N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = _mma(p, v.to(q.dtype), DOT_FP32)  # [G, D]
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, table_width, pos, valid,
+            valid[None, :], kv_head, d, scale, stride_cb, stride_cs, stride_ch,
+            HEAD_DIM, DIM_P2, BLOCK_SIZE, DOT_FP32,
+        )  # fmt: skip
 
     if NUM_SPLITS == 1:
         # An empty row (seq_len 0, a padded slot of a captured batch) gives zeros.
@@ -212,21 +243,12 @@ def _prefill_kernel(
     for pos0 in range(0, kv_end, BLOCK_N):
         pos = pos0 + n  # [N]
         valid = pos < kv_end
-        idx = pos // BLOCK_SIZE
-        page = tl.load(table + idx, mask=valid & (idx < table_width), other=0).to(tl.int64)
-        off = page * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = _tile_mask(valid, d, HEAD_DIM, DIM_P2)
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _mma(q, tl.trans(k.to(q.dtype)), DOT_FP32) * scale  # [M, N]
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = _mma(p, v.to(q.dtype), DOT_FP32)  # [M, D]
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, table_width, pos, valid,
+            causal, kv_head, d, scale, stride_cb, stride_cs, stride_ch,
+            HEAD_DIM, DIM_P2, BLOCK_SIZE, DOT_FP32,
+        )  # fmt: skip
 
     o = acc / l_i[:, None]
     o_off = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
