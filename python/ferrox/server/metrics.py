@@ -80,41 +80,43 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.model = model
         self.registry.register(_EngineCollector(stats, model))  # type: ignore[arg-type]
-        labels = ["model_name"]
-        r = self.registry
         self.request_success = Counter(
-            "ferrox:request_success", "Finished requests.", [*labels, "finished_reason"], registry=r
+            "ferrox:request_success",
+            "Finished requests.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
         )
-        self.ttft = Histogram(
-            "ferrox:time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "ferrox:inter_token_latency_seconds", "Time between tokens of a request.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.frontend_latency = Histogram(
-            "ferrox:frontend_token_latency_seconds",
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Time between tokens of a request.", _LATENCY_BUCKETS
+        )
+        self.frontend_latency = self._histogram(
+            "frontend_token_latency_seconds",
             "From the engine sending a step to the frontend handing its token on "
             "(IPC, detokenization, stop strings, encoding, writing the SSE event).",
-            labels, buckets=_FRONTEND_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "ferrox:e2e_request_latency_seconds", "Arrival to last token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.queue_time = Histogram(
-            "ferrox:request_queue_time_seconds", "Arrival to first scheduling.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.prompt_tokens = Histogram(
-            "ferrox:request_prompt_tokens", "Prompt tokens per request.", labels,
-            buckets=_TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.generation_tokens = Histogram(
-            "ferrox:request_generation_tokens", "Generated tokens per request.", labels,
-            buckets=_TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
+            _FRONTEND_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS
+        )
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
+        )
+        self.prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.generation_tokens = self._histogram(
+            "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        """A histogram labelled with the served model's name (its only label)."""
+        family = Histogram(
+            f"ferrox:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry
+        )
+        return family.labels(self.model)
 
     def observe_request(
         self,
@@ -128,21 +130,18 @@ class Metrics:
         prompt_tokens: int,
         generation_tokens: int,
     ) -> None:
-        m = self.model
-        self.request_success.labels(m, finished_reason).inc()
+        self.request_success.labels(self.model, finished_reason).inc()
         if ttft is not None:
-            self.ttft.labels(m).observe(ttft)
-        itl = self.itl.labels(m)
+            self.ttft.observe(ttft)
         for gap in itls:
-            itl.observe(gap)
-        frontend = self.frontend_latency.labels(m)
+            self.itl.observe(gap)
         for latency in frontend_latencies:
-            frontend.observe(latency)
-        self.e2e.labels(m).observe(e2e)
+            self.frontend_latency.observe(latency)
+        self.e2e.observe(e2e)
         if queue_time is not None:
-            self.queue_time.labels(m).observe(max(queue_time, 0.0))
-        self.prompt_tokens.labels(m).observe(prompt_tokens)
-        self.generation_tokens.labels(m).observe(generation_tokens)
+            self.queue_time.observe(max(queue_time, 0.0))
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
