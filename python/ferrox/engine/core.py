@@ -344,18 +344,23 @@ class EngineCore:
                     stopped.append(seq.seq_id)
                     seq.stop_reason = stop
             seq.output_token_ids.append(tok)
-            if not self.detokenize and seq.params.logprobs is not None:
-                self._add_wire_logprobs(seq, out, i)
-            elif seq.logprobs is not None and out.sampled_logprobs is not None:
-                lp = float(out.sampled_logprobs[i])
+            if seq.params.logprobs is None:
+                continue
+            row = out.row_logprobs(i, seq.params.logprobs)
+            if row is None:
+                continue
+            lp, rank, top_ids, top_lps = row
+            if not self.detokenize:  # the frontend decodes the tokens
+                wire = seq.wire_logprobs
+                if wire is None:
+                    wire = seq.wire_logprobs = TokenLogprobs([], [], [], [])
+                wire.logprobs.append(lp)
+                wire.ranks.append(rank)
+                wire.top_ids.append(top_ids)
+                wire.top_logprobs.append(top_lps)
+            elif seq.logprobs is not None:
                 seq.cumulative_logprob += lp
-                k = seq.params.logprobs or 0
-                top = out.top_ids[i, :k].tolist() if out.top_ids is not None and k else None
-                top_lp = (
-                    out.top_logprobs[i, :k].tolist() if out.top_logprobs is not None and k else None
-                )
-                rank = int(out.sampled_ranks[i]) if out.sampled_ranks is not None else None
-                seq.logprobs.append(position_logprobs(seq, tok, lp, rank or 0, top, top_lp))
+                seq.logprobs.append(position_logprobs(seq, tok, lp, rank, top_ids, top_lps))
         return stopped
 
     def _apply_events(self, events: Any) -> None:
@@ -397,22 +402,6 @@ class EngineCore:
             if req.stream or finished:
                 outputs.append(req.output(delta=req.stream))
         return outputs
-
-    @staticmethod
-    def _add_wire_logprobs(seq: SequenceState, out: RunnerOutput, i: int) -> None:
-        if out.sampled_logprobs is None or out.sampled_ranks is None:
-            return
-        k = seq.params.logprobs or 0
-        wire = seq.wire_logprobs
-        if wire is None:
-            wire = seq.wire_logprobs = TokenLogprobs([], [], [], [])
-        wire.logprobs.append(float(out.sampled_logprobs[i]))
-        wire.ranks.append(int(out.sampled_ranks[i]))
-        has_top = k and out.top_ids is not None and out.top_logprobs is not None
-        wire.top_ids.append(out.top_ids[i, :k].tolist() if has_top else [])  # type: ignore[index]
-        wire.top_logprobs.append(
-            out.top_logprobs[i, :k].tolist() if has_top else []  # type: ignore[index]
-        )
 
     # ---- prompt logprobs ---------------------------------------------------
 

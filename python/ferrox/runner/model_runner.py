@@ -42,6 +42,17 @@ class RunnerOutput:
     top_logprobs: np.ndarray | None  # [S, k]
     prompt_logprobs: list[PromptLogprobs]
 
+    def row_logprobs(self, i: int, k: int) -> tuple[float, int, list[int], list[float]] | None:
+        """Sample row i's (logprob, rank, top-k ids, top-k logprobs), or None
+        when no request in the step asked for logprobs."""
+        if self.sampled_logprobs is None or self.sampled_ranks is None:
+            return None
+        top_ids: list[int] = []
+        top_lps: list[float] = []
+        if k and self.top_ids is not None and self.top_logprobs is not None:
+            top_ids, top_lps = self.top_ids[i, :k].tolist(), self.top_logprobs[i, :k].tolist()
+        return float(self.sampled_logprobs[i]), int(self.sampled_ranks[i]), top_ids, top_lps
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> None:
