@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ferrox._native import BatchPlan
 from ferrox.config import CPU_KV_CACHE_BYTES, EngineConfig
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention import AttentionMetadata
@@ -199,22 +200,22 @@ class ModelRunner:
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
 
-    def build_metadata(self, plan: object) -> AttentionMetadata:
-        qsl = plan.query_start_loc  # type: ignore[attr-defined]
-        seq_lens = plan.seq_lens  # type: ignore[attr-defined]
-        num_sched = plan.num_scheduled_tokens  # type: ignore[attr-defined]
+    def build_metadata(self, plan: BatchPlan) -> AttentionMetadata:
+        qsl = plan.query_start_loc
+        seq_lens = plan.seq_lens
+        num_sched = plan.num_scheduled_tokens
         return AttentionMetadata(
-            num_reqs=plan.num_reqs,  # type: ignore[attr-defined]
-            num_decodes=plan.num_decodes,  # type: ignore[attr-defined]
-            num_tokens=plan.num_tokens,  # type: ignore[attr-defined]
-            slot_mapping=self._tensor(plan.slot_mapping, "slots"),  # type: ignore[attr-defined]
-            block_table=self._tensor(plan.block_table, "blocks"),  # type: ignore[attr-defined]
-            block_table_cpu=plan.block_table,  # type: ignore[attr-defined]
+            num_reqs=plan.num_reqs,
+            num_decodes=plan.num_decodes,
+            num_tokens=plan.num_tokens,
+            slot_mapping=self._tensor(plan.slot_mapping, "slots"),
+            block_table=self._tensor(plan.block_table, "blocks"),
+            block_table_cpu=plan.block_table,
             query_start_loc=self._tensor(qsl, "qsl"),
             seq_lens=self._tensor(seq_lens, "seq_lens"),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
-            num_computed_cpu=plan.num_computed_tokens,  # type: ignore[attr-defined]
+            num_computed_cpu=plan.num_computed_tokens,
             max_query_len=int(num_sched.max()) if len(num_sched) else 0,
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
         )
@@ -222,7 +223,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self,
-        plan: object,
+        plan: BatchPlan,
         sampling: SamplingBatch,
         prompt_logprob_rows: list[tuple[int, int, int]] | None = None,
     ) -> RunnerOutput:
@@ -231,8 +232,8 @@ class ModelRunner:
         their positions gets logits; `next token` is the prompt token after
         the chunk (-1 when the chunk ends the prompt)."""
         meta = self.build_metadata(plan)
-        input_ids = self._tensor(plan.input_ids, "ids")  # type: ignore[attr-defined]
-        positions = self._tensor(plan.positions, "positions")  # type: ignore[attr-defined]
+        input_ids = self._tensor(plan.input_ids, "ids")
+        positions = self._tensor(plan.positions, "positions")
         graphs = self.graphs if self._graph_fits(meta, prompt_logprob_rows) else None
         if graphs is not None:
             # A decode-only step samples every row, in order.
@@ -242,7 +243,7 @@ class ModelRunner:
             hidden = None
         else:
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
-            logits_indices = self._tensor(plan.logits_indices, "logits")  # type: ignore[attr-defined]
+            logits_indices = self._tensor(plan.logits_indices, "logits")
             logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
         out = self.sampler(logits, sampling)
         prompt = [
@@ -271,13 +272,13 @@ class ModelRunner:
         )
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, plan: object, row: int, k: int, next_token: int
+        self, hidden: torch.Tensor, plan: BatchPlan, row: int, k: int, next_token: int
     ) -> PromptLogprobs:
-        qsl = plan.query_start_loc  # type: ignore[attr-defined]
+        qsl = plan.query_start_loc
         start, end = int(qsl[row]), int(qsl[row + 1])
         # Position p predicts the token at p + 1: the chunk's own next tokens,
         # then the prompt token after the chunk, if any.
-        chunk = plan.input_ids[start:end]  # type: ignore[attr-defined]
+        chunk = plan.input_ids[start:end]
         targets = chunk[1:] if next_token < 0 else np.append(chunk[1:], next_token)
         n = len(targets)
         next_ids = torch.from_numpy(np.ascontiguousarray(targets)).to(self.device)
