@@ -23,7 +23,7 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 
 use crate::block_allocator::{BlockAllocator, BlockId};
-use crate::error::{ensure, CoreError, Result};
+use crate::error::{CoreError, Result};
 
 type NodeId = u32;
 const ROOT: NodeId = 0;
@@ -401,95 +401,6 @@ impl RadixCache {
         Ok(num_freed)
     }
 
-    /// Every cached block is held once by the tree and referenced in the
-    /// allocator; evictable + locked == cached; the eviction set holds exactly
-    /// the unlocked leaves; a lock on a node covers its ancestors.
-    pub fn check_integrity(&self, alloc: &BlockAllocator) -> Result<()> {
-        let bs = self.block_size;
-        let mut seen = vec![false; self.in_tree.len()];
-        let (mut num_blocks, mut num_locked, mut num_reached) = (0usize, 0usize, 0usize);
-        let mut leaves = BTreeSet::new();
-        let mut stack = vec![ROOT];
-        while let Some(id) = stack.pop() {
-            let node = &self.nodes[id as usize];
-            ensure!(node.is_live, "node {id} is reachable but not live");
-            num_reached += 1;
-            if id != ROOT {
-                ensure!(!node.blocks.is_empty(), "node {id} owns no block");
-                ensure!(
-                    node.key.len() == node.blocks.len() * bs,
-                    "node {id} has {} tokens for {} blocks",
-                    node.key.len(),
-                    node.blocks.len()
-                );
-                let parent = &self.nodes[node.parent as usize];
-                ensure!(
-                    parent.children.get(&node.key[..bs]) == Some(&id),
-                    "node {id} is not its parent's child under its first block"
-                );
-                if node.parent != ROOT {
-                    ensure!(
-                        parent.lock_ref >= node.lock_ref,
-                        "node {id} is locked more than its parent"
-                    );
-                }
-                if node.children.is_empty() && node.lock_ref == 0 {
-                    leaves.insert((node.last_access, id));
-                }
-            }
-            for &block in &node.blocks {
-                let idx = block as usize;
-                ensure!(idx < seen.len(), "cached block {block} is out of range");
-                ensure!(!seen[idx], "block {block} is cached twice");
-                seen[idx] = true;
-                ensure!(self.in_tree[idx], "block {block} is cached but not marked");
-                ensure!(
-                    alloc.ref_count(block)? >= 1,
-                    "cached block {block} holds no allocator reference"
-                );
-            }
-            num_blocks += node.blocks.len();
-            if node.lock_ref > 0 {
-                num_locked += node.blocks.len();
-            }
-            for (first, &child) in &node.children {
-                ensure!(
-                    self.nodes[child as usize].parent == id,
-                    "child {child} of {id} names another parent"
-                );
-                ensure!(
-                    self.nodes[child as usize].key.starts_with(first),
-                    "child {child} is filed under a key it does not start with"
-                );
-                stack.push(child);
-            }
-        }
-        ensure!(
-            num_reached == self.num_nodes(),
-            "{} live nodes, {num_reached} reachable",
-            self.num_nodes()
-        );
-        ensure!(
-            seen == self.in_tree,
-            "the in-tree marks disagree with the tree"
-        );
-        ensure!(
-            num_blocks == self.num_cached_blocks,
-            "tree holds {num_blocks} blocks, counter says {}",
-            self.num_cached_blocks
-        );
-        ensure!(
-            num_locked == self.num_locked_blocks,
-            "{num_locked} locked blocks, counter says {}",
-            self.num_locked_blocks
-        );
-        ensure!(
-            leaves == self.evictable_leaves,
-            "the eviction set differs from the unlocked leaves"
-        );
-        Ok(())
-    }
-
     // ---- internals -------------------------------------------------------
 
     fn tick(&mut self) -> u64 {
@@ -638,6 +549,9 @@ impl RadixCache {
         upper
     }
 }
+
+#[path = "radix_cache_integrity.rs"]
+mod integrity;
 
 #[cfg(test)]
 #[path = "radix_cache_tests.rs"]
