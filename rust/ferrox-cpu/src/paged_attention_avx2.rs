@@ -1,0 +1,145 @@
+//! The AVX2/FMA vector loops of the CPU paged-attention kernel.
+
+use std::arch::x86_64::*;
+
+use super::{Portable, VectorOps};
+
+pub struct Avx2;
+
+/// Horizontal sum of the eight lanes.
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+}
+
+/// `R` registers hold a head of `8 * R` floats for the whole block. Four
+/// keys go at once: four independent FMA chains instead of one hide the
+/// FMA latency, and one shuffle tree sums all four.
+#[inline(always)]
+unsafe fn scores_regs<const R: usize>(
+    q: &[f32],
+    keys: &[f32],
+    base: usize,
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+) -> f32 {
+    let mut qv = [_mm256_setzero_ps(); R];
+    for (r, v) in qv.iter_mut().enumerate() {
+        *v = _mm256_loadu_ps(q.as_ptr().add(8 * r));
+    }
+    let n = scores.len();
+    let scale4 = _mm_set1_ps(scale);
+    let mut max4 = _mm_set1_ps(f32::NEG_INFINITY);
+    let mut j = 0;
+    while j + 4 <= n {
+        let k = keys.as_ptr().add(base + j * stride);
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        for (r, v) in qv.iter().enumerate() {
+            a0 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(8 * r)), a0);
+            a1 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(stride + 8 * r)), a1);
+            a2 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(2 * stride + 8 * r)), a2);
+            a3 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(3 * stride + 8 * r)), a3);
+        }
+        // hadd(hadd(a0, a1), hadd(a2, a3)) holds, per 128-bit half, the
+        // four keys' partial sums in order; adding the halves finishes them.
+        let s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        let s = _mm_mul_ps(
+            _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)),
+            scale4,
+        );
+        _mm_storeu_ps(scores.as_mut_ptr().add(j), s);
+        max4 = _mm_max_ps(max4, s);
+        j += 4;
+    }
+    let pair = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+    let mut max = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    for (i, score) in scores.iter_mut().enumerate().skip(j) {
+        let k = keys.as_ptr().add(base + i * stride);
+        let mut acc = _mm256_setzero_ps();
+        for (r, v) in qv.iter().enumerate() {
+            acc = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(8 * r)), acc);
+        }
+        *score = hsum(acc) * scale;
+        max = max.max(*score);
+    }
+    max
+}
+
+#[inline(always)]
+unsafe fn accumulate_regs<const R: usize>(
+    acc: &mut [f32],
+    correction: f32,
+    probs: &[f32],
+    values: &[f32],
+    base: usize,
+    stride: usize,
+) {
+    let c = _mm256_set1_ps(correction);
+    let mut av = [_mm256_setzero_ps(); R];
+    for (r, v) in av.iter_mut().enumerate() {
+        *v = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(8 * r)), c);
+    }
+    for (j, &p) in probs.iter().enumerate() {
+        let x = values.as_ptr().add(base + j * stride);
+        let pv = _mm256_set1_ps(p);
+        for (r, v) in av.iter_mut().enumerate() {
+            *v = _mm256_fmadd_ps(pv, _mm256_loadu_ps(x.add(8 * r)), *v);
+        }
+    }
+    for (r, v) in av.iter().enumerate() {
+        _mm256_storeu_ps(acc.as_mut_ptr().add(8 * r), *v);
+    }
+}
+
+// SAFETY (both methods): only reached from `run_row_avx2`, where AVX2
+// and FMA are enabled; `validate` has checked that every key and value
+// row `base + j * stride .. + d` lies inside the cache, and `d == 8 * R`.
+impl VectorOps for Avx2 {
+    #[inline(always)]
+    fn scores(
+        q: &[f32],
+        keys: &[f32],
+        base: usize,
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) -> f32 {
+        unsafe {
+            match q.len() {
+                32 => scores_regs::<4>(q, keys, base, stride, scale, scores),
+                64 => scores_regs::<8>(q, keys, base, stride, scale, scores),
+                96 => scores_regs::<12>(q, keys, base, stride, scale, scores),
+                128 => scores_regs::<16>(q, keys, base, stride, scale, scores),
+                _ => Portable::scores(q, keys, base, stride, scale, scores),
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate(
+        acc: &mut [f32],
+        correction: f32,
+        probs: &[f32],
+        values: &[f32],
+        base: usize,
+        stride: usize,
+    ) {
+        unsafe {
+            match acc.len() {
+                32 => accumulate_regs::<4>(acc, correction, probs, values, base, stride),
+                64 => accumulate_regs::<8>(acc, correction, probs, values, base, stride),
+                96 => accumulate_regs::<12>(acc, correction, probs, values, base, stride),
+                128 => accumulate_regs::<16>(acc, correction, probs, values, base, stride),
+                _ => Portable::accumulate(acc, correction, probs, values, base, stride),
+            }
+        }
+    }
+}
