@@ -167,10 +167,13 @@ pub fn paged_attention(args: &PagedAttentionArgs<'_>, out: &mut [f32]) -> Result
         }
         return Ok(());
     }
+    // The calling thread takes the last piece itself: one spawn fewer.
+    let (run, out, base) = pieces.pop().expect("two pieces or more");
     std::thread::scope(|s| {
         for (run, out, base) in pieces {
             s.spawn(move || work(run, out, base));
         }
+        work(run, out, base);
     });
     Ok(())
 }
