@@ -46,6 +46,10 @@ class UnsupportedModelError(FerroxError, ValueError):
     """The model's architecture, tensor layout or tokenizer is not supported."""
 
 
+class MissingDependencyError(FerroxError, RuntimeError):
+    """An optional package a command needs is not installed; the message names the extra."""
+
+
 class ModelLoadError(FerroxError, RuntimeError):
     """A model file could not be found, fetched, verified or read."""
 

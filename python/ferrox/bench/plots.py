@@ -1,4 +1,5 @@
-"""PNG plots of benchmark reports (matplotlib, imported only when plotting)."""
+"""PNG plots of benchmark reports (matplotlib, from the `bench` extra, imported only
+when plotting)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,14 @@ from typing import Any
 
 import numpy as np
 
+from ferrox.bench import require_bench_extra
+
 
 def plot_reports(reports: list[dict[str, Any]], out: Path, stem: str) -> list[Path]:
-    try:
-        import matplotlib
+    matplotlib = require_bench_extra("matplotlib", "plotting benchmark reports")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)")
-        return []
     paths = []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for report in reports:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ferrox.bench import require_bench_extra
 from ferrox.bench.datasets import (
     PRESET_DEFAULTS,
     Session,
@@ -295,6 +296,10 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # Checked before any request is sent, not after the run.
+    require_bench_extra("httpx", "ferrox bench serve")
+    if args.result_dir:
+        require_bench_extra("matplotlib", "ferrox bench serve --result-dir (plots)")
     apply_presets(args)
     tokenizer = load_tokenizer(args.tokenizer)
     reports = []

@@ -1,0 +1,196 @@
+"""The engine's own cost per token, with a model that costs almost nothing.
+
+A random Llama of 2 layers, hidden 64 and a 1,000-token vocabulary (the
+default model's tokenizer, so detokenization is real) leaves the scheduler,
+the sampler, the output path and the Python glue as nearly all the time.
+Through the public `LLM.generate`:
+
+  greedy    256 requests at once, 150 output tokens each, temperature 0
+  sampling  the same with a mix of parameters: temperature, top-p,
+            top-k + min-p, per-request seeds, penalties
+  single    one request alone, 150 output tokens (ms per token)
+
+    python benches/host_overhead.py [--repeats 3]
+    python benches/host_overhead.py --baseline REF [--repeats 3]
+
+With `--baseline`, the same script also runs the code at git revision REF
+(checked out in a temporary worktree, its native module built there) and
+prints both, interleaved run by run, with the ratio baseline / current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_REQUESTS = 256
+OUTPUT_LEN = 150
+PROMPT_LEN = 32
+VOCAB = 1000
+
+
+def make_model(folder: Path) -> Path:
+    """config.json of the tiny Llama plus the default model's tokenizer."""
+    from transformers import LlamaConfig
+
+    from ferrox.loader.default import default_model_path
+    from ferrox.loader.gguf import load_gguf_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    config.save_pretrained(folder)
+    load_gguf_tokenizer(default_model_path()).save_pretrained(folder)
+    return folder
+
+
+def sampling_mix(i: int) -> Any:  # SamplingParams of whichever ferrox runs
+    from ferrox import SamplingParams
+
+    common = dict(max_tokens=OUTPUT_LEN, ignore_eos=True)
+    kinds = [
+        dict(temperature=0.8),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.0, top_k=50, min_p=0.05),
+        dict(temperature=0.9, seed=1000 + i),
+        dict(temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1),
+    ]
+    return SamplingParams(**common, **kinds[i % len(kinds)])
+
+
+def measure(model: Path) -> dict[str, float]:
+    """Seconds for each workload, in this process, with whichever ferrox is importable."""
+    import numpy as np
+
+    from ferrox import LLM, SamplingParams
+
+    llm = LLM(str(model), load_format="dummy", max_num_seqs=NUM_REQUESTS, seed=0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB, size=PROMPT_LEN).tolist() for _ in range(NUM_REQUESTS)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    llm.generate(prompts[:4], greedy, use_tqdm=False)  # warm-up
+
+    def timed(batch: list[list[int]], params: object) -> float:
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if produced != len(batch) * OUTPUT_LEN:
+            raise RuntimeError(f"expected {len(batch) * OUTPUT_LEN} tokens, got {produced}")
+        return elapsed
+
+    mix = [sampling_mix(i) for i in range(NUM_REQUESTS)]
+    return {
+        "greedy_s": timed(prompts, greedy),
+        "sampling_s": timed(prompts, mix),
+        "single_ms_per_token": timed(prompts[:1], greedy) / OUTPUT_LEN * 1e3,
+    }
+
+
+def build_baseline(ref: str, folder: Path) -> Path:
+    """A worktree of `ref` with its native module built in place; returns its python/."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(folder), ref], cwd=ROOT, check=True)
+    # A target folder of its own keeps the current tree's build untouched.
+    env = dict(os.environ, CARGO_TARGET_DIR=str(ROOT / "target" / "baseline"))
+    wheels = folder / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "maturin", "build", "--release", "-o", str(wheels)],
+        cwd=folder,
+        env=env,
+        check=True,
+    )
+    with zipfile.ZipFile(next(wheels.glob("*.whl"))) as wheel:
+        member = next(n for n in wheel.namelist() if n.startswith("ferrox/_native"))
+        target = folder / "python" / "ferrox" / Path(member).name
+        target.write_bytes(wheel.read(member))
+    return folder / "python"
+
+
+def run_child(python_path: Path, model: Path) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=str(python_path))
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(model)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", default=None, help="git revision to compare against")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(Path(args.child))))
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="ferrox-host-overhead-"))
+    try:
+        model = make_model(work / "model")
+        versions = {"current": ROOT / "python"}
+        if args.baseline:
+            versions = {"baseline": build_baseline(args.baseline, work / "baseline"), **versions}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
+        for r in range(args.repeats):
+            for name, path in versions.items():
+                result = run_child(path, model)
+                runs[name].append(result)
+                print(
+                    f"run {r + 1} {name:>8}: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in result.items())
+                )
+        print_table(runs)
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps({"baseline": args.baseline, "runs": runs}, indent=2)
+            )
+    finally:
+        if args.baseline:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(work / "baseline")], cwd=ROOT
+            )
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
+    keys = ["greedy_s", "sampling_s", "single_ms_per_token"]
+    print(f"\n{'median (min-max)':<22}" + "".join(f"{k:>26}" for k in keys))
+    for name, results in runs.items():
+        cells = []
+        for k in keys:
+            values = [r[k] for r in results]
+            cells.append(f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
+        print(f"{name:<22}" + "".join(f"{c:>26}" for c in cells))
+    if "baseline" in runs:
+        cells = []
+        for k in keys:
+            ratios = [b[k] / c[k] for b, c in zip(runs["baseline"], runs["current"], strict=True)]
+            cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"{'speed-up (base/cur)':<22}" + "".join(f"{c:>26}" for c in cells))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
