@@ -65,10 +65,10 @@ def decode_step_time(llm: LLM, batch: int, prompt_len: int, steps: int, seed: in
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     ids = [f"d{seed}-{i}" for i in range(batch)]
     for rid in ids:
-        engine.add_request(rid, rng.integers(0, 32000, prompt_len).tolist(), params, stream=True)
+        engine.add_request(rid, rng.integers(0, 32000, prompt_len).tolist(), params)
     started: set[str] = set()
     while len(started) < batch:  # prefill until every request has its first token
-        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        started.update(d.request_id for d in engine.step()[0] if d.token_ids)
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()

@@ -72,7 +72,7 @@ fn bench_radix(c: &mut Criterion) {
     let mut group = c.benchmark_group("radix_cache");
     group.measurement_time(Duration::from_secs(3));
     group.bench_function("match_prefix_4096_in_10k_tree", |b| {
-        b.iter(|| black_box(cache.find_prefix(black_box(&prompt))))
+        b.iter(|| black_box(cache.split_and_touch_prefix(black_box(&prompt))))
     });
 
     // Insert a new 4,096-token sequence sharing a system prompt (its shared

@@ -40,14 +40,15 @@ def offline(prompts: list[list[int]], output_len: int) -> tuple[float, float]:
     llm = LLM(max_num_seqs=len(prompts))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
-    engine = llm.engine
+    engine, processor = llm.engine, llm.output_processor
     for i, p in enumerate(prompts):
+        processor.add_request(f"r{i}", None, p, params)
         engine.add_request(f"r{i}", p, params)
     steps = []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t = time.perf_counter()
-        engine.step()
+        processor.process(*engine.step())  # the engine step and its detokenization
         steps.append(time.perf_counter() - t)
     elapsed = time.perf_counter() - start
     decode_steps = steps[-(output_len - 2) :]  # the steady decode phase

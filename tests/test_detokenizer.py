@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from ferrox.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 from ferrox.errors import UnsupportedModelError
+from ferrox.frontend.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 from ferrox.sampling_params import SamplingParams
 
 FFFD = "\ufffd"

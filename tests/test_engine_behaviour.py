@@ -21,8 +21,8 @@ def llm(tiny_models: dict[str, Path]) -> LLM:
 def assert_idle(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
     stats = llm.engine.stats()
-    assert stats["num_used_blocks"] == 0
-    assert stats["num_free_blocks"] + stats["num_cached_blocks"] == stats["num_total_blocks"]
+    assert stats.num_used_blocks == 0
+    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
     llm.engine.scheduler.check_integrity()
 
 
@@ -222,7 +222,7 @@ def test_abort_returns_blocks(llm: LLM) -> None:
     engine.add_request("b", list(range(1, 20)), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.stats()["num_used_blocks"] > 0
+    assert engine.stats().num_used_blocks > 0
     assert engine.abort_request("a") and engine.abort_request("b")
     assert not engine.abort_request("a")
     engine.step()  # the scheduler reports the aborts
@@ -244,10 +244,10 @@ def test_unknown_model_and_architecture(tmp_path: Path) -> None:
 def test_reset_prefix_cache(llm: LLM) -> None:
     prompt = list(range(150, 190))
     llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert llm.engine.stats()["num_cached_blocks"] > 0
+    assert llm.engine.stats().num_cached_blocks > 0
     assert llm.reset_prefix_cache() > 0
-    assert llm.engine.stats()["num_cached_blocks"] == 0
-    hits = llm.engine.stats()["prefix_hit_tokens"]
+    assert llm.engine.stats().num_cached_blocks == 0
+    hits = llm.engine.stats().prefix_hit_tokens
     llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert llm.engine.stats()["prefix_hit_tokens"] == hits  # nothing left to hit
+    assert llm.engine.stats().prefix_hit_tokens == hits  # nothing left to hit
     assert_idle(llm)

@@ -91,7 +91,7 @@ def test_cuda_graphs_replay_matches_eager(tiny_models: dict[str, Path]) -> None:
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
         stats = llm.engine.stats()
-        assert stats["num_used_blocks"] == 0
+        assert stats.num_used_blocks == 0
         del llm
         torch.cuda.empty_cache()
     assert runs[False] == runs[True]

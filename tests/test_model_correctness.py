@@ -58,7 +58,7 @@ def test_tiny_models_match_transformers(tiny_models: dict[str, Path], name: str)
         )
     )
     stats = llm.engine.stats()
-    assert stats["num_used_blocks"] == 0
+    assert stats.num_used_blocks == 0
     llm.engine.scheduler.check_integrity()
 
 
@@ -85,11 +85,11 @@ def test_scheduling_regimes_match_transformers(
         # Run again: the prompts now come from the cache.
         again = llm.generate(batch, greedy(), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
-        assert llm.engine.stats()["prefix_hit_tokens"] > sum(PROMPT_LENGTHS) // 2
+        assert llm.engine.stats().prefix_hit_tokens > sum(PROMPT_LENGTHS) // 2
         assert sum(o.metrics.num_cached_tokens for o in again) > 0
     if label == "preemption":
-        assert stats["num_preemptions"] > 0
-    assert llm.engine.stats()["num_used_blocks"] == 0
+        assert stats.num_preemptions > 0
+    assert llm.engine.stats().num_used_blocks == 0
     llm.engine.scheduler.check_integrity()
 
 

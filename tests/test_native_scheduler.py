@@ -103,8 +103,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         self.sched.check_integrity()
         s = self.sched.stats()
-        assert s["num_free_blocks"] + s["num_used_blocks"] + s["num_cached_blocks"] == 12
-        assert s["num_running"] + s["num_waiting"] == len(self.live) == self.sched.num_requests
+        assert s.num_free_blocks + s.num_used_blocks + s.num_cached_blocks == 12
+        assert s.num_running + s.num_waiting == len(self.live) == self.sched.num_requests
 
     def teardown(self) -> None:
         for rid in list(self.live):
@@ -112,8 +112,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.sched.schedule()
         self.sched.update(plan, [])
         s = self.sched.stats()
-        assert s["num_used_blocks"] == 0
-        assert s["num_free_blocks"] + s["num_cached_blocks"] == 12
+        assert s.num_used_blocks == 0
+        assert s.num_free_blocks + s.num_cached_blocks == 12
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

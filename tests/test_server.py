@@ -102,6 +102,21 @@ def test_stop_strings_and_seeds(server: Server) -> None:
     server.wait_idle()
 
 
+def test_a_seed_gives_the_same_tokens_offline_and_served(server: Server, model_dir: Path) -> None:
+    from ferrox import LLM, SamplingParams
+
+    c = server.client()
+    kw = dict(model=MODEL, prompt="seeded", max_tokens=10, temperature=1.0, seed=42, n=2)
+    served = sorted(c.completions.create(**kw).choices, key=lambda ch: ch.index)
+    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=4)
+    params = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=42)
+    busy = [SamplingParams(max_tokens=10, temperature=0.9)] * 3  # other rows beside it
+    offline = llm.generate(["seeded", "other", "rows", "here"], [params, *busy], use_tqdm=False)
+    assert [ch.text for ch in served] == [o.text for o in offline[0].outputs]
+    assert served[0].text != served[1].text  # each completion draws its own stream
+    server.wait_idle()
+
+
 def test_other_endpoints(server: Server) -> None:
     h = server.headers
     assert httpx.get(server.url + "/health").status_code == 200  # open without a key

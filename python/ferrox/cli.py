@@ -39,17 +39,10 @@ def _sampling_params(args: argparse.Namespace) -> ferrox.SamplingParams:
 
 def _stream(llm: ferrox.LLM, prompt_ids: list[int], params: ferrox.SamplingParams) -> Iterator[str]:
     """Yields text as the engine produces it."""
-    engine = llm.engine
-    request_id = "cli-0"
-    engine.add_request(request_id, prompt_ids, params, stream=True)
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                if text:
-                    yield text
-    finally:
-        engine.abort_request(request_id)
+    for out in llm.stream_outputs(["cli-0"], [(None, prompt_ids)], [params], stream=True):
+        for completion in out.outputs:
+            if completion.text:
+                yield completion.text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -68,3 +68,13 @@ class IntegrityError(FerroxError, RuntimeError):
 
 class EngineDeadError(FerroxError, RuntimeError):
     """The engine process stopped; no further requests can be served."""
+
+
+def error_class(name: str) -> type[FerroxError]:
+    """The error class of that name (as the engine process reports a failed
+    request), so that each failure keeps its kind across the process hop;
+    `InvalidArgumentError` for a name that is not one."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, FerroxError):
+        return cls
+    return InvalidArgumentError

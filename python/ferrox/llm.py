@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from ferrox.config import EngineConfig
 from ferrox.engine.core import EngineCore
 from ferrox.errors import InvalidArgumentError
+from ferrox.frontend.output_processor import OutputProcessor
 from ferrox.outputs import RequestOutput
 from ferrox.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.config = EngineConfig.create(model=model, **engine_options)
         self.engine = EngineCore(self.config)
+        self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -112,35 +114,52 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        engine = self.engine
         ids = [f"gen-{next(self._counter)}" for _ in requests]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        engine = self.engine
         start, generated = time.perf_counter(), engine.num_generated_tokens
-        added: list[str] = []
         try:
-            for rid, (text, prompt_ids), sp in zip(ids, requests, params, strict=True):
-                engine.add_request(rid, prompt_ids, sp, prompt=text)
-                added.append(rid)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+            for out in self.stream_outputs(ids, requests, params):
+                results[order[out.request_id]] = out
+                bar.update(1)
                 elapsed = time.perf_counter() - start
                 tokens = engine.num_generated_tokens - generated
                 bar.set_postfix_str(
                     f"output {tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False
                 )
-        except BaseException:
-            # Nothing may linger in the engine: abort what this call added.
-            for rid in added:
-                engine.abort_request(rid)
-            raise
         finally:
             bar.close()
         return [r for r in results if r is not None]
+
+    def stream_outputs(
+        self,
+        request_ids: list[str],
+        requests: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        *,
+        stream: bool = False,
+    ) -> Iterator[RequestOutput]:
+        """Runs requests to the end through the one output path; yields each
+        finished request's output, or (`stream`) each step's delta of each."""
+        engine, processor = self.engine, self.output_processor
+        added: list[str] = []
+        try:
+            for rid, (text, prompt_ids), sp in zip(request_ids, requests, params, strict=True):
+                processor.add_request(rid, text, prompt_ids, sp, stream=stream)
+                engine.add_request(rid, prompt_ids, sp)
+                added.append(rid)
+            while engine.has_unfinished_requests():
+                outputs, stops = processor.process(*engine.step())
+                for stop in stops:
+                    engine.stop_sequence(stop.request_id, stop.index, stop.num_output_tokens)
+                yield from outputs
+        finally:
+            # Nothing may linger in the engine, whatever ended the loop.
+            for rid in added:
+                engine.abort_request(rid)
+                processor.abort(rid)
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -32,11 +32,11 @@ def measure(
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch):
         prompt = rng.integers(0, engine.vocab_size, size=input_len).tolist()
-        engine.add_request(f"lat-{seed}-{i}", prompt, params, stream=True)
+        engine.add_request(f"lat-{seed}-{i}", prompt, params)
     started: set[str] = set()
     start = time.perf_counter()
     while len(started) < batch:
-        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+        started.update(d.request_id for d in engine.step()[0] if d.token_ids)
     prefill = time.perf_counter() - start
     steps = []
     while engine.has_unfinished_requests():

@@ -1,6 +1,7 @@
 """The engine-core process: the EngineCore step loop behind two ZMQ ipc
-sockets. Inputs (add / abort / finish / shutdown) arrive as msgpack; each
-step's token deltas and stats go back the same way."""
+sockets. Inputs (add / abort / stop / shutdown) arrive as msgpack; each
+step's token deltas and stats go back the same way. When idle, the loop
+checks the scheduler's invariants (at most once every few seconds)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from ferrox._native import SchedulerStats
 from ferrox.config import EngineConfig
 from ferrox.engine import protocol as p
 from ferrox.engine.core import EngineCore
@@ -19,6 +21,7 @@ from ferrox.errors import FerroxError
 
 logger = logging.getLogger("ferrox.engine")
 IDLE_POLL_MS = 50
+INTEGRITY_CHECK_INTERVAL_S = 5.0
 
 
 def run_engine_core(options: dict[str, Any], input_address: str, output_address: str) -> None:
@@ -32,7 +35,7 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
     outputs.connect(output_address)
     parent = os.getppid()
     try:
-        engine = EngineCore(EngineConfig.create(**options), detokenize=False)
+        engine = EngineCore(EngineConfig.create(**options))
         outputs.send(
             p.encoder.encode(
                 p.Ready(
@@ -67,11 +70,14 @@ class EngineLoop:
         self.poller.register(inputs, zmq.POLLIN)
         self.failed: list[p.RequestFailed] = []
         self.stopping = False
+        self.integrity_failures = 0
+        self.last_integrity_check = 0.0
 
     def run(self) -> None:
         last_stats: p.EngineStats | None = None
+        engine = self.engine
         while not self.stopping:
-            busy = self.engine.has_unfinished_requests()
+            busy = engine.has_unfinished_requests()
             if self.poller.poll(0 if busy else IDLE_POLL_MS):
                 self._drain_inputs()
             if os.getppid() != self.parent:
@@ -79,9 +85,12 @@ class EngineLoop:
                 return
             deltas: list[p.SequenceDelta] = []
             prompt: list[p.PromptLogprobs] = []
-            if self.engine.has_unfinished_requests():
-                deltas, prompt = self.engine.step_deltas()
-            stats = self._stats()
+            if engine.has_unfinished_requests():
+                deltas, prompt = engine.step()
+                stats = self._stats(engine.latest_stats)
+            else:
+                self._check_integrity_when_due()
+                stats = self._stats(engine.stats())
             if deltas or prompt or self.failed or stats != last_stats:
                 message = p.StepOutputs(deltas, prompt, self.failed, stats, time.monotonic())
                 self.outputs.send(p.encoder.encode(message), copy=False)
@@ -101,36 +110,47 @@ class EngineLoop:
         if isinstance(msg, p.AddRequest):
             try:
                 engine.add_request(
-                    msg.request_id,
-                    msg.prompt_token_ids,
-                    msg.params.to_params(),
-                    arrival_time=msg.arrival_time,
-                    priority=msg.priority,
+                    msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority
                 )
             except FerroxError as e:
                 self.failed.append(p.RequestFailed(msg.request_id, type(e).__name__, str(e)))
         elif isinstance(msg, p.AbortRequests):
             for rid in msg.request_ids:
                 engine.abort_request(rid)
-        elif isinstance(msg, p.FinishSequences):
-            for rid, index in msg.sequences:
-                engine.finish_sequence(rid, index)
+        elif isinstance(msg, p.StopSequences):
+            for stop in msg.sequences:
+                engine.stop_sequence(stop.request_id, stop.index, stop.num_output_tokens)
         elif isinstance(msg, p.Shutdown):
             for rid in engine.request_ids():
                 engine.abort_request(rid)
             self.stopping = True
 
-    def _stats(self) -> p.EngineStats:
-        s = self.engine.stats()
+    def _check_integrity_when_due(self) -> None:
+        """Idle, so the check costs no request anything; rate limited all the same."""
+        t = time.monotonic()
+        if t - self.last_integrity_check < INTEGRITY_CHECK_INTERVAL_S:
+            return
+        self.last_integrity_check = t
+        try:
+            self.engine.scheduler.check_integrity()
+        except FerroxError:
+            self.integrity_failures += 1
+            logger.error(
+                "SCHEDULER INTEGRITY CHECK FAILED (a bug in ferrox; please report it):\n%s",
+                traceback.format_exc(),
+            )
+
+    def _stats(self, s: SchedulerStats) -> p.EngineStats:
         return p.EngineStats(
-            num_running=s["num_running"],
-            num_waiting=s["num_waiting"],
-            num_total_blocks=s["num_total_blocks"],
-            num_used_blocks=s["num_used_blocks"],
-            num_cached_blocks=s["num_cached_blocks"],
-            prefix_queried_tokens=s["prefix_queried_tokens"],
-            prefix_hit_tokens=s["prefix_hit_tokens"],
-            num_preemptions=s["num_preemptions"],
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_total_blocks=s.num_total_blocks,
+            num_used_blocks=s.num_used_blocks,
+            num_cached_blocks=s.num_cached_blocks,
+            prefix_queried_tokens=s.prefix_queried_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            num_preemptions=s.num_preemptions,
             prompt_tokens=self.engine.num_prompt_tokens,
             generation_tokens=self.engine.num_generated_tokens,
+            integrity_failures=self.integrity_failures,
         )

@@ -7,59 +7,14 @@ import msgspec
 
 from ferrox.sampling_params import SamplingParams
 
-
-class WireSamplingParams(msgspec.Struct, omit_defaults=True):
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
-
-    @classmethod
-    def from_params(cls, p: SamplingParams) -> WireSamplingParams:
-        # Stop strings and detokenization options stay in the frontend.
-        return cls(
-            n=p.n,
-            max_tokens=p.max_tokens,
-            min_tokens=p.min_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty,
-            frequency_penalty=p.frequency_penalty,
-            presence_penalty=p.presence_penalty,
-            seed=p.seed,
-            stop_token_ids=list(p.stop_token_ids or []),
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs,
-            prompt_logprobs=p.prompt_logprobs,
-            logit_bias=dict(p.logit_bias) if p.logit_bias else None,
-        )
-
-    def to_params(self) -> SamplingParams:
-        return SamplingParams(**{f: getattr(self, f) for f in self.__struct_fields__})
-
-
 # ---- frontend -> engine ------------------------------------------------------
 
 
 class AddRequest(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
-    params: WireSamplingParams
-    arrival_time: float
+    # The one definition, sent as it is; decoding runs its validation again.
+    params: SamplingParams
     priority: int = 0
 
 
@@ -67,17 +22,24 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
-class FinishSequences(msgspec.Struct, tag="finish"):
-    """Sequences the frontend ended (a stop string matched): (request id, index)."""
+class StopSequence(msgspec.Struct, array_like=True):
+    """A sequence the caller ended (a stop string matched), and how many of
+    its tokens it kept: those sampled after the stop are not counted."""
 
-    sequences: list[tuple[str, int]]
+    request_id: str
+    index: int
+    num_output_tokens: int
+
+
+class StopSequences(msgspec.Struct, tag="stop"):
+    sequences: list[StopSequence]
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | AbortRequests | FinishSequences | Shutdown
+EngineInput = AddRequest | AbortRequests | StopSequences | Shutdown
 
 
 # ---- engine -> frontend ------------------------------------------------------
@@ -102,6 +64,8 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     # Sent with a sequence's first tokens:
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None
+    # Sent when the sequence finishes:
+    num_preemptions: int = 0
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):
@@ -123,6 +87,8 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # Idle-time integrity checks of the scheduler that failed (a bug in ferrox).
+    integrity_failures: int = 0
 
 
 class RequestFailed(msgspec.Struct, array_like=True):

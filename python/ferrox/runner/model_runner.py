@@ -22,9 +22,17 @@ from ferrox.runner.sampling_batch import SamplingBatch
 
 logger = logging.getLogger("ferrox")
 
+# Memory the CUDA graphs' private pool needs beyond their activations.
+GRAPH_POOL_OVERHEAD_BYTES = 64 << 20
+# The profiling pass: at most this many tokens, in sequences of at most this length.
+PROFILE_MAX_TOKENS = 8192
+PROFILE_MAX_SEQ_LEN = 2048
+# Pinned staging buffers start at this many elements and grow as steps need.
+MIN_STAGING_ELEMENTS = 1024
+
 
 @dataclass
-class PromptLogprobs:
+class PromptChunkLogprobs:
     """Logprobs of the prompt tokens a prefill chunk predicts."""
 
     row: int
@@ -41,7 +49,7 @@ class RunnerOutput:
     sampled_ranks: np.ndarray | None  # [S]
     top_ids: np.ndarray | None  # [S, k]
     top_logprobs: np.ndarray | None  # [S, k]
-    prompt_logprobs: list[PromptLogprobs]
+    prompt_logprobs: list[PromptChunkLogprobs]
 
     def row_logprobs(self, i: int, k: int) -> tuple[float, int, list[int], list[float]] | None:
         """Sample row i's (logprob, rank, top-k ids, top-k logprobs), or None
@@ -137,7 +145,10 @@ class ModelRunner:
         graphs = 0
         if not self.config.enforce_eager:
             activations = peak - weights
-            graphs = activations * self.config.max_num_seqs // max(num_tokens, 1) + (64 << 20)
+            graphs = (
+                activations * self.config.max_num_seqs // max(num_tokens, 1)
+                + GRAPH_POOL_OVERHEAD_BYTES
+            )
         budget = (
             int(total * self.config.gpu_memory_utilization) - peak - graphs - max(used_elsewhere, 0)
         )
@@ -147,8 +158,8 @@ class ModelRunner:
         """One forward pass over a full token budget, written into a scratch
         one-block cache, to measure activation memory; returns its tokens."""
         cfg = self.config
-        num_tokens = min(cfg.batched_tokens_limit(self.max_model_len), 8192)
-        seq = min(num_tokens, 2048)
+        num_tokens = min(cfg.batched_tokens_limit(self.max_model_len), PROFILE_MAX_TOKENS)
+        seq = min(num_tokens, PROFILE_MAX_SEQ_LEN)
         rows = -(-num_tokens // seq)
         lens = np.full(rows, seq, dtype=np.int32)
         lens[-1] = num_tokens - seq * (rows - 1)
@@ -194,7 +205,7 @@ class ModelRunner:
         key = name or str(t.dtype)
         buf = self._staging.get(key)
         if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
-            buf = torch.empty(max(t.numel(), 1024), dtype=t.dtype).pin_memory()
+            buf = torch.empty(max(t.numel(), MIN_STAGING_ELEMENTS), dtype=t.dtype).pin_memory()
             self._staging[key] = buf
         staged = buf[: t.numel()].view(t.shape)
         staged.copy_(t)
@@ -273,7 +284,7 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, plan: BatchPlan, row: int, k: int, next_token: int
-    ) -> PromptLogprobs:
+    ) -> PromptChunkLogprobs:
         qsl = plan.query_start_loc
         start, end = int(qsl[row]), int(qsl[row + 1])
         # Position p predicts the token at p + 1: the chunk's own next tokens,
@@ -286,7 +297,7 @@ class ModelRunner:
         token_lp = logprobs.gather(1, next_ids[:, None]).squeeze(1)  # [n]
         ranks = (logprobs > token_lp[:, None]).sum(dim=-1) + 1
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-        return PromptLogprobs(
+        return PromptChunkLogprobs(
             row, token_lp.cpu().numpy(), ranks.cpu().numpy(), _np(top_ids), _np(top_lp)
         )
 

@@ -2,8 +2,10 @@
 top-k / top-p / min-p, then greedy or seeded random choice, plus logprobs.
 
 Random rows use the exponential-race form of sampling (argmax of p / E with
-E ~ Exp(1)): a row with its own generator draws its own E, so a seeded
-request samples the same tokens whatever else shares the batch.
+E ~ Exp(1)). Unseeded rows draw E from torch's generator. Seeded rows draw
+it from a counter-based hash of (seed, output position, token id), all rows
+in one batched operation: a seeded request samples the same tokens whatever
+else shares the batch, offline or through the server, with no per-row work.
 """
 
 from __future__ import annotations
@@ -68,10 +70,43 @@ class Sampler:
         if b.min_p is not None:
             threshold = probs.max(dim=-1, keepdim=True).values * b.min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        for row, gen in b.generators:
-            noise[row].exponential_(generator=gen)
+        noise = torch.empty_like(probs).exponential_()  # [S, V]
+        if b.seeded_rows is not None:
+            assert b.seeds is not None and b.seed_positions is not None
+            noise[b.seeded_rows] = counter_exponential(b.seeds, b.seed_positions, probs.shape[-1])
         return (probs / noise).max(dim=-1).indices
+
+
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic;
+# int64 multiplication wraps modulo 2**64 alike).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: every input bit reaches every output bit."""
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def counter_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise that depends only on (seed, position, token id).
+
+    seeds, positions: [R] int64 -> [R, V] float32.
+    """
+    key = _mix64(_mix64(seeds) + positions * _GOLDEN)  # [R]
+    token = torch.arange(vocab, device=seeds.device, dtype=torch.int64)  # [V]
+    bits = _mix64(key[:, None] + (token[None, :] + 1) * _GOLDEN)  # [R, V]
+    # The top 24 bits as a uniform in (0, 1), then the inverse CDF.
+    uniform = (_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
 
 
 def _top_k_top_p(

@@ -1,11 +1,18 @@
 """Per-row sampling parameters of one step, gathered into tensors once so the
-sampler works on the whole batch at a time."""
+sampler works on the whole batch at a time.
+
+The engine counts its live sequences per sampling feature (`FeatureCounts`);
+a feature no live sequence uses costs a step nothing, not even a look at
+each row's parameters. A batch of greedy requests without penalties, bias,
+min_tokens or logprobs is built in O(1).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -16,112 +23,162 @@ class SampledSequence(Protocol):
     """What the sampler needs to know of a sequence."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # a seeded sequence's own random stream, in [0, 2**64)
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     min_tokens_blocked_ids: list[int]  # EOS / stop ids masked until min_tokens
+
+
+def sampling_features(params: SamplingParams) -> Iterable[str]:
+    """The optional sampling steps a request needs."""
+    if not params.is_greedy:
+        yield "random"
+    if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+        yield "penalties"
+    if params.logit_bias:
+        yield "logit_bias"
+    if params.min_tokens:
+        yield "min_tokens"
+    if params.logprobs is not None:
+        yield "logprobs"
+
+
+class FeatureCounts:
+    """Live sequences per sampling feature."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+
+    def add(self, params: SamplingParams, sign: int = 1) -> None:
+        for feature in sampling_features(params):
+            self._counts[feature] += sign
+
+    def __contains__(self, feature: str) -> bool:
+        return self._counts[feature] > 0
 
 
 @dataclass
 class SamplingBatch:
     num_rows: int
     all_greedy: bool
-    temperature: torch.Tensor | None  # [S] float32, 1.0 on greedy rows
-    is_greedy: torch.Tensor | None  # [S] bool
-    top_k: torch.Tensor | None  # [S] int64 (vocab size where off)
-    top_p: torch.Tensor | None  # [S] float32
-    min_p: torch.Tensor | None  # [S] float32
-    generators: list[tuple[int, torch.Generator]]  # seeded rows
-    repetition_penalty: torch.Tensor | None  # [S]
-    frequency_penalty: torch.Tensor | None  # [S]
-    presence_penalty: torch.Tensor | None  # [S]
-    output_counts: torch.Tensor | None  # [S, V] float32
-    prompt_mask: torch.Tensor | None  # [S, V] bool
-    bias_rows: torch.Tensor | None  # [nb] int64
-    bias_tokens: torch.Tensor | None  # [nb] int64
-    bias_values: torch.Tensor | None  # [nb] float32
-    blocked_rows: torch.Tensor | None  # [nm] int64 (min_tokens masking)
-    blocked_tokens: torch.Tensor | None  # [nm] int64
-    max_num_logprobs: int  # -1: no row wants logprobs
+    temperature: torch.Tensor | None = None  # [S] float32, 1.0 on greedy rows
+    is_greedy: torch.Tensor | None = None  # [S] bool
+    top_k: torch.Tensor | None = None  # [S] int64 (vocab size where off)
+    top_p: torch.Tensor | None = None  # [S] float32
+    min_p: torch.Tensor | None = None  # [S] float32
+    seeded_rows: torch.Tensor | None = None  # [R] int64, rows with a seed of their own
+    seeds: torch.Tensor | None = None  # [R] int64 (the seed's 64 bits)
+    seed_positions: torch.Tensor | None = None  # [R] int64, the output position sampled
+    repetition_penalty: torch.Tensor | None = None  # [S]
+    frequency_penalty: torch.Tensor | None = None  # [S]
+    presence_penalty: torch.Tensor | None = None  # [S]
+    output_counts: torch.Tensor | None = None  # [S, V] float32
+    prompt_mask: torch.Tensor | None = None  # [S, V] bool
+    bias_rows: torch.Tensor | None = None  # [nb] int64
+    bias_tokens: torch.Tensor | None = None  # [nb] int64
+    bias_values: torch.Tensor | None = None  # [nb] float32
+    blocked_rows: torch.Tensor | None = None  # [nm] int64 (min_tokens masking)
+    blocked_tokens: torch.Tensor | None = None  # [nm] int64
+    max_num_logprobs: int = -1  # -1: no row wants logprobs
 
     @classmethod
     def build(
-        cls, seqs: Sequence[SampledSequence], vocab_size: int, device: torch.device
+        cls,
+        seqs: Sequence[SampledSequence],
+        vocab_size: int,
+        device: torch.device,
+        features: FeatureCounts | None = None,
     ) -> SamplingBatch:
+        """`features`: what the live sequences use (None: look at every row)."""
+        active = set(FEATURES) if features is None else {f for f in FEATURES if f in features}
+        batch = cls(num_rows=len(seqs), all_greedy="random" not in active)
+        if not active:
+            return batch
         params = [s.params for s in seqs]
-        n = len(seqs)
-        greedy = [p.is_greedy for p in params]
-        all_greedy = all(greedy)
 
-        def col(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        def col(values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        temperature = is_greedy = top_k = top_p = min_p = None
-        generators: list[tuple[int, torch.Generator]] = []
-        if not all_greedy:
-            temperature = col(
+        if "random" in active:
+            greedy = [p.is_greedy for p in params]
+            batch.all_greedy = all(greedy)
+        if not batch.all_greedy:
+            batch.temperature = col(
                 [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
             )
-            is_greedy = col(greedy, torch.bool)
+            batch.is_greedy = col(greedy, torch.bool)
             ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
             if any(k < vocab_size for k in ks):
-                top_k = col(ks, torch.int64)
+                batch.top_k = col(ks, torch.int64)
             if any(p.top_p < 1.0 for p in params):
-                top_p = col([p.top_p for p in params])
+                batch.top_p = col([p.top_p for p in params])
             if any(p.min_p > 0.0 for p in params):
-                min_p = col([p.min_p for p in params])
-            generators = [(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None]
-
-        rep = freq = pres = counts = prompt_mask = None
-        if any(
+                batch.min_p = col([p.min_p for p in params])
+            seeded = [i for i, s in enumerate(seqs) if s.seed is not None and not greedy[i]]
+            if seeded:
+                batch.seeded_rows = col(seeded, torch.int64)
+                # The seed's 64 bits as a signed int64.
+                batch.seeds = col([_as_int64(cast(int, seqs[i].seed)) for i in seeded], torch.int64)
+                batch.seed_positions = col(
+                    [len(seqs[i].output_token_ids) for i in seeded], torch.int64
+                )
+        if "penalties" in active and any(
             p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
         ):
-            rep = col([p.repetition_penalty for p in params])
-            freq = col([p.frequency_penalty for p in params])
-            pres = col([p.presence_penalty for p in params])
-            counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
-            prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-            for i, s in enumerate(seqs):
-                if s.output_token_ids:
-                    ids = torch.tensor(s.output_token_ids, dtype=torch.int64, device=device)
-                    counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-                if s.params.repetition_penalty != 1.0:
-                    prompt_ids = torch.tensor(s.prompt_token_ids, dtype=torch.int64, device=device)
-                    prompt_mask[i, prompt_ids] = True
+            batch._add_penalties(seqs, vocab_size, col)
+        if "logit_bias" in active:
+            batch.bias_rows, batch.bias_tokens, batch.bias_values = _sparse(
+                [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()],
+                device,
+            )
+        if "min_tokens" in active:
+            blocked = [
+                (i, t, 0.0)
+                for i, s in enumerate(seqs)
+                if len(s.output_token_ids) < s.params.min_tokens
+                for t in s.min_tokens_blocked_ids
+            ]
+            batch.blocked_rows, batch.blocked_tokens, _ = _sparse(blocked, device)
+        if "logprobs" in active:
+            batch.max_num_logprobs = max(
+                (p.logprobs for p in params if p.logprobs is not None), default=-1
+            )
+        return batch
 
-        bias_rows, bias_tokens, bias_values = _sparse(
-            [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()],
-            device,
-        )
-        blocked = [
-            (i, t, 0.0)
-            for i, s in enumerate(seqs)
-            if len(s.output_token_ids) < s.params.min_tokens
-            for t in s.min_tokens_blocked_ids
-        ]
-        blocked_rows, blocked_tokens, _ = _sparse(blocked, device)
-        max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
-        return cls(
-            num_rows=n,
-            all_greedy=all_greedy,
-            temperature=temperature,
-            is_greedy=is_greedy,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            generators=generators,
-            repetition_penalty=rep,
-            frequency_penalty=freq,
-            presence_penalty=pres,
-            output_counts=counts,
-            prompt_mask=prompt_mask,
-            bias_rows=bias_rows,
-            bias_tokens=bias_tokens,
-            bias_values=bias_values,
-            blocked_rows=blocked_rows,
-            blocked_tokens=blocked_tokens,
-            max_num_logprobs=max_num_logprobs,
-        )
+    def _add_penalties(
+        self,
+        seqs: Sequence[SampledSequence],
+        vocab_size: int,
+        col: Callable[..., torch.Tensor],
+    ) -> None:
+        params = [s.params for s in seqs]
+        self.repetition_penalty = col([p.repetition_penalty for p in params])
+        self.frequency_penalty = col([p.frequency_penalty for p in params])
+        self.presence_penalty = col([p.presence_penalty for p in params])
+        # One scatter for all rows: output-token counts and prompt-token marks.
+        out_rows = [i for i, s in enumerate(seqs) for _ in s.output_token_ids]
+        out_ids = [t for s in seqs for t in s.output_token_ids]
+        counts = col([0.0]).new_zeros(len(seqs), vocab_size)  # [S, V]
+        if out_ids:
+            counts.index_put_(
+                (col(out_rows, torch.int64), col(out_ids, torch.int64)),
+                col([1.0]).expand(len(out_ids)),
+                accumulate=True,
+            )
+        penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        prompt_rows = [i for i in penalised for _ in seqs[i].prompt_token_ids]
+        prompt_ids = [t for i in penalised for t in seqs[i].prompt_token_ids]
+        prompt_mask = counts.new_zeros(len(seqs), vocab_size, dtype=torch.bool)  # [S, V]
+        if prompt_ids:
+            prompt_mask[col(prompt_rows, torch.int64), col(prompt_ids, torch.int64)] = True
+        self.output_counts, self.prompt_mask = counts, prompt_mask
+
+
+FEATURES = ("random", "penalties", "logit_bias", "min_tokens", "logprobs")
+
+
+def _as_int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _sparse(

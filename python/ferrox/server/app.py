@@ -76,8 +76,9 @@ def build_app(
             req = serving.decode(await http.body(), op.DetokenizeRequest)
             if (missing := serving.check_model(req.model)) is not None:
                 return missing
-            text, _ = serving.encode_prompt(req.tokens)
-            return _json(op.DetokenizeResponse(prompt=text))
+            return _json(
+                op.DetokenizeResponse(prompt=serving.detokenize(req.tokens, param="tokens"))
+            )
         except Exception as e:
             return exception_response(e)
 

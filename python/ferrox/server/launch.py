@@ -19,7 +19,7 @@ import uvicorn
 
 from ferrox.cli_options import add_engine_arguments, engine_options
 from ferrox.config import EngineConfig
-from ferrox.engine.client import AsyncEngineClient
+from ferrox.frontend.engine_client import AsyncEngineClient
 from ferrox.loader.model_loader import load_tokenizer
 from ferrox.server.app import build_app
 from ferrox.server.metrics import Metrics

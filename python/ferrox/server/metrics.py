@@ -73,6 +73,11 @@ class _EngineCollector:
         )
         yield counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter(
+            "scheduler_integrity_failures",
+            "Idle-time scheduler integrity checks that failed (a bug in ferrox).",
+            s.integrity_failures,
+        )
 
 
 class Metrics:

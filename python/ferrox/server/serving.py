@@ -12,13 +12,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ferrox.engine.client import AsyncEngineClient
-from ferrox.engine.output_processor import SequenceUpdate
+from ferrox.frontend.engine_client import AsyncEngineClient
+from ferrox.frontend.output_processor import SequenceUpdate
+from ferrox.frontend.request_run import RequestRun, merge, run_to_end
 from ferrox.outputs import PositionLogprobs
 from ferrox.server import openai_protocol as op
 from ferrox.server.errors import error_response, exception_response, sse_error
 from ferrox.server.metrics import Metrics
-from ferrox.server.request_run import RequestRun, merge, run_to_end
 from ferrox.server.request_translation import (
     ServerLimits,
     chat_messages,
@@ -78,17 +78,21 @@ class OpenAIServing:
             )
         return None
 
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str, list[int]]:
-        tok = self.ctx.tokenizer
+    def prompt_text_and_ids(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """A prompt given as text or as token ids, in both forms."""
         if isinstance(prompt, str):
-            return prompt, list(tok.encode(prompt))
-        bad = [t for t in prompt if not 0 <= t < self.ctx.vocab_size]
+            return prompt, list(self.ctx.tokenizer.encode(prompt))
+        return self.detokenize(prompt), list(prompt)
+
+    def detokenize(self, token_ids: list[int], param: str = "prompt") -> str:
+        """Token ids as text; `param` names the field that held them."""
+        bad = [t for t in token_ids if not 0 <= t < self.ctx.vocab_size]
         if bad:
             raise op.BadRequest(
                 f"token id {bad[0]} is outside the vocabulary [0, {self.ctx.vocab_size})",
-                param="prompt",
+                param=param,
             )
-        return tok.decode(prompt), list(prompt)
+        return str(self.ctx.tokenizer.decode(token_ids))
 
     def new_run(self, request_id: str, prompt_ids: list[int], request: Any) -> RequestRun:
         params = sampling_params_from(
@@ -175,7 +179,7 @@ class OpenAIServing:
         req = self.decode(body, op.CompletionRequest)
         if (missing := self.check_model(req.model)) is not None:
             return missing
-        prompts = [self.encode_prompt(p) for p in completion_prompts(req)]
+        prompts = [self.prompt_text_and_ids(p) for p in completion_prompts(req)]
         base = op.random_id("cmpl")
         runs = [self.new_run(f"{base}-{i}", ids, req) for i, (_, ids) in enumerate(prompts)]
         texts = [text for text, _ in prompts]

@@ -177,7 +177,7 @@ impl RadixCache {
 
     /// The longest cached block-aligned prefix of `tokens`, counted in the stats.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
-        let found = self.find_prefix(tokens);
+        let found = self.split_and_touch_prefix(tokens);
         self.record_query(tokens.len(), found.num_tokens);
         found
     }
@@ -185,7 +185,7 @@ impl RadixCache {
     /// Like `match_prefix`, without touching the hit statistics. Marks the path
     /// as recently used and splits a node so that the handle ends exactly at
     /// the match.
-    pub fn find_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
+    pub fn split_and_touch_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
         let walk = self.walk(tokens);
         let mut node = walk.node;
         if let Some((child, n)) = walk.partial {

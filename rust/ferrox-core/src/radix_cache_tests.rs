@@ -222,7 +222,7 @@ fn run_machine(ops: Vec<Op>, bs: usize, num_blocks: usize) {
                 let out = cache.insert(&seq, &blocks, &mut alloc).unwrap();
                 handles.push(out.handle);
                 let aligned = &seq[..need * bs];
-                let found = cache.find_prefix(aligned);
+                let found = cache.split_and_touch_prefix(aligned);
                 assert_eq!(found.num_tokens, aligned.len());
                 for (i, &b) in found.blocks.iter().enumerate() {
                     reference

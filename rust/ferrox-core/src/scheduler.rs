@@ -427,7 +427,7 @@ impl Scheduler {
                 } else {
                     0
                 };
-                Some(self.cache.find_prefix(&req.tokens[..reusable]))
+                Some(self.cache.split_and_touch_prefix(&req.tokens[..reusable]))
             } else {
                 None
             };

@@ -8,6 +8,7 @@ mod kernels;
 mod radix;
 mod scheduler;
 
+use ferrox_core::FinishReason;
 use pyo3::prelude::*;
 
 #[pymodule(gil_used = false)]
@@ -17,6 +18,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PyBatchPlan>()?;
     m.add_class::<scheduler::PyStepEvents>()?;
+    m.add_class::<scheduler::PySchedulerStats>()?;
+    // Finish-reason codes of `StepEvents.finish_reasons` (0: still running).
+    m.add("FINISH_STOP", FinishReason::Stop as u8)?;
+    m.add("FINISH_LENGTH", FinishReason::Length as u8)?;
+    m.add("FINISH_ABORT", FinishReason::Abort as u8)?;
     m.add_function(wrap_pyfunction!(kernels::paged_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rotary_in_place_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::add_rms_norm_cpu, m)?)?;

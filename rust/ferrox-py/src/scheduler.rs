@@ -1,7 +1,8 @@
 //! `ferrox._native.Scheduler` and the plan / event objects it hands out.
 
 use ferrox_core::{
-    BatchPlan, Policy, RequestParams, RequestStatus, Scheduler, SchedulerConfig, StepEvents,
+    BatchPlan, Policy, RequestParams, RequestStatus, Scheduler, SchedulerConfig, SchedulerStats,
+    StepEvents,
 };
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
@@ -118,9 +119,59 @@ impl PyBatchPlan {
     }
 }
 
+/// The scheduler's counters for metrics.
+#[pyclass(name = "SchedulerStats", module = "ferrox._native", frozen, get_all)]
+pub struct PySchedulerStats {
+    num_running: usize,
+    num_waiting: usize,
+    num_total_blocks: usize,
+    num_free_blocks: usize,
+    num_used_blocks: usize,
+    num_cached_blocks: usize,
+    prefix_queried_tokens: u64,
+    prefix_hit_tokens: u64,
+    num_preemptions: u64,
+}
+
+impl From<SchedulerStats> for PySchedulerStats {
+    fn from(s: SchedulerStats) -> Self {
+        Self {
+            num_running: s.num_running,
+            num_waiting: s.num_waiting,
+            num_total_blocks: s.num_total_blocks,
+            num_free_blocks: s.num_free_blocks,
+            num_used_blocks: s.num_used_blocks,
+            num_cached_blocks: s.num_cached_blocks,
+            prefix_queried_tokens: s.prefix_queried_tokens,
+            prefix_hit_tokens: s.prefix_hit_tokens,
+            num_preemptions: s.num_preemptions,
+        }
+    }
+}
+
+#[pymethods]
+impl PySchedulerStats {
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerStats(num_running={}, num_waiting={}, num_total_blocks={}, \
+             num_free_blocks={}, num_used_blocks={}, num_cached_blocks={}, \
+             prefix_queried_tokens={}, prefix_hit_tokens={}, num_preemptions={})",
+            self.num_running,
+            self.num_waiting,
+            self.num_total_blocks,
+            self.num_free_blocks,
+            self.num_used_blocks,
+            self.num_cached_blocks,
+            self.prefix_queried_tokens,
+            self.prefix_hit_tokens,
+            self.num_preemptions
+        )
+    }
+}
+
 /// What one `update` reports: per request that sampled or finished, the new
-/// token (-1 for none) and the finish reason (0 running, 1 stop, 2 length,
-/// 3 abort).
+/// token (-1 for none) and the finish reason (0 running, then `FINISH_STOP`,
+/// `FINISH_LENGTH`, `FINISH_ABORT`); and the scheduler's counters after it.
 #[pyclass(name = "StepEvents", module = "ferrox._native", frozen)]
 pub struct PyStepEvents {
     #[pyo3(get)]
@@ -129,17 +180,20 @@ pub struct PyStepEvents {
     token_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
     finish_reasons: Py<PyArray1<u8>>,
+    #[pyo3(get)]
+    stats: Py<PySchedulerStats>,
     len: usize,
 }
 
 impl PyStepEvents {
-    fn new(py: Python<'_>, events: StepEvents) -> Self {
-        Self {
+    fn new(py: Python<'_>, events: StepEvents, stats: SchedulerStats) -> PyResult<Self> {
+        Ok(Self {
             len: events.len(),
             req_ids: as_i64(&events.req_ids).into_pyarray(py).unbind(),
             token_ids: events.token_ids.into_pyarray(py).unbind(),
             finish_reasons: events.finish_reasons.into_pyarray(py).unbind(),
-        }
+            stats: Py::new(py, PySchedulerStats::from(stats))?,
+        })
     }
 }
 
@@ -266,10 +320,13 @@ impl PyScheduler {
         };
         let core = &plan.core;
         let inner = &mut self.inner;
-        let events = py
-            .detach(|| inner.update(core, &sampled, &finished))
+        let (events, stats) = py
+            .detach(|| -> ferrox_core::Result<_> {
+                let events = inner.update(core, &sampled, &finished)?;
+                Ok((events, inner.stats()))
+            })
             .or_raise()?;
-        Ok(PyStepEvents::new(py, events))
+        PyStepEvents::new(py, events, stats)
     }
 
     /// Drops every cached prefix no request uses; returns the blocks freed.
@@ -306,20 +363,9 @@ impl PyScheduler {
         self.inner.config().max_num_batched_tokens
     }
 
-    /// Counters for metrics, as a dict.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("num_running", s.num_running)?;
-        d.set_item("num_waiting", s.num_waiting)?;
-        d.set_item("num_total_blocks", s.num_total_blocks)?;
-        d.set_item("num_free_blocks", s.num_free_blocks)?;
-        d.set_item("num_used_blocks", s.num_used_blocks)?;
-        d.set_item("num_cached_blocks", s.num_cached_blocks)?;
-        d.set_item("prefix_queried_tokens", s.prefix_queried_tokens)?;
-        d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
-        d.set_item("num_preemptions", s.num_preemptions)?;
-        Ok(d)
+    /// Counters for metrics (every `update` also returns them).
+    fn stats(&self) -> PySchedulerStats {
+        self.inner.stats().into()
     }
 
     /// A live request's state as a dict, or None for an unknown id.

@@ -103,7 +103,6 @@ class AsyncEngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        arrival_time: float | None = None,
         priority: int = 0,
     ) -> RequestStream:
         if self.is_dead:
@@ -113,8 +112,7 @@ class AsyncEngineClient:
         message = p.AddRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
-            params=p.WireSamplingParams.from_params(params),
-            arrival_time=arrival_time or time.time(),
+            params=params,
             priority=priority,
         )
         self._send(message)
@@ -128,9 +126,9 @@ class AsyncEngineClient:
         """Forgets a finished request's stream."""
         self.streams.pop(request_id, None)
 
-    def finish_sequence(self, request_id: str, index: int) -> None:
+    def stop_sequence(self, stop: p.StopSequence) -> None:
         if not self.is_dead:
-            self._send(p.FinishSequences([(request_id, index)]))
+            self._send(p.StopSequences([stop]))
 
     def _send(self, message: p.EngineInput) -> None:
         # Without a high-water mark, PUSH queues instead of blocking.

@@ -8,17 +8,12 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from ferrox.engine import protocol as p
-from ferrox.engine.client import AsyncEngineClient
-from ferrox.engine.output_processor import (
-    SequenceOutput,
-    SequenceUpdate,
-    decode_prompt_logprobs,
-)
-from ferrox.errors import EngineDeadError, InvalidArgumentError
+from ferrox.errors import error_class
+from ferrox.frontend.engine_client import AsyncEngineClient
+from ferrox.frontend.output_processor import RequestState, SequenceOutput, SequenceUpdate
 from ferrox.outputs import PositionLogprobs
 from ferrox.sampling_params import SamplingParams
 from ferrox.server.metrics import Metrics
@@ -26,56 +21,67 @@ from ferrox.server.metrics import Metrics
 logger = logging.getLogger("ferrox.server")
 
 
-@dataclass
 class RequestRun:
-    client: AsyncEngineClient
-    tokenizer: Any
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    log_token_ids: bool = False
-    arrival: float = field(default_factory=time.time)
-    seqs: list[SequenceOutput] = field(init=False)
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    first_token_time: float | None = None
-    first_scheduled_time: float | None = None
-    num_cached_tokens: int = 0
-    token_times: list[float] = field(default_factory=list)
-    # Per token delta: engine sent the step -> the update was handed on.
-    frontend_latencies: list[float] = field(default_factory=list)
+    """A `RequestState` fed from the engine process through the client."""
 
-    def __post_init__(self) -> None:
-        self.seqs = [
-            SequenceOutput(i, self.tokenizer, self.prompt_token_ids, self.params)
-            for i in range(self.params.n)
-        ]
-        if self.params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        tokenizer: Any,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        log_token_ids: bool = False,
+    ) -> None:
+        self.client = client
+        self.state = RequestState(request_id, None, prompt_token_ids, params, tokenizer)
+        self.priority = priority
+        self.log_token_ids = log_token_ids
+        self.token_times: list[float] = []
+        # Per token delta: engine sent the step -> the update was handed on.
+        self.frontend_latencies: list[float] = []
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.state.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.params
+
+    @property
+    def seqs(self) -> list[SequenceOutput]:
+        return self.state.seqs
+
+    @property
+    def prompt_logprobs(self) -> list[PositionLogprobs | None] | None:
+        return self.state.prompt_logprobs
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return self.state.is_finished
 
     @property
     def num_output_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        return self.state.num_output_tokens
 
     async def updates(self) -> AsyncIterator[SequenceUpdate]:
         """Yields each sequence update until every sequence finished; an
         unfinished request is aborted in the engine however this ends
         (client disconnect, error, cancellation)."""
         stream = self.client.add_request(
-            self.request_id,
-            self.prompt_token_ids,
-            self.params,
-            arrival_time=self.arrival,
-            priority=self.priority,
+            self.request_id, self.prompt_token_ids, self.params, priority=self.priority
         )
         try:
             while not self.is_finished:
                 item, sent_at = await stream.get()
-                for update in self._apply(item):
+                update = self._apply(item)
+                if update is not None:
                     yield update
                 # The consumer resumed this generator, so it has handed the
                 # update on (for a stream: written the SSE event).
@@ -87,60 +93,44 @@ class RequestRun:
             else:
                 self.client.abort(self.request_id)
 
-    def _apply(self, item: object) -> list[SequenceUpdate]:
-        if isinstance(item, EngineDeadError):
-            raise item
+    def _apply(self, item: object) -> SequenceUpdate | None:
         if isinstance(item, Exception):
             raise item
         if isinstance(item, p.RequestFailed):
-            raise InvalidArgumentError(item.message)
-        if isinstance(item, p.PromptLogprobs):
-            if self.prompt_logprobs is not None:
-                decode = self.seqs[0].detokenizer.decode_token
-                self.prompt_logprobs += decode_prompt_logprobs(
-                    decode, self.prompt_token_ids, item.start, item.logprobs
-                )
-            return []
-        assert isinstance(item, p.SequenceDelta)
-        now = time.time()
-        if item.first_scheduled_time is not None and self.first_scheduled_time is None:
-            self.first_scheduled_time = item.first_scheduled_time
-        if item.num_cached_tokens is not None and item.index == 0:
-            self.num_cached_tokens = item.num_cached_tokens
-        if item.token_ids:
-            if self.first_token_time is None:
-                self.first_token_time = now
-            if item.index == 0:
-                self.token_times.append(now)
-        update = self.seqs[item.index].apply(item)
+            raise error_class(item.error_type)(item.message)
+        if not isinstance(item, (p.SequenceDelta, p.PromptLogprobs)):
+            raise TypeError(f"unexpected engine message {type(item).__name__}")
+        update = self.state.apply(item)
+        if update is None:
+            return None
+        if update.token_ids and update.index == 0:
+            self.token_times.append(time.time())
         if update.stopped_here:
-            self.client.finish_sequence(self.request_id, item.index)
-        return [update]
+            self.client.stop_sequence(self.state.stop_message(update))
+        return update
 
     def finish(self, metrics: Metrics) -> None:
         """Records metrics and the log line of a finished request."""
         end = time.time()
         reason = self.seqs[0].finish_reason or "abort"
-        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        m = self.state.metrics()
+        ttft, queue = m.time_to_first_token, m.time_in_queue
         gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
-        queue = (
-            None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival
-        )
         n_out = self.num_output_tokens
         metrics.observe_request(
             finished_reason=reason,
             ttft=ttft,
             itls=gaps,
             frontend_latencies=self.frontend_latencies,
-            e2e=end - self.arrival,
+            e2e=end - m.arrival_time,
             queue_time=queue,
             prompt_tokens=len(self.prompt_token_ids),
             generation_tokens=n_out,
         )
-        duration = max(end - (self.first_token_time or end), 1e-9)
+        duration = max(end - (m.first_token_time or end), 1e-9)
         line = (
             f"{self.request_id}: prompt {len(self.prompt_token_ids)} tokens "
-            f"({self.num_cached_tokens} cached), output {n_out} tokens, "
+            f"({m.num_cached_tokens} cached), output {n_out} tokens, "
             f"ttft {ttft if ttft is not None else float('nan'):.3f} s, "
             f"{max(n_out - 1, 0) / duration:.1f} tok/s, finish {reason}"
         )

@@ -1,0 +1,89 @@
+"""The batched sampler: counter-based noise for seeded rows, and batches built
+only for the features live sequences use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ferrox.runner.sampler import Sampler, counter_exponential
+from ferrox.runner.sampling_batch import FeatureCounts, SamplingBatch
+from ferrox.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Seq:
+    params: SamplingParams
+    seed: int | None = None
+    prompt_token_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
+    output_token_ids: list[int] = field(default_factory=list)
+    min_tokens_blocked_ids: list[int] = field(default_factory=list)
+
+
+def test_counter_noise_depends_only_on_seed_position_and_token() -> None:
+    seeds = torch.tensor([7, 8, 7, -(2**63)])
+    positions = torch.tensor([0, 0, 1, 5])
+    noise = counter_exponential(seeds, positions, 4096)
+    assert noise.shape == (4, 4096) and bool((noise > 0).all())
+    again = counter_exponential(seeds.flip(0), positions.flip(0), 4096).flip(0)
+    assert torch.equal(noise, again)
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    # Exp(1): mean and standard deviation 1.
+    assert abs(noise.mean().item() - 1.0) < 0.03 and abs(noise.std().item() - 1.0) < 0.05
+
+
+def test_seeded_rows_sample_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    logits = probs.log()[None, :].repeat(4000, 1)  # [4000, 4]
+    batch = SamplingBatch(
+        num_rows=4000,
+        all_greedy=False,
+        temperature=torch.ones(4000),
+        is_greedy=torch.zeros(4000, dtype=torch.bool),
+        seeded_rows=torch.arange(4000),
+        seeds=torch.full((4000,), 11),
+        seed_positions=torch.arange(4000),  # one seed, 4,000 positions
+    )
+    tokens = Sampler()(logits, batch).sampled
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_a_seeded_row_ignores_its_neighbours_and_its_row() -> None:
+    vocab = 50
+    params = SamplingParams(temperature=1.0, seed=5)
+    target = Seq(params, seed=5, output_token_ids=[3] * 9)
+    logits = torch.randn(1, vocab)
+
+    def sample(neighbours: int, row: int) -> int:
+        seqs = [Seq(SamplingParams(temperature=0.7)) for _ in range(neighbours)]
+        seqs.insert(row, target)
+        rows = torch.randn(len(seqs), vocab)
+        rows[row] = logits[0]
+        batch = SamplingBatch.build(seqs, vocab, CPU)
+        return int(Sampler()(rows, batch).sampled[row])
+
+    assert len({sample(0, 0), sample(5, 2), sample(9, 9), sample(3, 1)}) == 1
+
+
+def test_unused_features_build_nothing() -> None:
+    features = FeatureCounts()
+    greedy = SamplingParams(temperature=0.0)
+    features.add(greedy)
+    batch = SamplingBatch.build([Seq(greedy)] * 3, 10, CPU, features)
+    assert batch.all_greedy and batch.temperature is None and batch.output_counts is None
+    assert batch.max_num_logprobs == -1
+
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=2)
+    features.add(penalised)
+    seqs = [Seq(greedy), Seq(penalised, output_token_ids=[4, 4, 7])]
+    batch = SamplingBatch.build(seqs, 10, CPU, features)
+    assert batch.output_counts is not None and batch.prompt_mask is not None
+    assert batch.output_counts[1].tolist() == [0, 0, 0, 0, 2, 0, 0, 1, 0, 0]
+    assert batch.prompt_mask[1, :4].tolist() == [False, True, True, True]
+    assert not batch.prompt_mask[0].any() and batch.max_num_logprobs == 2
+    features.add(penalised, -1)
+    assert "penalties" not in features and "logprobs" not in features
