@@ -13,6 +13,7 @@ lint:
 	cargo clippy --workspace --all-targets -- -D warnings
 	$(PYTHON) -m ruff check python tests benches
 	$(PYTHON) -m ruff format --check python tests benches
+	$(PYTHON) -m mypy python/ferrox
 
 test-rust:
 	cargo test --workspace

@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ferrox.runner.sampler import Sampler, counter_exponential
-from ferrox.runner.sampling_batch import FeatureCounts, SamplingBatch
+from ferrox.runner.sampling_batch import (
+    FeatureCounts,
+    RandomSampling,
+    SamplingBatch,
+    SeededRows,
+)
 from ferrox.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -38,15 +43,13 @@ def test_counter_noise_depends_only_on_seed_position_and_token() -> None:
 def test_seeded_rows_sample_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
     logits = probs.log()[None, :].repeat(4000, 1)  # [4000, 4]
-    batch = SamplingBatch(
-        num_rows=4000,
-        all_greedy=False,
-        temperature=torch.ones(4000),
-        is_greedy=torch.zeros(4000, dtype=torch.bool),
-        seeded_rows=torch.arange(4000),
-        seeds=torch.full((4000,), 11),
-        seed_positions=torch.arange(4000),  # one seed, 4,000 positions
+    seeded = SeededRows(  # one seed, 4,000 positions
+        rows=torch.arange(4000), seeds=torch.full((4000,), 11), positions=torch.arange(4000)
     )
+    random = RandomSampling(
+        temperature=torch.ones(4000), is_greedy=torch.zeros(4000, dtype=torch.bool), seeded=seeded
+    )
+    batch = SamplingBatch(num_rows=4000, random=random)
     tokens = Sampler()(logits, batch).sampled
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03), freq
@@ -74,16 +77,16 @@ def test_unused_features_build_nothing() -> None:
     greedy = SamplingParams(temperature=0.0)
     features.add(greedy)
     batch = SamplingBatch.build([Seq(greedy)] * 3, 10, CPU, features)
-    assert batch.all_greedy and batch.temperature is None and batch.output_counts is None
-    assert batch.max_num_logprobs == -1
+    assert batch.all_greedy and batch.penalties is None and batch.max_num_logprobs == -1
 
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=2)
     features.add(penalised)
     seqs = [Seq(greedy), Seq(penalised, output_token_ids=[4, 4, 7])]
     batch = SamplingBatch.build(seqs, 10, CPU, features)
-    assert batch.output_counts is not None and batch.prompt_mask is not None
-    assert batch.output_counts[1].tolist() == [0, 0, 0, 0, 2, 0, 0, 1, 0, 0]
-    assert batch.prompt_mask[1, :4].tolist() == [False, True, True, True]
-    assert not batch.prompt_mask[0].any() and batch.max_num_logprobs == 2
+    pen = batch.penalties
+    assert pen is not None and batch.all_greedy
+    assert pen.output_counts[1].tolist() == [0, 0, 0, 0, 2, 0, 0, 1, 0, 0]
+    assert pen.prompt_mask[1, :4].tolist() == [False, True, True, True]
+    assert not pen.prompt_mask[0].any() and batch.max_num_logprobs == 2
     features.add(penalised, -1)
     assert "penalties" not in features and "logprobs" not in features

@@ -84,9 +84,9 @@ class EngineConfig:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "max_num_batched_tokens": self.max_num_batched_tokens,
         }
-        for name, value in optional_positive.items():
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        for name, optional in optional_positive.items():
+            if optional is not None and (not isinstance(optional, int) or optional <= 0):
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {optional!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise InvalidArgumentError(
                 f"block_size must be a power of two up to 128, got {self.block_size}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -169,8 +169,8 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
     if not items:
         raise InvalidArgumentError("prompts must not be empty")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [items]  # one prompt of token ids
-    return items
+        return [cast(list[int], items)]  # one prompt of token ids
+    return cast(list[PromptInput], items)
 
 
 def _as_params_list(

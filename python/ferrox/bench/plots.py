@@ -44,12 +44,12 @@ def plot_reports(reports: list[dict[str, Any]], out: Path, stem: str) -> list[Pa
     if len(reports) > 1:
         finite = [r["request_rate"] for r in reports if not math.isinf(r["request_rate"])]
         top = (max(finite) if finite else 1.0) * 2
-        xs = [top if math.isinf(r["request_rate"]) else r["request_rate"] for r in reports]
+        rates = [top if math.isinf(r["request_rate"]) else r["request_rate"] for r in reports]
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        left.plot(xs, [r["output_tok_s"] for r in reports], marker="o")
+        left.plot(rates, [r["output_tok_s"] for r in reports], marker="o")
         left.set_xlabel("request rate (req/s; rightmost = all at once)")
         left.set_ylabel("output tokens/s")
-        right.plot(xs, [r["ttft_ms"]["p99"] for r in reports], marker="o", color="tab:red")
+        right.plot(rates, [r["ttft_ms"]["p99"] for r in reports], marker="o", color="tab:red")
         right.set_xlabel("request rate (req/s; rightmost = all at once)")
         right.set_ylabel("p99 TTFT (ms)")
         for ax in (left, right):

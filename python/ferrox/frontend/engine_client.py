@@ -146,7 +146,12 @@ class AsyncEngineClient:
             if not isinstance(msg, p.StepOutputs):
                 continue
             self.stats = msg.stats
-            for item in (*msg.failed, *msg.prompt_logprobs, *msg.deltas):
+            items: list[p.RequestFailed | p.PromptLogprobs | p.SequenceDelta] = [
+                *msg.failed,
+                *msg.prompt_logprobs,
+                *msg.deltas,
+            ]
+            for item in items:
                 stream = self.streams.get(item.request_id)
                 if stream is not None:
                     stream.put(item, msg.sent_at)

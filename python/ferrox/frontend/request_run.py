@@ -150,7 +150,7 @@ async def merge(runs: list[RequestRun]) -> AsyncIterator[tuple[int, SequenceUpda
     """Interleaves the updates of several runs as they come: (run index, update).
     Cancelling the consumer cancels (and so aborts) every run."""
     if len(runs) == 1:  # the common case, without a task and a queue hop per token
-        async with contextlib.aclosing(runs[0].updates()) as updates:
+        async with contextlib.aclosing(runs[0].updates()) as updates:  # type: ignore[type-var]
             async for update in updates:
                 yield 0, update
         return

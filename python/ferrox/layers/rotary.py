@@ -56,6 +56,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
+    cos_cache: torch.Tensor  # [max_position, head_dim / 2]
+    sin_cache: torch.Tensor
+
     def rotate_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
         """Rotates the first `num_heads` heads of x in place.
 

@@ -38,7 +38,7 @@ class GGUFModel:
 
 @dataclass(frozen=True)
 class _Architecture:
-    config_class: type[PretrainedConfig]
+    config_class: Any  # a PretrainedConfig subclass, given the architecture's fields
     hf_class_name: str
     is_rotary_interleaved: bool  # llama.cpp permuted the Q/K rows of each head
     has_qk_norm: bool
@@ -74,7 +74,7 @@ class _ArrayGGUFReader(GGUFReader):
     metadata item, and slicing the `np.memmap` subclass costs far more than slicing an ndarray:
     this makes reading a 49k-token vocabulary about three times faster."""
 
-    @property
+    @property  # type: ignore[override]
     def data(self) -> np.ndarray:
         return self._array
 
@@ -110,8 +110,8 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) 
 
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     arch_name = metadata.get("general.architecture")
-    arch = _ARCHITECTURES.get(arch_name)
-    if arch is None:
+    arch = _ARCHITECTURES.get(arch_name) if isinstance(arch_name, str) else None
+    if arch is None or not isinstance(arch_name, str):
         raise UnsupportedModelError(
             f"GGUF architecture {arch_name!r} is not supported; supported: {sorted(_ARCHITECTURES)}"
         )

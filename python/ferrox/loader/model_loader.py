@@ -109,7 +109,7 @@ def _reset_buffers(model: LlamaForCausalLM, hf_config: Any, config: EngineConfig
             model.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config)
         )
     model.rotary = rotary
-    for layer in model.layers:
+    for layer in model.decoder_layers():
         layer.self_attn.rotary = rotary
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -6,8 +6,8 @@ runs three matmuls instead of five; `load_weights` fills the merged weights
 from Hugging Face's separate tensors.
 """
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -180,20 +180,23 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(key if part is None else f"{key}#{part}")
         self._check_complete(params, loaded)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
+
     def _slice_for(self, param: torch.Tensor, target: str, part: str | None) -> torch.Tensor:
         if part is None:
             return param
-        attn = self.layers[0].self_attn
+        attn = self.decoder_layers()[0].self_attn
         if ".qkv_proj" in target:
             sizes = attn.split_sizes
             index = "qkv".index(part)
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [int(self.config.intermediate_size)] * 2
             index = ("gate", "up").index(part)
         start = sum(sizes[:index])
         return param.narrow(0, start, sizes[index])
 
-    def _check_complete(self, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+    def _check_complete(self, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
         missing = []
         for key in params:
             if key == "lm_head.weight" and self.tie_word_embeddings:

@@ -9,10 +9,13 @@ Prefill steps and batches above the largest bucket run eagerly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
 from ferrox.layers.attention import AttentionMetadata
+from ferrox.models.llama import LlamaForCausalLM
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -26,7 +29,7 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         *,
         max_num_seqs: int,
@@ -49,7 +52,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool: object = None
+        self.pool: Any = None  # the graphs' shared memory pool, after the first capture
 
     @property
     def max_batch(self) -> int:

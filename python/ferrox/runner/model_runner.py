@@ -88,7 +88,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._staging: dict[str, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
-        backend = self.model.layers[0].self_attn.attn
+        backend = self.model.decoder_layers()[0].self_attn.attn
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrox.runner.sampling_batch import SamplingBatch
+from ferrox.runner.sampling_batch import RandomSampling, SamplingBatch
 
 
 @dataclass
@@ -32,8 +32,9 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
         logits = self._process(logits, batch)
         sampled = logits.max(dim=-1).indices  # first maximum, like argmax, but faster
-        if not batch.all_greedy:
-            sampled = torch.where(batch.is_greedy, sampled, self._sample_random(logits, batch))
+        if batch.random is not None:
+            random = self._sample_random(logits, batch.random)
+            sampled = torch.where(batch.random.is_greedy, sampled, random)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None, None)
         sampled_lp = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)  # [S]
@@ -43,37 +44,34 @@ class Sampler:
         return SamplerOutput(sampled, sampled_lp, ranks, top_ids, top_lp)
 
     def _process(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        needs_copy = (
-            b.bias_rows is not None or b.blocked_rows is not None or b.output_counts is not None
-        )
-        if needs_copy:
+        if b.bias is not None or b.blocked is not None or b.penalties is not None:
             logits = logits.clone()
-        if b.bias_rows is not None:
-            logits.index_put_((b.bias_rows, b.bias_tokens), b.bias_values, accumulate=True)
-        if b.blocked_rows is not None:
-            logits[b.blocked_rows, b.blocked_tokens] = float("-inf")
-        if b.output_counts is not None:
-            counts = b.output_counts  # [S, V]
-            seen = (counts > 0) | b.prompt_mask
-            rep = b.repetition_penalty[:, None]  # [S, 1]
+        if b.bias is not None:
+            logits.index_put_((b.bias.rows, b.bias.tokens), b.bias.values, accumulate=True)
+        if b.blocked is not None:
+            logits[b.blocked.rows, b.blocked.tokens] = b.blocked.values
+        if (pen := b.penalties) is not None:
+            counts = pen.output_counts  # [S, V]
+            seen = (counts > 0) | pen.prompt_mask
+            rep = pen.repetition[:, None]  # [S, 1]
             penalised = torch.where(logits > 0, logits / rep, logits * rep)
             logits = torch.where(seen, penalised, logits)
-            logits = logits - b.frequency_penalty[:, None] * counts
-            logits = logits - b.presence_penalty[:, None] * (counts > 0).float()
+            logits = logits - pen.frequency[:, None] * counts
+            logits = logits - pen.presence[:, None] * (counts > 0).float()
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        logits = logits / b.temperature[:, None]
-        if b.top_k is not None or b.top_p is not None:
-            logits = _top_k_top_p(logits, b.top_k, b.top_p)
+    def _sample_random(self, logits: torch.Tensor, r: RandomSampling) -> torch.Tensor:
+        logits = logits / r.temperature[:, None]
+        if r.top_k is not None or r.top_p is not None:
+            logits = _top_k_top_p(logits, r.top_k, r.top_p)
         probs = torch.softmax(logits, dim=-1)  # [S, V]
-        if b.min_p is not None:
-            threshold = probs.max(dim=-1, keepdim=True).values * b.min_p[:, None]
+        if r.min_p is not None:
+            threshold = probs.max(dim=-1, keepdim=True).values * r.min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs).exponential_()  # [S, V]
-        if b.seeded_rows is not None:
-            assert b.seeds is not None and b.seed_positions is not None
-            noise[b.seeded_rows] = counter_exponential(b.seeds, b.seed_positions, probs.shape[-1])
+        if (seeded := r.seeded) is not None:
+            vocab = probs.shape[-1]
+            noise[seeded.rows] = counter_exponential(seeded.seeds, seeded.positions, vocab)
         return (probs / noise).max(dim=-1).indices
 
 

@@ -58,28 +58,50 @@ class FeatureCounts:
 
 
 @dataclass
-class SamplingBatch:
-    num_rows: int
-    all_greedy: bool
-    temperature: torch.Tensor | None = None  # [S] float32, 1.0 on greedy rows
-    is_greedy: torch.Tensor | None = None  # [S] bool
+class SeededRows:
+    rows: torch.Tensor  # [R] int64, rows with a seed of their own
+    seeds: torch.Tensor  # [R] int64 (the seed's 64 bits)
+    positions: torch.Tensor  # [R] int64, the output position sampled
+
+
+@dataclass
+class RandomSampling:
+    temperature: torch.Tensor  # [S] float32, 1.0 on greedy rows
+    is_greedy: torch.Tensor  # [S] bool
     top_k: torch.Tensor | None = None  # [S] int64 (vocab size where off)
     top_p: torch.Tensor | None = None  # [S] float32
     min_p: torch.Tensor | None = None  # [S] float32
-    seeded_rows: torch.Tensor | None = None  # [R] int64, rows with a seed of their own
-    seeds: torch.Tensor | None = None  # [R] int64 (the seed's 64 bits)
-    seed_positions: torch.Tensor | None = None  # [R] int64, the output position sampled
-    repetition_penalty: torch.Tensor | None = None  # [S]
-    frequency_penalty: torch.Tensor | None = None  # [S]
-    presence_penalty: torch.Tensor | None = None  # [S]
-    output_counts: torch.Tensor | None = None  # [S, V] float32
-    prompt_mask: torch.Tensor | None = None  # [S, V] bool
-    bias_rows: torch.Tensor | None = None  # [nb] int64
-    bias_tokens: torch.Tensor | None = None  # [nb] int64
-    bias_values: torch.Tensor | None = None  # [nb] float32
-    blocked_rows: torch.Tensor | None = None  # [nm] int64 (min_tokens masking)
-    blocked_tokens: torch.Tensor | None = None  # [nm] int64
+    seeded: SeededRows | None = None
+
+
+@dataclass
+class Penalties:
+    repetition: torch.Tensor  # [S]
+    frequency: torch.Tensor  # [S]
+    presence: torch.Tensor  # [S]
+    output_counts: torch.Tensor  # [S, V] float32
+    prompt_mask: torch.Tensor  # [S, V] bool, prompt tokens of repetition-penalised rows
+
+
+@dataclass
+class SparseLogits:
+    rows: torch.Tensor  # [n] int64
+    tokens: torch.Tensor  # [n] int64
+    values: torch.Tensor  # [n] float32
+
+
+@dataclass
+class SamplingBatch:
+    num_rows: int
+    random: RandomSampling | None = None  # None: every row is greedy
+    penalties: Penalties | None = None
+    bias: SparseLogits | None = None  # added to the logits
+    blocked: SparseLogits | None = None  # set to -inf (min_tokens)
     max_num_logprobs: int = -1  # -1: no row wants logprobs
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.random is None
 
     @classmethod
     def build(
@@ -91,7 +113,7 @@ class SamplingBatch:
     ) -> SamplingBatch:
         """`features`: what the live sequences use (None: look at every row)."""
         active = set(FEATURES) if features is None else {f for f in FEATURES if f in features}
-        batch = cls(num_rows=len(seqs), all_greedy="random" not in active)
+        batch = cls(num_rows=len(seqs))
         if not active:
             return batch
         params = [s.params for s in seqs]
@@ -100,78 +122,90 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         if "random" in active:
-            greedy = [p.is_greedy for p in params]
-            batch.all_greedy = all(greedy)
-        if not batch.all_greedy:
-            batch.temperature = col(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-            )
-            batch.is_greedy = col(greedy, torch.bool)
-            ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-            if any(k < vocab_size for k in ks):
-                batch.top_k = col(ks, torch.int64)
-            if any(p.top_p < 1.0 for p in params):
-                batch.top_p = col([p.top_p for p in params])
-            if any(p.min_p > 0.0 for p in params):
-                batch.min_p = col([p.min_p for p in params])
-            seeded = [i for i, s in enumerate(seqs) if s.seed is not None and not greedy[i]]
-            if seeded:
-                batch.seeded_rows = col(seeded, torch.int64)
-                # The seed's 64 bits as a signed int64.
-                batch.seeds = col([_as_int64(cast(int, seqs[i].seed)) for i in seeded], torch.int64)
-                batch.seed_positions = col(
-                    [len(seqs[i].output_token_ids) for i in seeded], torch.int64
-                )
+            batch.random = _random_sampling(seqs, vocab_size, col)
         if "penalties" in active and any(
             p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
         ):
-            batch._add_penalties(seqs, vocab_size, col)
+            batch.penalties = _penalties(seqs, vocab_size, col)
         if "logit_bias" in active:
-            batch.bias_rows, batch.bias_tokens, batch.bias_values = _sparse(
+            batch.bias = _sparse(
                 [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()],
-                device,
+                col,
             )
         if "min_tokens" in active:
-            blocked = [
-                (i, t, 0.0)
-                for i, s in enumerate(seqs)
-                if len(s.output_token_ids) < s.params.min_tokens
-                for t in s.min_tokens_blocked_ids
-            ]
-            batch.blocked_rows, batch.blocked_tokens, _ = _sparse(blocked, device)
+            batch.blocked = _sparse(
+                [
+                    (i, t, float("-inf"))
+                    for i, s in enumerate(seqs)
+                    if len(s.output_token_ids) < s.params.min_tokens
+                    for t in s.min_tokens_blocked_ids
+                ],
+                col,
+            )
         if "logprobs" in active:
             batch.max_num_logprobs = max(
                 (p.logprobs for p in params if p.logprobs is not None), default=-1
             )
         return batch
 
-    def _add_penalties(
-        self,
-        seqs: Sequence[SampledSequence],
-        vocab_size: int,
-        col: Callable[..., torch.Tensor],
-    ) -> None:
-        params = [s.params for s in seqs]
-        self.repetition_penalty = col([p.repetition_penalty for p in params])
-        self.frequency_penalty = col([p.frequency_penalty for p in params])
-        self.presence_penalty = col([p.presence_penalty for p in params])
-        # One scatter for all rows: output-token counts and prompt-token marks.
-        out_rows = [i for i, s in enumerate(seqs) for _ in s.output_token_ids]
-        out_ids = [t for s in seqs for t in s.output_token_ids]
-        counts = col([0.0]).new_zeros(len(seqs), vocab_size)  # [S, V]
-        if out_ids:
-            counts.index_put_(
-                (col(out_rows, torch.int64), col(out_ids, torch.int64)),
-                col([1.0]).expand(len(out_ids)),
-                accumulate=True,
-            )
-        penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        prompt_rows = [i for i in penalised for _ in seqs[i].prompt_token_ids]
-        prompt_ids = [t for i in penalised for t in seqs[i].prompt_token_ids]
-        prompt_mask = counts.new_zeros(len(seqs), vocab_size, dtype=torch.bool)  # [S, V]
-        if prompt_ids:
-            prompt_mask[col(prompt_rows, torch.int64), col(prompt_ids, torch.int64)] = True
-        self.output_counts, self.prompt_mask = counts, prompt_mask
+
+Column = Callable[..., torch.Tensor]
+
+
+def _random_sampling(
+    seqs: Sequence[SampledSequence], vocab_size: int, col: Column
+) -> RandomSampling | None:
+    params = [s.params for s in seqs]
+    greedy = [p.is_greedy for p in params]
+    if all(greedy):
+        return None
+    random = RandomSampling(
+        temperature=col([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]),
+        is_greedy=col(greedy, torch.bool),
+    )
+    ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    if any(k < vocab_size for k in ks):
+        random.top_k = col(ks, torch.int64)
+    if any(p.top_p < 1.0 for p in params):
+        random.top_p = col([p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        random.min_p = col([p.min_p for p in params])
+    seeded = [i for i, s in enumerate(seqs) if s.seed is not None and not greedy[i]]
+    if seeded:
+        random.seeded = SeededRows(
+            rows=col(seeded, torch.int64),
+            # The seed's 64 bits as a signed int64.
+            seeds=col([_as_int64(cast(int, seqs[i].seed)) for i in seeded], torch.int64),
+            positions=col([len(seqs[i].output_token_ids) for i in seeded], torch.int64),
+        )
+    return random
+
+
+def _penalties(seqs: Sequence[SampledSequence], vocab_size: int, col: Column) -> Penalties:
+    params = [s.params for s in seqs]
+    # One scatter for all rows: output-token counts and prompt-token marks.
+    out_rows = [i for i, s in enumerate(seqs) for _ in s.output_token_ids]
+    out_ids = [t for s in seqs for t in s.output_token_ids]
+    counts = col([0.0]).new_zeros(len(seqs), vocab_size)  # [S, V]
+    if out_ids:
+        counts.index_put_(
+            (col(out_rows, torch.int64), col(out_ids, torch.int64)),
+            col([1.0]).expand(len(out_ids)),
+            accumulate=True,
+        )
+    penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    prompt_rows = [i for i in penalised for _ in seqs[i].prompt_token_ids]
+    prompt_ids = [t for i in penalised for t in seqs[i].prompt_token_ids]
+    prompt_mask = counts.new_zeros(len(seqs), vocab_size, dtype=torch.bool)  # [S, V]
+    if prompt_ids:
+        prompt_mask[col(prompt_rows, torch.int64), col(prompt_ids, torch.int64)] = True
+    return Penalties(
+        repetition=col([p.repetition_penalty for p in params]),
+        frequency=col([p.frequency_penalty for p in params]),
+        presence=col([p.presence_penalty for p in params]),
+        output_counts=counts,
+        prompt_mask=prompt_mask,
+    )
 
 
 FEATURES = ("random", "penalties", "logit_bias", "min_tokens", "logprobs")
@@ -181,14 +215,10 @@ def _as_int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _sparse(
-    entries: list[tuple[int, int, float]], device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def _sparse(entries: list[tuple[int, int, float]], col: Column) -> SparseLogits | None:
     if not entries:
-        return None, None, None
+        return None
     rows, tokens, values = zip(*entries, strict=True)
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(tokens, dtype=torch.int64, device=device),
-        torch.tensor(values, dtype=torch.float32, device=device),
+    return SparseLogits(
+        col(list(rows), torch.int64), col(list(tokens), torch.int64), col(list(values))
     )

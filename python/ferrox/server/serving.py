@@ -117,7 +117,7 @@ class OpenAIServing:
         tasks = [asyncio.create_task(run_to_end(r)) for r in runs]
         disconnect = asyncio.create_task(_wait_disconnect(http))
         try:
-            pending = set(tasks)
+            pending: set[asyncio.Task[Any]] = set(tasks)
             while pending:
                 done, pending = await asyncio.wait(
                     pending | {disconnect}, return_when=asyncio.FIRST_COMPLETED
@@ -244,7 +244,10 @@ class OpenAIServing:
         self, run: RequestRun, index: int
     ) -> list[tuple[int, PositionLogprobs | None]]:
         seq = run.seqs[index]
-        return list(zip(seq.token_ids, seq.logprobs or [None] * len(seq.token_ids), strict=True))
+        logprobs: list[PositionLogprobs | None] = [None] * len(seq.token_ids)
+        if seq.logprobs is not None:
+            logprobs = list(seq.logprobs)
+        return list(zip(seq.token_ids, logprobs, strict=True))
 
     def _echo_entries(self, run: RequestRun) -> list[tuple[int, PositionLogprobs | None]]:
         prompt_lp = run.prompt_logprobs or [None] * len(run.prompt_token_ids)
@@ -338,7 +341,10 @@ def _token_text(entry: PositionLogprobs | None, token: int) -> str:
 def _completion_logprobs(
     entries: list[tuple[int, PositionLogprobs | None]], offset: int
 ) -> op.CompletionLogprobs:
-    tokens, token_lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for token, entry in entries:
         text = _token_text(entry, token)
         tokens.append(text)

@@ -44,7 +44,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 q.numpy(),
                 k_cache.numpy(),
                 v_cache.numpy(),
-                meta.block_table_cpu,
+                meta.block_table_cpu
+                if meta.block_table_cpu is not None
+                else meta.block_table.numpy(),  # on the CPU the two are one
                 meta.query_start_loc_cpu,
                 meta.seq_lens_cpu,
                 single_rows,

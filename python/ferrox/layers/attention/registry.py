@@ -48,11 +48,11 @@ def get_attention_backend(name: str, device: torch.device) -> type[AttentionBack
             if cls.is_supported(device):
                 return cls
         return TorchAttentionBackend
-    cls = _BACKENDS.get(name)
-    if cls is None:
+    named = _BACKENDS.get(name)
+    if named is None:
         raise InvalidArgumentError(
             f"attention_backend must be 'auto' or one of {available_backends()}, got {name!r}"
         )
-    if not cls.is_supported(device):
+    if not named.is_supported(device):
         raise InvalidArgumentError(f"attention backend {name!r} does not run on {device}")
-    return cls
+    return named
