@@ -56,6 +56,7 @@ def make_model(folder: Path) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
     )
     config.save_pretrained(folder)
     load_gguf_tokenizer(default_model_path()).save_pretrained(folder)
@@ -127,12 +128,10 @@ def build_baseline(ref: str, folder: Path) -> Path:
 def run_child(python_path: Path, model: Path) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(python_path))
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(model)],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
+        [sys.executable, __file__, "--child", str(model)], env=env, capture_output=True, text=True
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"the run with {python_path} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferrox.runner.sampler import Sampler, counter_exponential
+from ferrox.runner.sampler import Sampler, _top_k_top_p, counter_exponential
 from ferrox.runner.sampling_batch import (
     FeatureCounts,
     RandomSampling,
     SamplingBatch,
     SeededRows,
+    TopKTopP,
 )
 from ferrox.sampling_params import SamplingParams
 
@@ -84,9 +85,24 @@ def test_unused_features_build_nothing() -> None:
     seqs = [Seq(greedy), Seq(penalised, output_token_ids=[4, 4, 7])]
     batch = SamplingBatch.build(seqs, 10, CPU, features)
     pen = batch.penalties
-    assert pen is not None and batch.all_greedy
-    assert pen.output_counts[1].tolist() == [0, 0, 0, 0, 2, 0, 0, 1, 0, 0]
-    assert pen.prompt_mask[1, :4].tolist() == [False, True, True, True]
-    assert not pen.prompt_mask[0].any() and batch.max_num_logprobs == 2
+    assert pen is not None and batch.all_greedy and pen.rows.tolist() == [1]  # that row only
+    assert pen.output_counts[0].tolist() == [0, 0, 0, 0, 2, 0, 0, 1, 0, 0]
+    assert pen.prompt_mask[0, :4].tolist() == [False, True, True, True]
+    assert batch.max_num_logprobs == 2
     features.add(penalised, -1)
     assert "penalties" not in features and "logprobs" not in features
+
+
+def test_top_k_alone_matches_the_sorted_filter() -> None:
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
+    ks = torch.tensor([1, 7, 300, 50, 2])
+    rows = torch.arange(5)
+    fast = _top_k_top_p(logits, TopKTopP(rows, ks, max_top_k=300, top_p=None))
+    sorted_ = _top_k_top_p(logits, TopKTopP(rows, ks, max_top_k=300, top_p=torch.ones(5)))
+    assert torch.equal(fast, sorted_)
+    assert (fast > float("-inf")).sum(dim=-1).tolist() == ks.tolist()
+    nucleus = _top_k_top_p(
+        logits, TopKTopP(rows, torch.full((5,), 300), 300, torch.full((5,), 0.5))
+    )
+    kept = torch.softmax(logits, -1).masked_fill(nucleus == float("-inf"), 0).sum(-1)
+    assert bool((kept >= 0.5).all())  # the smallest set reaching p

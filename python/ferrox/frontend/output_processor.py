@@ -43,12 +43,18 @@ class SequenceUpdate:
 
 @dataclass
 class SequenceOutput:
-    """One of a request's `n` completions as the caller sees it."""
+    """One of a request's `n` completions as the caller sees it.
+
+    A sequence whose caller reads only the final text (`stream` False) and
+    that has no stop strings is detokenized once, when it finishes: nothing
+    in its text can change how it runs, so no token pays for it before.
+    """
 
     index: int
     tokenizer: Any | None  # None: a model without a tokenizer (no text)
     prompt_token_ids: list[int]
     params: SamplingParams
+    stream: bool = True  # the caller reads each update's text
     detokenizer: IncrementalDetokenizer | None = field(init=False)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -62,6 +68,7 @@ class SequenceOutput:
             self.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, self.prompt_token_ids, self.params
             )
+        self.deferred = not self.stream and not self.params.stop
 
     @property
     def is_finished(self) -> bool:
@@ -75,40 +82,43 @@ class SequenceOutput:
         return self.detokenizer.decode_token(token_id) if self.detokenizer else None
 
     def apply(self, delta: SequenceDelta) -> SequenceUpdate:
-        """Consumes the engine's new tokens (ignored once finished)."""
-        if self.is_finished:
+        """Consumes the engine's new tokens (ignored once finished); the
+        update carries the new text only when streaming."""
+        if self.finish_reason is not None:
             return SequenceUpdate(self.index, "", [], None, self.finish_reason, self.stop_reason)
         tokens = delta.token_ids
-        ends_on_stop_token = delta.finish_reason == "stop"
-        taken: list[int] = []
+        detokenizer = None if self.deferred else self.detokenizer
         stopped_here = False
-        for i, tok in enumerate(tokens):
-            taken.append(tok)
-            if self.detokenizer is None or (ends_on_stop_token and i == len(tokens) - 1):
-                continue  # EOS / a stop token id: counted, not shown
-            stop = self.detokenizer.update([tok])
-            if stop is not None:
-                self.finish_reason, self.stop_reason = "stop", stop
-                # Unless the engine ended it in this very delta, tell it to stop.
-                stopped_here = delta.finish_reason is None
-                break
-        self.token_ids += taken
+        if detokenizer is not None:
+            # EOS / a stop token id that ends the sequence is counted, not shown.
+            shown = tokens[:-1] if delta.finish_reason == "stop" else tokens
+            for i, tok in enumerate(shown):
+                stop = detokenizer.update((tok,))
+                if stop is not None:
+                    self.finish_reason, self.stop_reason = "stop", stop
+                    tokens = tokens[: i + 1]
+                    # Unless the engine ended it in this very delta, tell it to stop.
+                    stopped_here = delta.finish_reason is None
+                    break
+        self.token_ids += tokens
         if self.finish_reason is None and delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason  # type: ignore[assignment]
             self.stop_reason = delta.stop_reason
-            if self.detokenizer is not None:
-                self.detokenizer.finish()
-        text = self.detokenizer.get_delta() if self.detokenizer else ""
-        logprobs = self._logprobs(taken, delta.logprobs)
+            self._finish_text(delta.finish_reason == "stop")
+        text = detokenizer.get_delta() if detokenizer is not None and self.stream else ""
+        logprobs = None if delta.logprobs is None else self._logprobs(tokens, delta.logprobs)
         return SequenceUpdate(
-            self.index, text, taken, logprobs, self.finish_reason, self.stop_reason, stopped_here
+            self.index, text, tokens, logprobs, self.finish_reason, self.stop_reason, stopped_here
         )
 
-    def _logprobs(
-        self, tokens: list[int], wire: TokenLogprobs | None
-    ) -> list[PositionLogprobs] | None:
-        if wire is None:
-            return None
+    def _finish_text(self, ends_on_stop_token: bool) -> None:
+        if self.detokenizer is None:
+            return
+        if self.deferred:  # all the text at once
+            self.detokenizer.update(self.token_ids[:-1] if ends_on_stop_token else self.token_ids)
+        self.detokenizer.finish()
+
+    def _logprobs(self, tokens: list[int], wire: TokenLogprobs) -> list[PositionLogprobs]:
         out = decode_logprobs(self.decode_token, tokens, wire)
         self.cumulative_logprob += sum(wire.logprobs[: len(tokens)])
         self.logprobs = (self.logprobs or []) + out
@@ -168,7 +178,7 @@ class RequestState:
         if self.tokenizer is None and self.params.stop:
             raise InvalidArgumentError("stop strings need a tokenizer; this model has none")
         self.seqs = [
-            SequenceOutput(i, self.tokenizer, self.prompt_token_ids, self.params)
+            SequenceOutput(i, self.tokenizer, self.prompt_token_ids, self.params, self.stream)
             for i in range(self.params.n)
         ]
         if self.params.prompt_logprobs is not None:
@@ -294,7 +304,8 @@ class OutputProcessor:
         outputs = []
         for request_id, updates in progressed.items():
             state = self.requests[request_id]
-            finished = state.is_finished
+            # Only a sequence that finished in this step can finish its request.
+            finished = any(u.finish_reason for u in updates) and state.is_finished
             if finished:
                 del self.requests[request_id]
             if state.stream:

@@ -33,9 +33,13 @@ class RequestRun:
         params: SamplingParams,
         priority: int = 0,
         log_token_ids: bool = False,
+        stream: bool = True,
     ) -> None:
+        """`stream`: the caller reads each update's text (else only the final text)."""
         self.client = client
-        self.state = RequestState(request_id, None, prompt_token_ids, params, tokenizer)
+        self.state = RequestState(
+            request_id, None, prompt_token_ids, params, tokenizer, stream=stream
+        )
         self.priority = priority
         self.log_token_ids = log_token_ids
         self.token_times: list[float] = []

@@ -2,7 +2,8 @@
 top-k / top-p / min-p, then greedy or seeded random choice, plus logprobs.
 
 Random rows use the exponential-race form of sampling (argmax of p / E with
-E ~ Exp(1)). Unseeded rows draw E from torch's generator. Seeded rows draw
+E ~ Exp(1)). Unseeded rows draw E as -log(U) from torch's generator.
+Top-k / top-p and penalties run on the rows that use them only. Seeded rows draw
 it from a counter-based hash of (seed, output position, token id), all rows
 in one batched operation: a seeded request samples the same tokens whatever
 else shares the batch, offline or through the server, with no per-row work.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrox.runner.sampling_batch import RandomSampling, SamplingBatch
+from ferrox.runner.sampling_batch import RandomSampling, SamplingBatch, TopKTopP
 
 
 @dataclass
@@ -51,24 +52,26 @@ class Sampler:
         if b.blocked is not None:
             logits[b.blocked.rows, b.blocked.tokens] = b.blocked.values
         if (pen := b.penalties) is not None:
-            counts = pen.output_counts  # [S, V]
+            rows = logits[pen.rows]  # [P, V]
+            counts = pen.output_counts
             seen = (counts > 0) | pen.prompt_mask
-            rep = pen.repetition[:, None]  # [S, 1]
-            penalised = torch.where(logits > 0, logits / rep, logits * rep)
-            logits = torch.where(seen, penalised, logits)
-            logits = logits - pen.frequency[:, None] * counts
-            logits = logits - pen.presence[:, None] * (counts > 0).float()
+            rep = pen.repetition[:, None]  # [P, 1]
+            rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
+            rows = rows - pen.frequency[:, None] * counts
+            rows = rows - pen.presence[:, None] * (counts > 0).float()
+            logits[pen.rows] = rows
         return logits
 
     def _sample_random(self, logits: torch.Tensor, r: RandomSampling) -> torch.Tensor:
         logits = logits / r.temperature[:, None]
-        if r.top_k is not None or r.top_p is not None:
-            logits = _top_k_top_p(logits, r.top_k, r.top_p)
+        if (f := r.top_k_top_p) is not None:
+            logits[f.rows] = _top_k_top_p(logits[f.rows], f)
         probs = torch.softmax(logits, dim=-1)  # [S, V]
         if r.min_p is not None:
             threshold = probs.max(dim=-1, keepdim=True).values * r.min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_()  # [S, V]
+        # Exp(1) noise as -log(U); U == 0 gives infinite noise: that token loses.
+        noise = torch.rand_like(probs).log_().neg_()  # [S, V]
         if (seeded := r.seeded) is not None:
             vocab = probs.shape[-1]
             noise[seeded.rows] = counter_exponential(seeded.seeds, seeded.positions, vocab)
@@ -107,16 +110,18 @@ def counter_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int
     return -torch.log(uniform)
 
 
-def _top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    # logits: [S, V]; keeps each row's k best and the smallest set reaching p.
+def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
+    """logits: [F, V] -> the same with the tokens outside each row's top-k /
+    top-p set at -inf."""
+    vocab = logits.shape[-1]
+    if f.top_p is None:
+        # Top-k alone: the k-th best value is each row's threshold (ties stay).
+        kth = logits.topk(f.max_top_k, dim=-1).values.gather(1, f.top_k[:, None] - 1)  # [F, 1]
+        return logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
-        sorted_logits = sorted_logits.masked_fill(before > top_p[:, None], float("-inf"))
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= f.top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
+    sorted_logits = sorted_logits.masked_fill(before > f.top_p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -43,6 +43,9 @@ def sampling_features(params: SamplingParams) -> Iterable[str]:
         yield "logprobs"
 
 
+FEATURES = ("random", "penalties", "logit_bias", "min_tokens", "logprobs")
+
+
 class FeatureCounts:
     """Live sequences per sampling feature."""
 
@@ -65,22 +68,35 @@ class SeededRows:
 
 
 @dataclass
+class TopKTopP:
+    """The rows that keep only their k best tokens and / or the smallest set
+    reaching probability p; the other rows skip the sort."""
+
+    rows: torch.Tensor  # [F] int64
+    top_k: torch.Tensor  # [F] int64 (vocab size where off)
+    max_top_k: int  # the largest k among the rows (known on the host: no device sync)
+    top_p: torch.Tensor | None  # [F] float32 (1.0 where off); None when no row uses it
+
+
+@dataclass
 class RandomSampling:
     temperature: torch.Tensor  # [S] float32, 1.0 on greedy rows
     is_greedy: torch.Tensor  # [S] bool
-    top_k: torch.Tensor | None = None  # [S] int64 (vocab size where off)
-    top_p: torch.Tensor | None = None  # [S] float32
+    top_k_top_p: TopKTopP | None = None
     min_p: torch.Tensor | None = None  # [S] float32
     seeded: SeededRows | None = None
 
 
 @dataclass
 class Penalties:
-    repetition: torch.Tensor  # [S]
-    frequency: torch.Tensor  # [S]
-    presence: torch.Tensor  # [S]
-    output_counts: torch.Tensor  # [S, V] float32
-    prompt_mask: torch.Tensor  # [S, V] bool, prompt tokens of repetition-penalised rows
+    """Repetition, frequency and presence penalties of the rows that use any."""
+
+    rows: torch.Tensor  # [P] int64
+    repetition: torch.Tensor  # [P]
+    frequency: torch.Tensor  # [P]
+    presence: torch.Tensor  # [P]
+    output_counts: torch.Tensor  # [P, V] float32
+    prompt_mask: torch.Tensor  # [P, V] bool, prompt tokens of repetition-penalised rows
 
 
 @dataclass
@@ -123,9 +139,7 @@ class SamplingBatch:
 
         if "random" in active:
             batch.random = _random_sampling(seqs, vocab_size, col)
-        if "penalties" in active and any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
-        ):
+        if "penalties" in active:
             batch.penalties = _penalties(seqs, vocab_size, col)
         if "logit_bias" in active:
             batch.bias = _sparse(
@@ -163,11 +177,23 @@ def _random_sampling(
         temperature=col([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]),
         is_greedy=col(greedy, torch.bool),
     )
-    ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-    if any(k < vocab_size for k in ks):
-        random.top_k = col(ks, torch.int64)
-    if any(p.top_p < 1.0 for p in params):
-        random.top_p = col([p.top_p for p in params])
+    filtered = [
+        i
+        for i, p in enumerate(params)
+        if not greedy[i] and (0 < p.top_k < vocab_size or p.top_p < 1.0)
+    ]
+    if filtered:
+        ks = [
+            min(params[i].top_k, vocab_size) if params[i].top_k > 0 else vocab_size
+            for i in filtered
+        ]
+        ps = [params[i].top_p for i in filtered]
+        random.top_k_top_p = TopKTopP(
+            rows=col(filtered, torch.int64),
+            top_k=col(ks, torch.int64),
+            max_top_k=max(ks),
+            top_p=col(ps) if any(p < 1.0 for p in ps) else None,
+        )
     if any(p.min_p > 0.0 for p in params):
         random.min_p = col([p.min_p for p in params])
     seeded = [i for i, s in enumerate(seqs) if s.seed is not None and not greedy[i]]
@@ -181,34 +207,45 @@ def _random_sampling(
     return random
 
 
-def _penalties(seqs: Sequence[SampledSequence], vocab_size: int, col: Column) -> Penalties:
-    params = [s.params for s in seqs]
-    # One scatter for all rows: output-token counts and prompt-token marks.
-    out_rows = [i for i, s in enumerate(seqs) for _ in s.output_token_ids]
-    out_ids = [t for s in seqs for t in s.output_token_ids]
-    counts = col([0.0]).new_zeros(len(seqs), vocab_size)  # [S, V]
+def _penalties(seqs: Sequence[SampledSequence], vocab_size: int, col: Column) -> Penalties | None:
+    rows = [
+        i
+        for i, s in enumerate(seqs)
+        if s.params.repetition_penalty != 1.0
+        or s.params.frequency_penalty
+        or s.params.presence_penalty
+    ]
+    if not rows:
+        return None
+    params = [seqs[i].params for i in rows]
+    # One scatter for all penalised rows: output-token counts and prompt-token marks.
+    outputs = [seqs[i].output_token_ids for i in rows]
+    out_rows = [j for j, ids in enumerate(outputs) for _ in ids]
+    out_ids = [t for ids in outputs for t in ids]
+    counts = col([0.0]).new_zeros(len(rows), vocab_size)  # [P, V]
     if out_ids:
         counts.index_put_(
             (col(out_rows, torch.int64), col(out_ids, torch.int64)),
             col([1.0]).expand(len(out_ids)),
             accumulate=True,
         )
-    penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    prompt_rows = [i for i in penalised for _ in seqs[i].prompt_token_ids]
-    prompt_ids = [t for i in penalised for t in seqs[i].prompt_token_ids]
-    prompt_mask = counts.new_zeros(len(seqs), vocab_size, dtype=torch.bool)  # [S, V]
+    prompts = [
+        seqs[i].prompt_token_ids if p.repetition_penalty != 1.0 else []
+        for i, p in zip(rows, params, strict=True)
+    ]
+    prompt_rows = [j for j, ids in enumerate(prompts) for _ in ids]
+    prompt_ids = [t for ids in prompts for t in ids]
+    prompt_mask = counts.new_zeros(len(rows), vocab_size, dtype=torch.bool)  # [P, V]
     if prompt_ids:
         prompt_mask[col(prompt_rows, torch.int64), col(prompt_ids, torch.int64)] = True
     return Penalties(
+        rows=col(rows, torch.int64),
         repetition=col([p.repetition_penalty for p in params]),
         frequency=col([p.frequency_penalty for p in params]),
         presence=col([p.presence_penalty for p in params]),
         output_counts=counts,
         prompt_mask=prompt_mask,
     )
-
-
-FEATURES = ("random", "penalties", "logit_bias", "min_tokens", "logprobs")
 
 
 def _as_int64(value: int) -> int:

@@ -109,6 +109,7 @@ class OpenAIServing:
             params=params,
             priority=request.priority,
             log_token_ids=self.ctx.log_token_ids,
+            stream=bool(request.stream),
         )
 
     async def run_all(self, http: Request, runs: list[RequestRun]) -> None:
