@@ -87,7 +87,17 @@ class SequenceOutput:
         if self.finish_reason is not None:
             return SequenceUpdate(self.index, "", [], None, self.finish_reason, self.stop_reason)
         tokens = delta.token_ids
-        detokenizer = None if self.deferred else self.detokenizer
+        if self.deferred:  # the common offline case: only keep the tokens
+            self.token_ids += tokens
+            if delta.finish_reason is not None:
+                self.finish_reason = delta.finish_reason  # type: ignore[assignment]
+                self.stop_reason = delta.stop_reason
+                self._finish_text(delta.finish_reason == "stop")
+            logprobs = None if delta.logprobs is None else self._logprobs(tokens, delta.logprobs)
+            return SequenceUpdate(
+                self.index, "", tokens, logprobs, self.finish_reason, self.stop_reason
+            )
+        detokenizer = self.detokenizer
         stopped_here = False
         if detokenizer is not None:
             # EOS / a stop token id that ends the sequence is counted, not shown.
