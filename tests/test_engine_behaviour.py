@@ -251,3 +251,52 @@ def test_reset_prefix_cache(llm: LLM) -> None:
     llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.engine.stats().prefix_hit_tokens == hits  # nothing left to hit
     assert_idle(llm)
+
+
+@torch.inference_mode()
+def _hf_penalised_greedy(
+    hf: torch.nn.Module, prompt: list[int], n: int, rep: float, freq: float, pres: float
+) -> list[int]:
+    """Greedy decoding with the penalties applied by hand to transformers'
+    logits: repetition on prompt and output tokens, frequency and presence
+    on output tokens."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt + out] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel())
+        logits = logits - freq * counts - pres * (counts > 0).float()
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_penalties_match_a_reference(tiny_models: dict[str, Path], llm: LLM) -> None:
+    hf = models.hf_model(tiny_models["llama-gqa-tied"])
+    prompts = [[5, 6, 7, 8, 5, 6], [40, 41, 42], [9, 9, 9, 9]]
+    cases = [(1.8, 0.0, 0.0), (1.0, 1.5, 0.0), (1.0, 0.0, 2.0), (1.3, 0.5, 0.5)]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            ignore_eos=True,
+            repetition_penalty=rep,
+            frequency_penalty=freq,
+            presence_penalty=pres,
+        )
+        for rep, freq, pres in cases
+    ]
+    # Every prompt with every case, alongside unpenalised rows, in one batch.
+    batch = [(p, sp) for p in prompts for sp in params] + [
+        (prompts[0], SamplingParams(max_tokens=12, temperature=0.0))
+    ]
+    outs = llm.generate([p for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
+    for (prompt, sp), out in zip(batch[:-1], outs, strict=False):
+        expected = _hf_penalised_greedy(
+            hf, prompt, 12, sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty
+        )
+        assert out.outputs[0].token_ids == expected, (prompt, sp)
+    plain = outs[-1].outputs[0].token_ids
+    assert plain != outs[0].outputs[0].token_ids  # the penalty changed something
+    assert_idle(llm)

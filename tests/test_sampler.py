@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferrox.runner.sampler import Sampler, _top_k_top_p, counter_exponential
+from ferrox.runner.sampler import Sampler, _top_k, _top_p, counter_uniform
 from ferrox.runner.sampling_batch import (
     FeatureCounts,
+    PenaltyState,
     RandomSampling,
     SamplingBatch,
     SeededRows,
-    TopKTopP,
+    TopK,
+    TopP,
 )
 from ferrox.sampling_params import SamplingParams
 
@@ -27,18 +29,21 @@ class Seq:
     prompt_token_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
     output_token_ids: list[int] = field(default_factory=list)
     min_tokens_blocked_ids: list[int] = field(default_factory=list)
+    penalty_state: PenaltyState | None = None
 
 
-def test_counter_noise_depends_only_on_seed_position_and_token() -> None:
-    seeds = torch.tensor([7, 8, 7, -(2**63)])
-    positions = torch.tensor([0, 0, 1, 5])
-    noise = counter_exponential(seeds, positions, 4096)
-    assert noise.shape == (4, 4096) and bool((noise > 0).all())
-    again = counter_exponential(seeds.flip(0), positions.flip(0), 4096).flip(0)
-    assert torch.equal(noise, again)
-    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
-    # Exp(1): mean and standard deviation 1.
-    assert abs(noise.mean().item() - 1.0) < 0.03 and abs(noise.std().item() - 1.0) < 0.05
+def test_counter_uniforms_depend_only_on_seed_and_position() -> None:
+    seeds = torch.tensor([7, 8, 7, -(2**63)]).repeat_interleave(5000)
+    positions = torch.tensor([0, 0, 1, 5]).repeat_interleave(5000) + torch.arange(5000).repeat(4)
+    u = counter_uniform(seeds, positions)  # [20000]
+    assert bool(((u > 0) & (u <= 1)).all())
+    assert torch.equal(u, counter_uniform(seeds.flip(0), positions.flip(0)).flip(0))
+    rows = u.view(4, 5000)
+    assert not torch.equal(rows[0], rows[1]) and not torch.equal(rows[0], rows[2])
+    # Uniform on (0, 1]: mean 1/2, variance 1/12, every tenth equally full.
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    deciles = torch.bincount((u * 10).clamp(max=9.99).long(), minlength=10) / len(u)
+    assert bool(((deciles - 0.1).abs() < 0.01).all()), deciles
 
 
 def test_seeded_rows_sample_the_distribution() -> None:
@@ -89,6 +94,11 @@ def test_unused_features_build_nothing() -> None:
     assert pen.output_counts[0].tolist() == [0, 0, 0, 0, 2, 0, 0, 1, 0, 0]
     assert pen.prompt_mask[0, :4].tolist() == [False, True, True, True]
     assert batch.max_num_logprobs == 2
+    # The next step counts only what was sampled since.
+    seqs[1].output_token_ids.append(7)
+    again = SamplingBatch.build(seqs, 10, CPU, features).penalties
+    assert again is not None
+    assert again.output_counts[0].tolist() == [0, 0, 0, 0, 2, 0, 0, 2, 0, 0]
     features.add(penalised, -1)
     assert "penalties" not in features and "logprobs" not in features
 
@@ -97,12 +107,14 @@ def test_top_k_alone_matches_the_sorted_filter() -> None:
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
     ks = torch.tensor([1, 7, 300, 50, 2])
     rows = torch.arange(5)
-    fast = _top_k_top_p(logits, TopKTopP(rows, ks, max_top_k=300, top_p=None))
-    sorted_ = _top_k_top_p(logits, TopKTopP(rows, ks, max_top_k=300, top_p=torch.ones(5)))
+    fast = _top_k(logits, TopK(rows, ks, max_k=300))
+    sorted_ = _top_p(logits, TopP(rows, ks, torch.ones(5)))
     assert torch.equal(fast, sorted_)
     assert (fast > float("-inf")).sum(dim=-1).tolist() == ks.tolist()
-    nucleus = _top_k_top_p(
-        logits, TopKTopP(rows, torch.full((5,), 300), 300, torch.full((5,), 0.5))
-    )
-    kept = torch.softmax(logits, -1).masked_fill(nucleus == float("-inf"), 0).sum(-1)
-    assert bool((kept >= 0.5).all())  # the smallest set reaching p
+    nucleus = _top_p(logits, TopP(rows, torch.full((5,), 300), torch.full((5,), 0.5)))
+    probs = torch.softmax(logits, -1)
+    kept = probs.masked_fill(nucleus == float("-inf"), 0)
+    assert bool((kept.sum(-1) >= 0.5).all())  # reaches p ...
+    # ... and is the smallest such set: without its least likely token it would not.
+    least = kept.masked_fill(kept == 0, 2.0).min(dim=-1).values
+    assert bool((kept.sum(-1) - least < 0.5).all())

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ferrox.engine.protocol import TokenLogprobs
 from ferrox.outputs import FinishReason
+from ferrox.runner.sampling_batch import PenaltyState
 from ferrox.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class SequenceState:
     num_preemptions: int = 0
     # Logprobs of tokens not yet sent.
     pending_logprobs: TokenLogprobs | None = None
+    penalty_state: PenaltyState | None = None  # the sampler's, when penalised
 
 
 @dataclass

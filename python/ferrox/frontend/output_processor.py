@@ -29,7 +29,7 @@ from ferrox.outputs import (
 from ferrox.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceUpdate:
     index: int
     text: str

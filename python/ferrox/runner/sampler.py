@@ -1,12 +1,14 @@
 """Batched sampling: logit bias, min-tokens masking, penalties, temperature,
 top-k / top-p / min-p, then greedy or seeded random choice, plus logprobs.
 
-Random rows use the exponential-race form of sampling (argmax of p / E with
-E ~ Exp(1)). Unseeded rows draw E as -log(U) from torch's generator.
-Top-k / top-p and penalties run on the rows that use them only. Seeded rows draw
-it from a counter-based hash of (seed, output position, token id), all rows
-in one batched operation: a seeded request samples the same tokens whatever
-else shares the batch, offline or through the server, with no per-row work.
+Random rows sample by inverse CDF: one uniform per row picks the first token
+whose cumulative probability reaches it. Unseeded rows draw the uniform from
+torch's generator; seeded rows from a counter-based hash of (seed, output
+position), all seeded rows in one batched operation, so a seeded request
+samples the same tokens whatever else shares the batch, offline or through
+the server, with no per-row work. Top-k / top-p and penalties run on the
+rows that use them only; top-k alone thresholds at the k-th best value
+instead of sorting the vocabulary.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrox.runner.sampling_batch import RandomSampling, SamplingBatch, TopKTopP
+from ferrox.runner.sampling_batch import RandomSampling, SamplingBatch, TopK, TopP
 
 
 @dataclass
@@ -64,18 +66,23 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, r: RandomSampling) -> torch.Tensor:
         logits = logits / r.temperature[:, None]
-        if (f := r.top_k_top_p) is not None:
-            logits[f.rows] = _top_k_top_p(logits[f.rows], f)
+        if (k := r.top_k) is not None:
+            logits[k.rows] = _top_k(logits[k.rows], k)
+        if (p := r.top_p) is not None:
+            logits[p.rows] = _top_p(logits[p.rows], p)
         probs = torch.softmax(logits, dim=-1)  # [S, V]
         if r.min_p is not None:
             threshold = probs.max(dim=-1, keepdim=True).values * r.min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exp(1) noise as -log(U); U == 0 gives infinite noise: that token loses.
-        noise = torch.rand_like(probs).log_().neg_()  # [S, V]
+        # Inverse CDF: one uniform in (0, 1] per row picks the token whose
+        # cumulative mass first reaches it (never a token of zero mass).
+        uniform = 1.0 - torch.rand(probs.shape[0], device=probs.device)  # [S]
         if (seeded := r.seeded) is not None:
-            vocab = probs.shape[-1]
-            noise[seeded.rows] = counter_exponential(seeded.seeds, seeded.positions, vocab)
-        return (probs / noise).max(dim=-1).indices
+            uniform[seeded.rows] = counter_uniform(seeded.seeds, seeded.positions)
+        cdf = probs.cumsum(dim=-1)  # [S, V]
+        target = (uniform * cdf[:, -1])[:, None]  # [S, 1]
+        picked = torch.searchsorted(cdf, target).squeeze(1)
+        return picked.clamp_(max=probs.shape[-1] - 1)
 
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic;
@@ -97,31 +104,29 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 31)
 
 
-def counter_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise that depends only on (seed, position, token id).
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform in (0, 1] that depends only on (seed, position).
 
-    seeds, positions: [R] int64 -> [R, V] float32.
+    seeds, positions: [R] int64 -> [R] float32.
     """
-    key = _mix64(_mix64(seeds) + positions * _GOLDEN)  # [R]
-    token = torch.arange(vocab, device=seeds.device, dtype=torch.int64)  # [V]
-    bits = _mix64(key[:, None] + (token[None, :] + 1) * _GOLDEN)  # [R, V]
-    # The top 24 bits as a uniform in (0, 1), then the inverse CDF.
-    uniform = (_shift_right(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    bits = _mix64(_mix64(seeds) + (positions + 1) * _GOLDEN)  # [R]
+    # The top 24 bits: 2**24 evenly spaced values in (0, 1].
+    return (_shift_right(bits, 40).to(torch.float32) + 1.0) * (1.0 / (1 << 24))
 
 
-def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
-    """logits: [F, V] -> the same with the tokens outside each row's top-k /
-    top-p set at -inf."""
-    vocab = logits.shape[-1]
-    if f.top_p is None:
-        # Top-k alone: the k-th best value is each row's threshold (ties stay).
-        kth = logits.topk(f.max_top_k, dim=-1).values.gather(1, f.top_k[:, None] - 1)  # [F, 1]
-        return logits.masked_fill(logits < kth, float("-inf"))
+def _top_k(logits: torch.Tensor, f: TopK) -> torch.Tensor:
+    """logits: [F, V] with the tokens below each row's k-th best at -inf (ties stay)."""
+    kth = logits.topk(f.max_k, dim=-1).values.gather(1, f.k[:, None] - 1)  # [F, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, f: TopP) -> torch.Tensor:
+    """logits: [F, V] with the tokens outside each row's top-k and its
+    smallest set reaching probability p at -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= f.top_k[:, None], float("-inf"))
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= f.k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
-    sorted_logits = sorted_logits.masked_fill(before > f.top_p[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(before > f.p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -27,6 +27,17 @@ class SampledSequence(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     min_tokens_blocked_ids: list[int]  # EOS / stop ids masked until min_tokens
+    penalty_state: PenaltyState | None  # kept between steps by the batch builder
+
+
+@dataclass
+class PenaltyState:
+    """A penalised sequence's token counts, kept between steps so that each
+    step adds only the tokens sampled since the last."""
+
+    output_counts: torch.Tensor  # [V] float32
+    prompt_mask: torch.Tensor  # [V] bool (all False without a repetition penalty)
+    num_counted: int = 0
 
 
 def sampling_features(params: SamplingParams) -> Iterable[str]:
@@ -68,21 +79,30 @@ class SeededRows:
 
 
 @dataclass
-class TopKTopP:
-    """The rows that keep only their k best tokens and / or the smallest set
-    reaching probability p; the other rows skip the sort."""
+class TopK:
+    """Rows that keep only their k best tokens (and use no top-p)."""
 
     rows: torch.Tensor  # [F] int64
-    top_k: torch.Tensor  # [F] int64 (vocab size where off)
-    max_top_k: int  # the largest k among the rows (known on the host: no device sync)
-    top_p: torch.Tensor | None  # [F] float32 (1.0 where off); None when no row uses it
+    k: torch.Tensor  # [F] int64
+    max_k: int  # the largest k among them (known on the host: no device sync)
+
+
+@dataclass
+class TopP:
+    """Rows that keep the smallest set of tokens reaching probability p,
+    within their k best (vocabulary size where top-k is off)."""
+
+    rows: torch.Tensor  # [F] int64
+    k: torch.Tensor  # [F] int64
+    p: torch.Tensor  # [F] float32
 
 
 @dataclass
 class RandomSampling:
     temperature: torch.Tensor  # [S] float32, 1.0 on greedy rows
     is_greedy: torch.Tensor  # [S] bool
-    top_k_top_p: TopKTopP | None = None
+    top_k: TopK | None = None
+    top_p: TopP | None = None
     min_p: torch.Tensor | None = None  # [S] float32
     seeded: SeededRows | None = None
 
@@ -177,22 +197,22 @@ def _random_sampling(
         temperature=col([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]),
         is_greedy=col(greedy, torch.bool),
     )
-    filtered = [
-        i
-        for i, p in enumerate(params)
-        if not greedy[i] and (0 < p.top_k < vocab_size or p.top_p < 1.0)
+    ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+    nucleus = [i for i, p in enumerate(params) if not greedy[i] and p.top_p < 1.0]
+    only_k = [
+        i for i, p in enumerate(params) if not greedy[i] and p.top_p >= 1.0 and ks[i] < vocab_size
     ]
-    if filtered:
-        ks = [
-            min(params[i].top_k, vocab_size) if params[i].top_k > 0 else vocab_size
-            for i in filtered
-        ]
-        ps = [params[i].top_p for i in filtered]
-        random.top_k_top_p = TopKTopP(
-            rows=col(filtered, torch.int64),
-            top_k=col(ks, torch.int64),
-            max_top_k=max(ks),
-            top_p=col(ps) if any(p < 1.0 for p in ps) else None,
+    if only_k:
+        random.top_k = TopK(
+            rows=col(only_k, torch.int64),
+            k=col([ks[i] for i in only_k], torch.int64),
+            max_k=max(ks[i] for i in only_k),
+        )
+    if nucleus:
+        random.top_p = TopP(
+            rows=col(nucleus, torch.int64),
+            k=col([ks[i] for i in nucleus], torch.int64),
+            p=col([params[i].top_p for i in nucleus]),
         )
     if any(p.min_p > 0.0 for p in params):
         random.min_p = col([p.min_p for p in params])
@@ -217,34 +237,40 @@ def _penalties(seqs: Sequence[SampledSequence], vocab_size: int, col: Column) ->
     ]
     if not rows:
         return None
-    params = [seqs[i].params for i in rows]
-    # One scatter for all penalised rows: output-token counts and prompt-token marks.
-    outputs = [seqs[i].output_token_ids for i in rows]
-    out_rows = [j for j, ids in enumerate(outputs) for _ in ids]
-    out_ids = [t for ids in outputs for t in ids]
-    counts = col([0.0]).new_zeros(len(rows), vocab_size)  # [P, V]
-    if out_ids:
+    states: list[PenaltyState] = []
+    new_rows: list[int] = []
+    new_ids: list[int] = []
+    for j, i in enumerate(rows):
+        seq = seqs[i]
+        state = seq.penalty_state
+        if state is None:
+            prompt_mask = col([False], torch.bool).new_zeros(vocab_size)  # [V]
+            if seq.params.repetition_penalty != 1.0:
+                prompt_mask[col(seq.prompt_token_ids, torch.int64)] = True
+            zeros = col([0.0]).new_zeros(vocab_size)  # [V]
+            state = seq.penalty_state = PenaltyState(zeros, prompt_mask)
+        fresh = seq.output_token_ids[state.num_counted :]
+        new_rows += [j] * len(fresh)
+        new_ids += fresh
+        state.num_counted += len(fresh)
+        states.append(state)
+    counts = torch.stack([s.output_counts for s in states])  # [P, V]
+    if new_ids:  # one scatter for every penalised row's new tokens
         counts.index_put_(
-            (col(out_rows, torch.int64), col(out_ids, torch.int64)),
-            col([1.0]).expand(len(out_ids)),
+            (col(new_rows, torch.int64), col(new_ids, torch.int64)),
+            col([1.0]).expand(len(new_ids)),
             accumulate=True,
         )
-    prompts = [
-        seqs[i].prompt_token_ids if p.repetition_penalty != 1.0 else []
-        for i, p in zip(rows, params, strict=True)
-    ]
-    prompt_rows = [j for j, ids in enumerate(prompts) for _ in ids]
-    prompt_ids = [t for ids in prompts for t in ids]
-    prompt_mask = counts.new_zeros(len(rows), vocab_size, dtype=torch.bool)  # [P, V]
-    if prompt_ids:
-        prompt_mask[col(prompt_rows, torch.int64), col(prompt_ids, torch.int64)] = True
+    for j, state in enumerate(states):
+        state.output_counts = counts[j]  # a view: the next step starts from here
+    params = [seqs[i].params for i in rows]
     return Penalties(
         rows=col(rows, torch.int64),
         repetition=col([p.repetition_penalty for p in params]),
         frequency=col([p.frequency_penalty for p in params]),
         presence=col([p.presence_penalty for p in params]),
         output_counts=counts,
-        prompt_mask=prompt_mask,
+        prompt_mask=torch.stack([s.prompt_mask for s in states]),  # [P, V]
     )
 
 
