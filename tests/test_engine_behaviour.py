@@ -300,3 +300,32 @@ def test_penalties_match_a_reference(tiny_models: dict[str, Path], llm: LLM) -> 
     plain = outs[-1].outputs[0].token_ids
     assert plain != outs[0].outputs[0].token_ids  # the penalty changed something
     assert_idle(llm)
+
+
+def test_final_only_and_streamed_runs_agree(llm: LLM) -> None:
+    """generate() hands the engine final-only requests (one delta at the end,
+    text decoded once); streaming takes a delta a step. Same tokens, text,
+    logprobs and metrics either way."""
+    prompts = [[7, 8, 9, 10, 11], [30, 31]]
+    params = SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=9, logprobs=2, ignore_eos=True)
+    final = llm.generate(prompts, params, use_tqdm=False)
+    streamed: dict[str, dict[int, list]] = {}
+    requests = [(None, p) for p in prompts]
+    for out in llm.stream_outputs(["s0", "s1"], requests, [params, params], stream=True):
+        for c in out.outputs:
+            entry = streamed.setdefault(out.request_id, {}).setdefault(c.index, ["", [], []])
+            entry[0] += c.text
+            entry[1] += c.token_ids
+            entry[2] += c.logprobs or []
+    for rid, out in zip(["s0", "s1"], final, strict=True):
+        assert out.metrics is not None and out.metrics.first_token_time is not None
+        assert out.metrics.arrival_time <= out.metrics.first_token_time
+        assert out.metrics.num_generation_tokens == 2 * 9
+        for c in out.outputs:
+            text, tokens, logprobs = streamed[rid][c.index]
+            assert (c.text, c.token_ids) == (text, tokens)
+            # (the second run reads the prompt from the prefix cache: rounding differs)
+            assert [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs or []] == [
+                {t: pytest.approx(lp.logprob, abs=1e-4) for t, lp in e.items()} for e in logprobs
+            ]
+    assert_idle(llm)

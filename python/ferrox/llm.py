@@ -147,8 +147,8 @@ class LLM:
         added: list[str] = []
         try:
             for rid, (text, prompt_ids), sp in zip(request_ids, requests, params, strict=True):
-                processor.add_request(rid, text, prompt_ids, sp, stream=stream)
-                engine.add_request(rid, prompt_ids, sp)
+                state = processor.add_request(rid, text, prompt_ids, sp, stream=stream)
+                engine.add_request(rid, prompt_ids, sp, final_only=state.final_only)
                 added.append(rid)
             while engine.has_unfinished_requests():
                 outputs, stops = processor.process(*engine.step())

@@ -152,12 +152,15 @@ class EngineCore:
         params: SamplingParams,
         *,
         priority: int = 0,
+        final_only: bool = False,
     ) -> None:
+        """`final_only`: the caller wants each sequence's tokens once, when it
+        finishes (no stop strings, no streaming): no delta before that."""
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_ids, params)
-        req = RequestState(request_id, prompt_ids, params)
+        req = RequestState(request_id, prompt_ids, params, final_only=final_only)
         if params.prompt_logprobs is not None:
             req.num_prompt_logprobs = 1
             self._num_prompt_logprob_requests += 1
@@ -290,7 +293,7 @@ class EngineCore:
         self.latest_stats = events.stats
         self.num_generated_tokens += len(seqs)
         self._apply_events(events)
-        deltas = [self._delta(seq) for seq in seqs]
+        deltas = [self._delta(seq) for seq in seqs if seq.is_finished or not seq.request.final_only]
         self._start_siblings(seqs)
         for seq in seqs:
             if seq.is_finished and seq.request.is_finished:
@@ -312,8 +315,12 @@ class EngineCore:
                     req.first_scheduled_time = t_now = t_now or now()
 
     def _append_tokens(self, seqs: list[SequenceState], out: RunnerOutput, logprobs: bool) -> None:
+        t_now = None
         for seq, tok in zip(seqs, out.sampled.tolist(), strict=True):
-            seq.output_token_ids.append(tok)
+            output = seq.output_token_ids
+            output.append(tok)
+            if len(output) == 1:
+                seq.first_token_time = t_now = t_now or now()
         if not logprobs:
             return
         for i, seq in enumerate(seqs):
@@ -354,6 +361,7 @@ class EngineCore:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             first_scheduled_time=seq.request.first_scheduled_time if first else None,
+            first_token_time=seq.first_token_time if first and seq.request.final_only else None,
             num_cached_tokens=seq.num_cached_tokens if first else None,
             num_preemptions=seq.num_preemptions if seq.is_finished else 0,
         )

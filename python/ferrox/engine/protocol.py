@@ -64,6 +64,7 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     # Sent with a sequence's first tokens:
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None
+    first_token_time: float | None = None  # for a final-only request (else: on receipt)
     # Sent when the sequence finishes:
     num_preemptions: int = 0
 

@@ -29,6 +29,7 @@ class SequenceState:
     finish_reason: FinishReason | None = None  # as the scheduler reported it
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
+    first_token_time: float | None = None
     num_sent_tokens: int = 0
     num_preemptions: int = 0
     # Logprobs of tokens not yet sent.
@@ -48,6 +49,7 @@ class RequestState:
     # None when they were not asked for.
     num_prompt_logprobs: int | None = None
     first_scheduled_time: float | None = None
+    final_only: bool = False  # deltas only when a sequence finishes
 
     @property
     def is_finished(self) -> bool:

@@ -68,7 +68,7 @@ class SequenceOutput:
             self.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, self.prompt_token_ids, self.params
             )
-        self.deferred = not self.stream and not self.params.stop
+        self.deferred = is_final_only(self.stream, self.params)
 
     @property
     def is_finished(self) -> bool:
@@ -151,6 +151,12 @@ class SequenceOutput:
         )
 
 
+def is_final_only(stream: bool, params: SamplingParams) -> bool:
+    """Nothing needs a sequence's tokens before it finishes: its caller reads
+    only the final text, and it has no stop strings to match."""
+    return not stream and not params.stop
+
+
 def decode_logprobs(
     decode: Callable[[int], str | None], tokens: list[int], wire: TokenLogprobs
 ) -> list[PositionLogprobs]:
@@ -199,6 +205,10 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
     @property
+    def final_only(self) -> bool:
+        return is_final_only(self.stream, self.params)
+
+    @property
     def num_output_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
 
@@ -220,7 +230,7 @@ class RequestState:
             self.num_preemptions += item.num_preemptions
         if item.token_ids:
             if self.first_token_time is None:
-                self.first_token_time = now
+                self.first_token_time = item.first_token_time or now
             self.last_token_time = now
         return self.seqs[item.index].apply(item)
 
