@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -191,9 +192,20 @@ def main() -> int:
                 )
         print_table(runs)
         if args.json:
-            Path(args.json).write_text(
-                json.dumps({"baseline": args.baseline, "runs": runs}, indent=2)
-            )
+            record = {
+                "command": " ".join(["python", *sys.argv]),
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                "current": subprocess.run(
+                    ["git", "rev-parse", "--short", "HEAD"],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                ).stdout.strip(),
+                "baseline": args.baseline,
+                "runs": runs,
+            }
+            Path(args.json).write_text(json.dumps(record, indent=2))
     finally:
         if args.baseline:
             subprocess.run(

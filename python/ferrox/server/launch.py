@@ -58,9 +58,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="name(s) clients use for the model (default: the model path's name)",
     )
     group.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body")
-    group.add_argument("--max-n", type=int, default=16, help="largest `n` a request may ask for")
-    group.add_argument("--max-stop-strings", type=int, default=16)
-    group.add_argument("--max-stop-string-len", type=int, default=256)
+    limits = ServerLimits()  # the one definition of the defaults
+    group.add_argument(
+        "--max-n", type=int, default=limits.max_n, help="largest `n` a request may ask for"
+    )
+    group.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
+    group.add_argument("--max-stop-string-len", type=int, default=limits.max_stop_string_len)
     group.add_argument(
         "--shutdown-timeout",
         type=float,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
+from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
 from ferrox.sampling_params import SamplingParams
 from ferrox.server.openai_protocol import (
@@ -28,7 +29,8 @@ class ServerLimits:
     """Caps on one request that the server enforces beyond SamplingParams' checks."""
 
     max_n: int = 16
-    max_logprobs: int = 20  # for logprobs, top_logprobs and prompt_logprobs
+    # For logprobs, top_logprobs and prompt_logprobs; the engine's own limit.
+    max_logprobs: int = EngineConfig.max_logprobs
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
 
