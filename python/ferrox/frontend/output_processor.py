@@ -87,17 +87,8 @@ class SequenceOutput:
         if self.finish_reason is not None:
             return SequenceUpdate(self.index, "", [], None, self.finish_reason, self.stop_reason)
         tokens = delta.token_ids
-        if self.deferred:  # the common offline case: only keep the tokens
-            self.token_ids += tokens
-            if delta.finish_reason is not None:
-                self.finish_reason = delta.finish_reason  # type: ignore[assignment]
-                self.stop_reason = delta.stop_reason
-                self._finish_text(delta.finish_reason == "stop")
-            logprobs = None if delta.logprobs is None else self._logprobs(tokens, delta.logprobs)
-            return SequenceUpdate(
-                self.index, "", tokens, logprobs, self.finish_reason, self.stop_reason
-            )
-        detokenizer = self.detokenizer
+        # A deferred sequence only keeps its tokens until it finishes.
+        detokenizer = None if self.deferred else self.detokenizer
         stopped_here = False
         if detokenizer is not None:
             # EOS / a stop token id that ends the sequence is counted, not shown.
@@ -131,7 +122,9 @@ class SequenceOutput:
     def _logprobs(self, tokens: list[int], wire: TokenLogprobs) -> list[PositionLogprobs]:
         out = decode_logprobs(self.decode_token, tokens, wire)
         self.cumulative_logprob += sum(wire.logprobs[: len(tokens)])
-        self.logprobs = (self.logprobs or []) + out
+        if self.logprobs is None:
+            self.logprobs = []
+        self.logprobs.extend(out)
         return out
 
     def completion(self, update: SequenceUpdate | None = None) -> CompletionOutput:
