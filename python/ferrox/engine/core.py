@@ -32,7 +32,7 @@ from ferrox._native import (
 from ferrox.config import EngineConfig
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, wire_prompt_logprobs
 from ferrox.engine.protocol import PromptLogprobs, SequenceDelta, TokenLogprobs
-from ferrox.engine.sequence import RequestState, SequenceState, now
+from ferrox.engine.sequence import EngineRequest, SequenceState, now
 from ferrox.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
@@ -95,7 +95,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             num_speculative_tokens=config.num_speculative_tokens,
         )
-        self._requests: dict[str, RequestState] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._seqs: dict[int, SequenceState] = {}
         self._next_seq_id = 0
         # Requests whose prompt logprobs are still to come: a step scans its
@@ -160,7 +160,7 @@ class EngineCore:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_ids, params)
-        req = RequestState(request_id, prompt_ids, params, final_only=final_only)
+        req = EngineRequest(request_id, prompt_ids, params, final_only=final_only)
         if params.prompt_logprobs is not None:
             req.num_prompt_logprobs = 1
             self._num_prompt_logprob_requests += 1
@@ -176,7 +176,7 @@ class EngineCore:
         self._requests[request_id] = req
         self.num_prompt_tokens += len(prompt_ids)
 
-    def _new_sequence(self, req: RequestState, index: int) -> SequenceState:
+    def _new_sequence(self, req: EngineRequest, index: int) -> SequenceState:
         params = req.params
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -248,7 +248,7 @@ class EngineCore:
             seq.is_finished = True
         self._retire(seq)
 
-    def _forget(self, req: RequestState) -> None:
+    def _forget(self, req: EngineRequest) -> None:
         if self._requests.pop(req.request_id, None) is not None and req.num_prompt_logprobs:
             self._num_prompt_logprob_requests -= 1
 

@@ -19,7 +19,7 @@ class SequenceState:
 
     seq_id: int
     index: int
-    request: RequestState
+    request: EngineRequest
     params: SamplingParams
     prompt_token_ids: list[int]
     min_tokens_blocked_ids: list[int]  # EOS / stop ids masked until min_tokens
@@ -38,7 +38,10 @@ class SequenceState:
 
 
 @dataclass
-class RequestState:
+class EngineRequest:
+    """A request as the engine holds it (the caller's side is
+    `ferrox.frontend.output_processor.RequestState`)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
