@@ -194,7 +194,11 @@ def test_metrics_follow_requests(server: Server) -> None:
     assert grew("inter_token_latency_seconds_count") == 7
     assert grew("e2e_request_latency_seconds_count") == 1
     assert grew("frontend_token_latency_seconds_count") == 8
-    assert 0 < grew("frontend_token_latency_seconds_sum") < grew("e2e_request_latency_seconds_sum")
+    # Each token's frontend latency lies within the request's lifetime. (Their
+    # sum may exceed it: the engine can send a step before the frontend has
+    # handed on the last one, so the intervals overlap.)
+    frontend = grew("frontend_token_latency_seconds_sum")
+    assert 0 < frontend < 8 * grew("e2e_request_latency_seconds_sum")
     assert grew("prefix_cache_queries_total") == len(prompt_ids)
 
 
