@@ -15,6 +15,7 @@ import ast
 import re
 import sys
 from dataclasses import dataclass
+from functools import cache
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
@@ -93,10 +94,15 @@ def imports_of(path: Path) -> list[Import]:
     return found
 
 
+@cache
+def installed_modules() -> dict[str, list[str]]:
+    return packages_distributions()  # reads every installed distribution: once
+
+
 def distributions(module: str) -> set[str]:
     """The distributions that provide a top-level module; its own name when
     none installed here does (an optional GPU package, say)."""
-    names = packages_distributions().get(module) or [module]
+    names = installed_modules().get(module) or [module]
     return {normalise(n) for n in names}
 
 

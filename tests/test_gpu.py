@@ -1,10 +1,17 @@
 """Whole-model checks on an NVIDIA GPU (skipped without one): greedy tokens
 against transformers in float32 and bfloat16 with the Triton backend, and
-CUDA-graph replay against eager execution."""
+CUDA-graph replay against eager execution.
+
+Engines here get a fixed, small KV pool (not one sized from free memory) and
+GPU memory is released after every test, so that one failing test cannot
+leave the next without memory and hide the first error."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +25,19 @@ pytestmark = [
 ]
 
 MAX_TOKENS = 12
+KV_BLOCKS = 1024  # of 16 tokens: room for every test's batch
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory() -> Iterator[None]:
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def engine(path: Path | str, **options: Any) -> LLM:
+    options.setdefault("num_kv_blocks", KV_BLOCKS)
+    return LLM(str(path), device="cuda", **options)
 
 
 def batch(vocab: int) -> list[list[int]]:
@@ -38,7 +58,7 @@ def test_tiny_models_fp32_match_transformers(tiny_models: dict[str, Path], name:
     path = tiny_models[name]
     hf = models.hf_model(path)
     prompts = batch(models.VOCAB_SIZE)
-    llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=8)
+    llm = engine(path, dtype="float32", attention_backend="triton", max_num_seqs=8)
     outs = llm.generate(prompts, greedy(logprobs=1), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
         tokens, logprobs = models.hf_greedy(hf, prompt, MAX_TOKENS)
@@ -60,14 +80,16 @@ def test_smollm2_fp32_and_bf16(smollm2_path: Path) -> None:
         gguf.tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):", "1, 2, 3,")
     ]
     expected = [models.hf_greedy(hf, p, MAX_TOKENS)[0] for p in prompts]
-    fp32 = LLM(str(smollm2_path), device="cuda", dtype="float32")
+    fp32 = engine(smollm2_path, dtype="float32")
     assert [
         o.outputs[0].token_ids for o in fp32.generate(prompts, greedy(), use_tqdm=False)
     ] == expected
     del fp32
+    gc.collect()
+    torch.cuda.empty_cache()
     # bfloat16 rounds differently from float32: require the first tokens to agree
     # and most of the rest.
-    bf16 = LLM(str(smollm2_path), device="cuda", dtype="bfloat16")
+    bf16 = engine(smollm2_path, dtype="bfloat16")
     got = [o.outputs[0].token_ids for o in bf16.generate(prompts, greedy(), use_tqdm=False)]
     for g, e in zip(got, expected, strict=True):
         assert g[:3] == e[:3]
@@ -85,7 +107,7 @@ def test_cuda_graphs_replay_matches_eager(tiny_models: dict[str, Path]) -> None:
     ]
     runs = {}
     for eager in (True, False):
-        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=32)
+        llm = engine(path, dtype="float32", enforce_eager=eager, max_num_seqs=32)
         assert (llm.engine.runner.graphs is None) == eager
         runs[eager] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
@@ -93,11 +115,13 @@ def test_cuda_graphs_replay_matches_eager(tiny_models: dict[str, Path]) -> None:
         stats = llm.engine.stats()
         assert stats.num_used_blocks == 0
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     assert runs[False] == runs[True]
 
 
 def test_kv_pool_is_sized_from_gpu_memory(tiny_models: dict[str, Path]) -> None:
+    # The one engine sized from free memory: the earlier tests' engines are gone.
     llm = LLM(str(tiny_models["qwen3"]), device="cuda", gpu_memory_utilization=0.5)
     runner = llm.engine.runner
     _, total = torch.cuda.mem_get_info()

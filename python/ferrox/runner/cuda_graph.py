@@ -5,6 +5,12 @@ A decode-only step of n requests is padded to the smallest bucket >= n
 captured once per bucket. Inputs live in static buffers; padded rows have
 `seq_len` 0 and KV slot -1, so they read nothing and write nothing.
 Prefill steps and batches above the largest bucket run eagerly.
+
+Every bucket is run once eagerly before any capture: kernel variants that
+depend on the batch size (the decode split count of the paged-attention
+kernel is a compile-time constant) are compiled outside capture. The logits
+of every bucket land in one static float32 buffer of the largest bucket's
+rows, so graph memory does not grow with the number of buckets.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class DecodeGraphs:
         *,
         max_num_seqs: int,
         max_model_len: int,
+        vocab_size: int,
         block_size: int,
         device: torch.device,
     ) -> None:
@@ -50,8 +57,8 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.logits = torch.empty(n, vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
         self.pool: Any = None  # the graphs' shared memory pool, after the first capture
 
     @property
@@ -76,11 +83,16 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
         )
 
-    def _forward(self, b: int) -> torch.Tensor:
+    @staticmethod
+    def logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
+        """Bytes of the static logits buffer (for the KV cache's budget)."""
+        return bucket_sizes(max_num_seqs)[-1] * vocab_size * 4
+
+    def _forward(self, b: int) -> None:
         hidden = self.model(
             self.input_ids[:b], self.positions[:b], self.kv_layers, self._metadata(b)
         )
-        return self.model.compute_logits(hidden)  # [b, V]
+        self.logits[:b].copy_(self.model.compute_logits(hidden))  # [b, V]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -88,13 +100,16 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: compile and autotune outside capture
-                self._forward(self.sizes[-1])
+            # Warm up outside capture: compile every batch-size-dependent
+            # kernel variant, and autotune, before any graph records.
+            for b in reversed(self.sizes):
+                self._forward(b)
+            self._forward(self.sizes[-1])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         for b in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.logits[b] = self._forward(b)
+                self._forward(b)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = graph
@@ -126,4 +141,4 @@ class DecodeGraphs:
         self.seq_lens[n:b].zero_()
         self.block_table[:n, :w].copy_(block_table)
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits[:n]

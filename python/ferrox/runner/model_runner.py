@@ -95,6 +95,7 @@ class ModelRunner:
                 self.kv_cache.layers,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
+                vocab_size=self.vocab_size,
                 block_size=config.block_size,
                 device=self.device,
             )
@@ -141,12 +142,14 @@ class ModelRunner:
         # Memory other processes hold counts against us too.
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         # CUDA graphs keep the activations of their largest batch alive in a
-        # private pool: budget for them (a share of the profiled activations).
+        # private pool (a share of the profiled activations), and write logits
+        # into one static buffer: budget for both.
         graphs = 0
         if not self.config.enforce_eager:
             activations = peak - weights
             graphs = (
                 activations * self.config.max_num_seqs // max(num_tokens, 1)
+                + DecodeGraphs.logits_bytes(self.config.max_num_seqs, self.vocab_size)
                 + GRAPH_POOL_OVERHEAD_BYTES
             )
         budget = (
