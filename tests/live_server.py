@@ -26,7 +26,15 @@ CHAT_TEMPLATE = (
 
 
 class Server:
-    def __init__(self, model: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+    def __init__(
+        self,
+        model: Path,
+        *extra: str,
+        api_key: str | None = API_KEY,
+        new_session: bool = False,
+    ) -> None:
+        """`new_session`: the server leads a process group of its own (for
+        signals sent to the whole group)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -45,7 +53,12 @@ class Server:
         if api_key:
             args += ["--api-key", api_key]
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=os.environ.copy(),
+            start_new_session=new_session,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -66,6 +66,24 @@ class IntegrityError(FerroxError, RuntimeError):
     """An internal invariant does not hold (a bug in ferrox)."""
 
 
+class RequestFailedError(FerroxError, RuntimeError):
+    """An unexpected error in an engine step this request was part of; the
+    request was ended, and the engine serves the others."""
+
+
+class ServerBusyError(FerroxError, RuntimeError):
+    """The server is draining or its queues are full: retry later (HTTP 503
+    with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(FerroxError, RuntimeError):
+    """The request ran past its time limit and was aborted."""
+
+
 class EngineDeadError(FerroxError, RuntimeError):
     """The engine process stopped; no further requests can be served."""
 

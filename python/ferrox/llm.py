@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from ferrox.config import EngineConfig
 from ferrox.engine.core import EngineCore
-from ferrox.errors import InvalidArgumentError
+from ferrox.errors import InvalidArgumentError, error_class
 from ferrox.frontend.output_processor import OutputProcessor
 from ferrox.outputs import RequestOutput
 from ferrox.sampling_params import SamplingParams
@@ -152,6 +152,8 @@ class LLM:
                 added.append(rid)
             while engine.has_unfinished_requests():
                 outputs, stops = processor.process(*engine.step())
+                for rid, error_type, message in engine.take_failures():
+                    raise error_class(error_type)(f"request {rid}: {message}")
                 for stop in stops:
                     engine.stop_sequence(stop.request_id, stop.index, stop.num_output_tokens)
                 yield from outputs

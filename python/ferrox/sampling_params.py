@@ -15,6 +15,11 @@ LOGIT_BIAS_LIMIT = 100.0
 # The range torch.Generator.manual_seed accepts.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+# Counts and token ids travel to the engine as 32-bit integers.
+MAX_INT32 = 2**31 - 1
+# A request's scheduling priority (lower runs first) is a 32-bit integer too.
+MIN_PRIORITY = -(2**31)
+MAX_PRIORITY = MAX_INT32
 
 
 @dataclass(kw_only=True)
@@ -47,17 +52,19 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        self.n = _int("n", self.n, minimum=1)
+        self.n = _int("n", self.n, minimum=1, maximum=MAX_INT32)
         if self.max_tokens is not None:
-            self.max_tokens = _int("max_tokens", self.max_tokens, minimum=1)
-        self.min_tokens = _int("min_tokens", self.min_tokens, minimum=0)
+            self.max_tokens = _int("max_tokens", self.max_tokens, minimum=1, maximum=MAX_INT32)
+        self.min_tokens = _int("min_tokens", self.min_tokens, minimum=0, maximum=MAX_INT32)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidArgumentError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
         self.temperature = _float("temperature", self.temperature, low=0.0)
         self.top_p = _float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        self.top_k = _int("top_k", self.top_k, minimum=-1, hint="-1 or 0 disables it")
+        self.top_k = _int(
+            "top_k", self.top_k, minimum=-1, maximum=MAX_INT32, hint="-1 or 0 disables it"
+        )
         self.min_p = _float("min_p", self.min_p, low=0.0, high=1.0)
         self.repetition_penalty = _float(
             "repetition_penalty", self.repetition_penalty, low=0.0, low_open=True
@@ -69,9 +76,11 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         if self.logprobs is not None:
-            self.logprobs = _int("logprobs", self.logprobs, minimum=0)
+            self.logprobs = _int("logprobs", self.logprobs, minimum=0, maximum=MAX_INT32)
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+            self.prompt_logprobs = _int(
+                "prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_INT32
+            )
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
         for name in (
@@ -158,7 +167,7 @@ def _token_ids(name: str, ids: Any) -> list[int]:
         return []
     if not isinstance(ids, (list, tuple)):
         raise InvalidArgumentError(f"{name} must be a list of int, got {type(ids).__name__}")
-    return [_int(f"{name} entries", token_id, minimum=0) for token_id in ids]
+    return [_int(f"{name} entries", token_id, minimum=0, maximum=MAX_INT32) for token_id in ids]
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:
@@ -168,7 +177,7 @@ def _logit_bias(bias: Any) -> dict[int, float]:
         )
     clamped: dict[int, float] = {}
     for token_id, value in bias.items():
-        token_id = _int("logit_bias keys (token ids)", token_id, minimum=0)
+        token_id = _int("logit_bias keys (token ids)", token_id, minimum=0, maximum=MAX_INT32)
         number = _float("logit_bias values", value)
         clamped[token_id] = min(max(number, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
     return clamped

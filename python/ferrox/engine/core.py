@@ -14,6 +14,7 @@ runs the same loop in its engine process.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,13 +37,16 @@ from ferrox.engine.sequence import EngineRequest, SequenceState, now
 from ferrox.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
+    IntegrityError,
     InvalidArgumentError,
+    RequestFailedError,
+    SchedulerStateError,
 )
 from ferrox.loader.model_loader import LoadedModel, load_model
 from ferrox.outputs import FinishReason
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
 from ferrox.runner.sampling_batch import FeatureCounts, SamplingBatch
-from ferrox.sampling_params import SamplingParams
+from ferrox.sampling_params import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
 
 logger = logging.getLogger("ferrox")
 
@@ -53,6 +57,16 @@ _FINISH_REASONS: dict[int, FinishReason] = {
 }
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _SEED_SPACE = 1 << 64
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether an error in a step may have corrupted state that other
+    requests share: a broken scheduler invariant, exhausted host memory, or
+    an error of the GPU (a failed kernel leaves the device context unusable)."""
+    if isinstance(exc, (IntegrityError, MemoryError)):
+        return True
+    name = type(exc).__name__
+    return name == "AcceleratorError" or "CUDA error" in str(exc) or "device-side" in str(exc)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
@@ -107,6 +121,7 @@ class EngineCore:
         self.num_prompt_tokens = 0
         # The scheduler's counters after the last step (they come with its events).
         self.latest_stats: SchedulerStats = self.scheduler.stats()
+        self._failures: list[tuple[str, str, str]] = []
 
     # ---- requests --------------------------------------------------------
 
@@ -160,6 +175,12 @@ class EngineCore:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_ids, params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidArgumentError(f"priority must be an int, got {type(priority).__name__}")
+        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise InvalidArgumentError(
+                f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}"
+            )
         req = EngineRequest(request_id, prompt_ids, params, final_only=final_only)
         if params.prompt_logprobs is not None:
             req.num_prompt_logprobs = 1
@@ -169,8 +190,15 @@ class EngineCore:
         # prefix cache, so that the prompt is computed once, not n times.
         defer = self.config.enable_prefix_caching and len(prompt_ids) >= self.config.block_size
         first, rest = (seqs[:1], seqs[1:]) if defer else (seqs, [])
-        for seq in first:
-            self._submit(seq, priority)
+        submitted: list[SequenceState] = []
+        try:
+            for seq in first:
+                self._submit(seq, priority)
+                submitted.append(seq)
+        except BaseException:
+            for seq in submitted:  # all or nothing: no sequence stays behind
+                self._stop(seq)
+            raise
         req.sequences = first
         req.pending_siblings = rest
         self._requests[request_id] = req
@@ -282,6 +310,45 @@ class EngineCore:
         if plan.num_reqs == 0:
             self.latest_stats = self.scheduler.update(plan, _NO_TOKENS).stats
             return [], []
+        try:
+            return self._run_plan(plan)
+        except Exception as exc:
+            if is_fatal(exc):
+                raise
+            self._fail_plan(plan, exc)
+            return [], []
+
+    def take_failures(self) -> list[tuple[str, str, str]]:
+        """(request id, error class name, message) of each request a failed
+        step ended since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _fail_plan(self, plan: BatchPlan, exc: Exception) -> None:
+        """A step failed with an error that cannot have corrupted shared
+        state: every request in the step is ended with that error, the plan
+        is closed without advancing anything (the KV it wrote lies beyond
+        each request's computed tokens, so nothing half-written reaches the
+        prefix cache), and the scheduler's invariants are checked; should
+        they not hold, the error is fatal after all."""
+        logger.error("a step failed; ending the requests in it:\n%s", traceback.format_exc())
+        failed = []
+        for sid in plan.req_ids.tolist():
+            seq = self._seqs.get(sid)
+            if seq is not None and seq.request.request_id not in failed:
+                failed.append(seq.request.request_id)
+        for rid in failed:
+            self.abort_request(rid)
+        try:  # every row's request is gone: the update only closes the step
+            zeros = np.zeros(len(plan.sample_rows), dtype=np.int64)
+            self.latest_stats = self.scheduler.update(plan, zeros).stats
+        except SchedulerStateError:
+            pass  # the failure came after the scheduler had taken the update
+        self.scheduler.check_integrity()
+        message = f"the engine step failed: {type(exc).__name__}: {exc}"
+        self._failures += [(rid, RequestFailedError.__name__, message) for rid in failed]
+
+    def _run_plan(self, plan: BatchPlan) -> tuple[list[SequenceDelta], list[PromptLogprobs]]:
         self._note_first_schedules(plan)
         seqs = [self._seqs[rid] for rid in plan.req_ids[plan.sample_rows].tolist()]
         batch = SamplingBatch.build(seqs, self.vocab_size, self.runner.device, self._features)

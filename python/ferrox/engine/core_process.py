@@ -7,21 +7,29 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from ferrox._native import SchedulerStats
 from ferrox.config import EngineConfig
 from ferrox.engine import protocol as p
-from ferrox.engine.core import EngineCore
+from ferrox.engine.core import EngineCore, is_fatal
 from ferrox.errors import FerroxError
 
 logger = logging.getLogger("ferrox.engine")
 IDLE_POLL_MS = 50
 INTEGRITY_CHECK_INTERVAL_S = 5.0
+
+
+class _AnyRequest(msgspec.Struct):
+    """What every request-bearing input has, for reporting one that fails to decode."""
+
+    request_id: str
 
 
 def run_engine_core(options: dict[str, Any], input_address: str, output_address: str) -> None:
@@ -31,9 +39,14 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(input_address)
     outputs = ctx.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.setsockopt(zmq.SNDHWM, p.OUTPUT_HWM)  # a stalled frontend makes the engine wait
     outputs.connect(output_address)
     parent = os.getppid()
+    # Shutdown is the frontend's to decide: Ctrl-C or a SIGTERM sent to the
+    # whole process group must not end the engine under in-flight requests
+    # (it still exits when the frontend is gone or tells it to).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = EngineCore(EngineConfig.create(**options))
         outputs.send(
@@ -75,6 +88,7 @@ class EngineLoop:
 
     def run(self) -> None:
         last_stats: p.EngineStats | None = None
+        last_sent = 0.0
         engine = self.engine
         while not self.stopping:
             busy = engine.has_unfinished_requests()
@@ -87,15 +101,32 @@ class EngineLoop:
             prompt: list[p.PromptLogprobs] = []
             if engine.has_unfinished_requests():
                 deltas, prompt = engine.step()
+                self.failed += [p.RequestFailed(*f) for f in engine.take_failures()]
                 stats = self._stats(engine.latest_stats)
             else:
                 self._check_integrity_when_due()
                 stats = self._stats(engine.stats())
-            if deltas or prompt or self.failed or stats != last_stats:
-                message = p.StepOutputs(deltas, prompt, self.failed, stats, time.monotonic())
-                self.outputs.send(p.encoder.encode(message), copy=False)
+            t = time.monotonic()
+            heartbeat = t - last_sent >= p.HEARTBEAT_S
+            if deltas or prompt or self.failed or stats != last_stats or heartbeat:
+                message = p.StepOutputs(deltas, prompt, self.failed, stats, t)
+                if not self._send(p.encoder.encode(message)):
+                    return
                 self.failed = []
-                last_stats = stats
+                last_stats, last_sent = stats, t
+
+    def _send(self, data: bytes) -> bool:
+        """Sends one message, waiting while the frontend's queue is full;
+        False when the frontend is gone meanwhile."""
+        while True:
+            try:
+                self.outputs.send(data, zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                if os.getppid() != self.parent:
+                    logger.warning("the frontend process is gone; stopping")
+                    return False
+                time.sleep(0.01)
 
     def _drain_inputs(self) -> None:
         while True:
@@ -103,7 +134,21 @@ class EngineLoop:
                 raw = self.inputs.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(p.input_decoder.decode(raw.buffer))
+            try:
+                msg = p.input_decoder.decode(raw.buffer)
+            except msgspec.DecodeError as e:  # ValidationError included
+                self._reject(bytes(raw.buffer), e)
+                continue
+            self._handle(msg)
+
+    def _reject(self, raw: bytes, exc: Exception) -> None:
+        """An input that does not decode fails its request, if it names one."""
+        try:
+            rid = msgspec.msgpack.decode(raw, type=_AnyRequest).request_id
+        except msgspec.DecodeError:
+            logger.error("dropped an engine input that does not decode: %s", exc)
+            return
+        self.failed.append(p.RequestFailed(rid, "InvalidArgumentError", str(exc)))
 
     def _handle(self, msg: p.EngineInput) -> None:
         engine = self.engine
@@ -114,6 +159,12 @@ class EngineLoop:
                 )
             except FerroxError as e:
                 self.failed.append(p.RequestFailed(msg.request_id, type(e).__name__, str(e)))
+            except Exception as e:  # adding failed unexpectedly: this request only
+                if is_fatal(e):
+                    raise
+                logger.error("adding %s failed:\n%s", msg.request_id, traceback.format_exc())
+                message = f"adding the request failed: {type(e).__name__}: {e}"
+                self.failed.append(p.RequestFailed(msg.request_id, "RequestFailedError", message))
         elif isinstance(msg, p.AbortRequests):
             for rid in msg.request_ids:
                 engine.abort_request(rid)

@@ -7,6 +7,13 @@ import msgspec
 
 from ferrox.sampling_params import SamplingParams
 
+# The engine sends a message at least this often, busy or idle, so that the
+# frontend can tell a stuck or stopped engine from a quiet one.
+HEARTBEAT_S = 1.0
+# ZMQ high-water marks (messages) of the two directions.
+INPUT_HWM = 100_000
+OUTPUT_HWM = 10_000
+
 # ---- frontend -> engine ------------------------------------------------------
 
 

@@ -1,8 +1,18 @@
 """AsyncEngineClient: the frontend's handle on the engine-core process.
 
 It starts the process, sends requests over a ZMQ ipc socket and routes each
-step's deltas to per-request queues. If the process dies, every waiting
-request gets an `EngineDeadError` and `on_dead` is called.
+step's deltas to per-request queues. If the process dies, or the task that
+reads its outputs fails, every waiting request gets an `EngineDeadError` and
+`on_dead` is called.
+
+Liveness: the engine sends at least one message per heartbeat interval, busy
+or idle. When none has arrived for `stall_timeout` seconds the engine counts
+as stalled (`is_stalled`: /health answers 503, a log line says why) until
+the next message arrives.
+
+Both sockets have high-water marks: a request that would pass the frontend's
+bound fails at once with `ServerBusyError`, and an engine that outruns the
+frontend waits instead of growing its queue without bound.
 """
 
 from __future__ import annotations
@@ -22,10 +32,11 @@ import zmq.asyncio
 
 from ferrox.engine import protocol as p
 from ferrox.engine.core_process import run_engine_core
-from ferrox.errors import EngineDeadError, ModelLoadError
+from ferrox.errors import EngineDeadError, ModelLoadError, ServerBusyError
 from ferrox.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrox.client")
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
 StreamItem = p.SequenceDelta | p.PromptLogprobs | p.RequestFailed | Exception
 
@@ -46,8 +57,14 @@ class RequestStream:
 
 
 class AsyncEngineClient:
-    def __init__(self, engine_options: dict[str, Any]) -> None:
+    def __init__(
+        self, engine_options: dict[str, Any], *, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
+    ) -> None:
         self.engine_options = engine_options
+        self.stall_timeout = stall_timeout
+        self.last_message_at = time.monotonic()
+        self.is_stalled = False
+        self.refuse_new = False  # set once the server has ended its last requests
         self.streams: dict[str, RequestStream] = {}
         self.stats = p.EngineStats()
         self.info: p.Ready | None = None
@@ -59,8 +76,8 @@ class AsyncEngineClient:
         self._ctx = zmq.asyncio.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
         self._from_engine = self._ctx.socket(zmq.PULL)
-        self._to_engine.setsockopt(zmq.SNDHWM, 0)  # never drop or block
-        self._from_engine.setsockopt(zmq.RCVHWM, 0)
+        self._to_engine.setsockopt(zmq.SNDHWM, p.INPUT_HWM)
+        self._from_engine.setsockopt(zmq.RCVHWM, p.OUTPUT_HWM)
         self._process: Any = None
 
     async def start(self, timeout: float = 900.0) -> p.Ready:
@@ -82,6 +99,7 @@ class AsyncEngineClient:
                 msg = p.output_decoder.decode(await self._from_engine.recv())
                 if isinstance(msg, p.Ready):
                     self.info = msg
+                    self.last_message_at = time.monotonic()
                     self._tasks = [
                         asyncio.create_task(self._read_outputs()),
                         asyncio.create_task(self._watch_process()),
@@ -107,6 +125,8 @@ class AsyncEngineClient:
     ) -> RequestStream:
         if self.is_dead:
             raise EngineDeadError(self.dead_message or "the engine process is not running")
+        if self.refuse_new:
+            raise ServerBusyError("the server is shutting down", 5)
         stream = RequestStream(request_id)
         self.streams[request_id] = stream
         message = p.AddRequest(
@@ -131,36 +151,76 @@ class AsyncEngineClient:
             self._send(p.StopSequences([stop]))
 
     def _send(self, message: p.EngineInput) -> None:
-        # Without a high-water mark, PUSH queues instead of blocking.
-        self._to_engine.send(p.encoder.encode(message), zmq.NOBLOCK)
+        try:
+            self._to_engine.send(p.encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            if isinstance(message, p.AddRequest):
+                self.streams.pop(message.request_id, None)
+            raise ServerBusyError("the engine's input queue is full; retry later") from None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.streams)
 
     # ---- background tasks -------------------------------------------------
 
     async def _read_outputs(self) -> None:
-        while True:
-            raw = await self._from_engine.recv()
-            msg = p.output_decoder.decode(raw)
-            if isinstance(msg, p.EngineDead):
-                self._mark_dead(msg.message)
-                return
-            if not isinstance(msg, p.StepOutputs):
-                continue
-            self.stats = msg.stats
-            items: list[p.RequestFailed | p.PromptLogprobs | p.SequenceDelta] = [
-                *msg.failed,
-                *msg.prompt_logprobs,
-                *msg.deltas,
-            ]
-            for item in items:
-                stream = self.streams.get(item.request_id)
-                if stream is not None:
-                    stream.put(item, msg.sent_at)
+        try:
+            while True:
+                msg = p.output_decoder.decode(await self._from_engine.recv())
+                self._heard_from_engine()
+                if isinstance(msg, p.EngineDead):
+                    self._mark_dead(msg.message)
+                    return
+                if isinstance(msg, p.StepOutputs):
+                    self._route(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # nothing would reach any request again
+            logger.exception("the engine output reader failed")
+            self._mark_dead(f"the engine output reader failed: {type(e).__name__}: {e}")
+
+    def _heard_from_engine(self) -> None:
+        self.last_message_at = time.monotonic()
+        if self.is_stalled:
+            self.is_stalled = False
+            logger.warning("the engine is making progress again")
+
+    def _route(self, msg: p.StepOutputs) -> None:
+        self.stats = msg.stats
+        items: list[p.RequestFailed | p.PromptLogprobs | p.SequenceDelta] = [
+            *msg.failed,
+            *msg.prompt_logprobs,
+            *msg.deltas,
+        ]
+        for item in items:
+            stream = self.streams.get(item.request_id)
+            if stream is not None:
+                stream.put(item, msg.sent_at)
 
     async def _watch_process(self) -> None:
         while self._process.is_alive():
             await asyncio.sleep(0.2)
+            silent = time.monotonic() - self.last_message_at
+            if not self.is_stalled and silent > self.stall_timeout:
+                self.is_stalled = True
+                logger.error(
+                    "the engine sent nothing for %.0f s (it heartbeats every %.0f s) with %d "
+                    "requests in flight: it is stuck or stopped; /health answers 503",
+                    silent,
+                    p.HEARTBEAT_S,
+                    len(self.streams),
+                )
         if not self.is_dead:
             self._mark_dead(f"the engine process exited with code {self._process.exitcode}")
+
+    def fail_all(self, error: Exception) -> int:
+        """Ends every request in flight with `error` (each is then aborted
+        in the engine by its reader); returns how many there were."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            stream.put(error)
+        return len(streams)
 
     def _mark_dead(self, message: str) -> None:
         if self.is_dead:

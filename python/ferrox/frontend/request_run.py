@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ferrox.engine import protocol as p
-from ferrox.errors import error_class
-from ferrox.frontend.engine_client import AsyncEngineClient
+from ferrox.errors import RequestTimeoutError, error_class
+from ferrox.frontend.engine_client import AsyncEngineClient, RequestStream, StreamItem
 from ferrox.frontend.output_processor import RequestState, SequenceOutput, SequenceUpdate
 from ferrox.outputs import PositionLogprobs
 from ferrox.sampling_params import SamplingParams
@@ -34,9 +34,13 @@ class RequestRun:
         priority: int = 0,
         log_token_ids: bool = False,
         stream: bool = True,
+        deadline: float | None = None,
     ) -> None:
-        """`stream`: the caller reads each update's text (else only the final text)."""
+        """`stream`: the caller reads each update's text (else only the final
+        text). `deadline`: the `time.monotonic()` by which the request must
+        finish; past it, it is aborted with `RequestTimeoutError`."""
         self.client = client
+        self.deadline = deadline
         self.state = RequestState(
             request_id, None, prompt_token_ids, params, tokenizer, stream=stream
         )
@@ -83,7 +87,7 @@ class RequestRun:
         )
         try:
             while not self.is_finished:
-                item, sent_at = await stream.get()
+                item, sent_at = await self._next(stream)
                 update = self._apply(item)
                 if update is not None:
                     yield update
@@ -96,6 +100,17 @@ class RequestRun:
                 self.client.release(self.request_id)
             else:
                 self.client.abort(self.request_id)
+
+    async def _next(self, stream: RequestStream) -> tuple[StreamItem, float]:
+        if self.deadline is None:
+            return await stream.get()
+        try:
+            return await asyncio.wait_for(stream.get(), self.deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(
+                f"the request did not finish within its time limit "
+                f"({len(self.seqs[0].token_ids)} tokens generated); it was aborted"
+            ) from None
 
     def _apply(self, item: object) -> SequenceUpdate | None:
         if isinstance(item, Exception):

@@ -8,6 +8,8 @@ Starlette's routing directly.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -38,6 +40,11 @@ def build_app(
     async def health(_: Request) -> Response:
         if ctx.client.is_dead:
             return error_response(503, f"the engine stopped: {ctx.client.dead_message}")
+        if ctx.client.is_stalled:
+            silent = time.monotonic() - ctx.client.last_message_at
+            return error_response(503, f"the engine has made no progress for {silent:.0f} s")
+        if ctx.draining:
+            return error_response(503, "the server is shutting down", code="draining")
         return Response(status_code=200)
 
     async def version(_: Request) -> Response:
@@ -56,13 +63,14 @@ def build_app(
             if (missing := serving.check_model(req.model)) is not None:
                 return missing
             if req.messages is not None:
-                tokens = serving.chat_prompt(req)
+                tokens = await serving.chat_prompt_async(req)
             else:
-                tokens = list(
-                    ctx.tokenizer.encode(
-                        req.prompt or "", add_special_tokens=req.add_special_tokens
-                    )
+                text = req.prompt or ""
+                encode = ctx.tokenizer.encode
+                ids = await serving.offload(
+                    len(text), lambda: encode(text, add_special_tokens=req.add_special_tokens)
                 )
+                tokens = list(ids)
             return _json(
                 op.TokenizeResponse(
                     tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len
@@ -76,9 +84,10 @@ def build_app(
             req = serving.decode(await http.body(), op.DetokenizeRequest)
             if (missing := serving.check_model(req.model)) is not None:
                 return missing
-            return _json(
-                op.DetokenizeResponse(prompt=serving.detokenize(req.tokens, param="tokens"))
+            text = await serving.offload(
+                len(req.tokens), lambda: serving.detokenize(req.tokens, param="tokens")
             )
+            return _json(op.DetokenizeResponse(prompt=text))
         except Exception as e:
             return exception_response(e)
 

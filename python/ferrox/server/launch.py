@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import FrameType
@@ -19,7 +20,8 @@ import uvicorn
 
 from ferrox.cli_options import add_engine_arguments, engine_options
 from ferrox.config import EngineConfig
-from ferrox.frontend.engine_client import AsyncEngineClient
+from ferrox.errors import ServerBusyError
+from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S, AsyncEngineClient
 from ferrox.loader.model_loader import load_tokenizer
 from ferrox.server.app import build_app
 from ferrox.server.metrics import Metrics
@@ -30,15 +32,57 @@ logger = logging.getLogger("ferrox.server")
 DEATH_GRACE_SECONDS = 2.0
 
 
+DRAIN_POLL_S = 0.05
+FLUSH_SECONDS = 2.0  # after ending the last requests, for their responses to go out
+
+
 class _Server(uvicorn.Server):
-    """Stops gracefully on SIGTERM / SIGINT and then exits with status 0
-    (uvicorn would re-raise the signal after its shutdown)."""
+    """Drains on SIGTERM / SIGINT, then exits with status 0 (uvicorn would
+    re-raise the signal after its shutdown): /health and new requests answer
+    503 while in-flight requests finish, for at most `drain_timeout` seconds;
+    those still running then end with an error (an error event and [DONE] on
+    a stream). A second SIGINT stops at once."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServingContext, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.drain_timeout = drain_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop waiting
-        else:
+        if self.ctx.draining or self.loop is None:
+            if sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting
             self.should_exit = True
+            return
+        self.ctx.draining = True
+        self.loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, name: str) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(name))
+
+    async def _drain(self, name: str) -> None:
+        ctx = self.ctx
+        logger.info(
+            "%s: draining %d requests in flight (at most %.0f s); new requests get 503",
+            name,
+            ctx.in_flight,
+            self.drain_timeout,
+        )
+        deadline = time.monotonic() + self.drain_timeout
+        while ctx.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if ctx.in_flight > 0:
+            ctx.client.refuse_new = True
+            ended = ctx.client.fail_all(
+                ServerBusyError("the server shut down before the request finished", 5)
+            )
+            logger.warning("drain timeout: ended %d requests still running", ended)
+            flush = time.monotonic() + FLUSH_SECONDS
+            while ctx.in_flight > 0 and time.monotonic() < flush:
+                await asyncio.sleep(DRAIN_POLL_S)
+        self.should_exit = True
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,11 +108,40 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
     group.add_argument("--max-stop-string-len", type=int, default=limits.max_stop_string_len)
+    group.add_argument("--max-prompts", type=int, default=limits.max_prompts,
+                       help="most prompts one completions request may hold")  # fmt: skip
+    group.add_argument("--max-logit-bias", type=int, default=limits.max_logit_bias)
+    group.add_argument("--max-stop-token-ids", type=int, default=limits.max_stop_token_ids)
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests allowed to wait beyond --max-num-seqs running ones; past that a new "
+        "request gets 503 with Retry-After at once (-1: no bound)",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take before it is aborted with 408 (default: no limit)",
+    )
+    group.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        help="seconds without a message from the engine (it sends one every second) after "
+        "which /health answers 503",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests carry their own chat template (refused by default)",
+    )
     group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM / SIGINT, seconds to let in-flight requests finish before aborting them",
+        help="on SIGTERM / SIGINT, seconds to let in-flight requests finish before ending them",
     )
     group.add_argument(
         "--log-token-ids",
@@ -97,7 +170,8 @@ def serve(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise SystemExit("ferrox serve needs a model with a tokenizer")
     names = args.served_model_name or [_default_name(config.model)]
-    client = AsyncEngineClient(options)
+    client = AsyncEngineClient(options, stall_timeout=args.engine_stall_timeout)
+    queued = args.max_queued_requests
     exit_code = 0
     ctx = ServingContext(
         client=client,
@@ -110,11 +184,17 @@ def serve(args: argparse.Namespace) -> int:
             max_logprobs=config.max_logprobs,
             max_stop_strings=args.max_stop_strings,
             max_stop_string_len=args.max_stop_string_len,
+            max_prompts=args.max_prompts,
+            max_logit_bias=args.max_logit_bias,
+            max_stop_token_ids=args.max_stop_token_ids,
         ),
         metrics=Metrics(names[0], lambda: client.stats),
         log_token_ids=args.log_token_ids,
+        max_in_flight=None if queued < 0 else config.max_num_seqs + queued,
+        request_timeout=args.request_timeout,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
-    server: uvicorn.Server | None = None
+    server: _Server | None = None
 
     def on_dead(message: str) -> None:
         # Fail fast but visibly: /health answers 503 for a moment (in-flight
@@ -134,6 +214,8 @@ def serve(args: argparse.Namespace) -> int:
         ctx.max_model_len = info.max_model_len
         ctx.vocab_size = info.vocab_size
         client.on_dead = on_dead
+        if server is not None:
+            server.loop = asyncio.get_running_loop()
         print(
             f"ferrox: serving {names[0]!r} ({info.model}) at http://{args.host}:{args.port} "
             f"(max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks of "
@@ -155,10 +237,13 @@ def serve(args: argparse.Namespace) -> int:
             port=args.port,
             loop="uvloop",
             lifespan="on",
-            timeout_graceful_shutdown=max(int(args.shutdown_timeout), 1),
+            # Requests are drained before uvicorn's own shutdown starts.
+            timeout_graceful_shutdown=int(FLUSH_SECONDS) + 1,
             log_level="warning",
             access_log=False,
-        )
+        ),
+        ctx,
+        args.shutdown_timeout,
     )
     server.run()
     if not server.started and exit_code == 0:

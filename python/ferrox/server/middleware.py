@@ -1,5 +1,7 @@
-"""Pure ASGI middleware: API-key check (constant time) and request body size
-limit, both answering with the OpenAI error envelope."""
+"""Pure ASGI middleware: API-key check (constant time), request header and
+body size limits, all answering with the OpenAI error envelope. A body sent
+in chunks is counted as it arrives: past the limit, reading it raises
+`HTTPLimitError`, which the routes answer with 413."""
 
 from __future__ import annotations
 
@@ -8,26 +10,39 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ferrox.server.errors import error_response
+from ferrox.server.errors import HTTPLimitError, error_response
 
 OPEN_PATHS = frozenset({"/health"})
-
-
-class BodyTooLarge(Exception):
-    pass
+MAX_HEADER_BYTES = 32 << 10
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
+        raw_headers = scope.get("headers") or []
+        if sum(len(k) + len(v) for k, v in raw_headers) > self.max_header_bytes:
+            await error_response(
+                431,
+                f"request headers exceed {self.max_header_bytes} bytes",
+                code="request_header_fields_too_large",
+            )(scope, receive, send)
+            return
+        headers = dict(raw_headers)
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
@@ -48,18 +63,19 @@ class GuardMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise BodyTooLarge
+                    raise self._too_large_error()
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except BodyTooLarge:
-            await self._too_large(scope, receive, send)
+        await self.app(scope, limited_receive, send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(
+    def _too_large_error(self) -> HTTPLimitError:
+        return HTTPLimitError(
             413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large"
         )
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = self._too_large_error()
+        response = error_response(error.status, str(error), code=error.code)
         await response(scope, receive, send)
 
 

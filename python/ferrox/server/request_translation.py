@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
-from ferrox.sampling_params import SamplingParams
+from ferrox.sampling_params import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
 from ferrox.server.openai_protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -33,6 +33,9 @@ class ServerLimits:
     max_logprobs: int = EngineConfig.max_logprobs
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
+    max_prompts: int = 256  # prompts in one completions request
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_stop_token_ids: int = 256
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -69,6 +72,11 @@ def sampling_params_from(
             param=prompt_param,
         )
     max_tokens = _max_tokens(requested, max_tokens_param, room, max_model_len, prompt_len)
+    if not MIN_PRIORITY <= request.priority <= MAX_PRIORITY:
+        raise BadRequest(
+            f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {request.priority}",
+            param="priority",
+        )
     n = 1 if request.n is None else request.n
     if n > limits.max_n:
         raise BadRequest(f"n must be at most {limits.max_n}, got {n}", param="n")
@@ -87,6 +95,21 @@ def sampling_params_from(
         "seed": request.seed,
     }
     stop = _stop_strings(request.stop, limits)
+    if request.logit_bias is not None and len(request.logit_bias) > limits.max_logit_bias:
+        raise BadRequest(
+            f"logit_bias may hold at most {limits.max_logit_bias} entries, "
+            f"got {len(request.logit_bias)}",
+            param="logit_bias",
+        )
+    if (
+        request.stop_token_ids is not None
+        and len(request.stop_token_ids) > limits.max_stop_token_ids
+    ):
+        raise BadRequest(
+            f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids, "
+            f"got {len(request.stop_token_ids)}",
+            param="stop_token_ids",
+        )
     logit_bias = _logit_bias(request.logit_bias)
     try:
         return SamplingParams(

@@ -1,17 +1,29 @@
 """The completion and chat endpoints: requests in, engine runs, OpenAI
-responses or SSE streams out."""
+responses or SSE streams out.
+
+Admission: every request holds a place among the server's in-flight
+requests from the moment it is admitted until its response ends; past the
+bound (or while the server drains) a new request gets 503 with Retry-After
+before any work is done for it. Tokenization and chat-template rendering of
+large inputs run on a thread pool, not on the event loop.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ferrox.errors import ServerBusyError
 from ferrox.frontend.engine_client import AsyncEngineClient
 from ferrox.frontend.output_processor import SequenceUpdate
 from ferrox.frontend.request_run import RequestRun, merge, run_to_end
@@ -28,6 +40,9 @@ from ferrox.server.request_translation import (
 
 T = TypeVar("T")
 _DONE = b"data: [DONE]\n\n"
+# Inputs at least this long (characters) are tokenized / rendered off the event loop.
+OFFLOAD_CHARS = 4096
+TEMPLATE_TIMEOUT_S = 10.0
 
 
 class ClientGone(Exception):
@@ -48,15 +63,46 @@ class ServingContext:
     limits: ServerLimits
     metrics: Metrics
     log_token_ids: bool = False
+    # Engine requests in flight at most (running and queued); None: no bound.
+    max_in_flight: int | None = None
+    request_timeout: float | None = None  # seconds, per request
+    trust_request_chat_template: bool = False
+    draining: bool = False
+    in_flight: int = 0
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="ferrox-tokenize"
+        )
+    )
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
 
+    def admit(self, n: int) -> None:
+        """Takes n places among the requests in flight, or raises ServerBusyError."""
+        if self.draining:
+            raise ServerBusyError("the server is shutting down; retry on another replica", 5)
+        if self.max_in_flight is not None and self.in_flight + n > self.max_in_flight:
+            raise ServerBusyError(
+                f"the server is at capacity ({self.in_flight} requests in flight, at most "
+                f"{self.max_in_flight}); retry later"
+            )
+        self.in_flight += n
+
+    def release(self, n: int) -> None:
+        self.in_flight -= n
+
 
 class OpenAIServing:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
+
+    async def offload(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args), on the thread pool when the input is large."""
+        if size < OFFLOAD_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.ctx.executor, fn, *args)
 
     # ---- shared ----------------------------------------------------------
 
@@ -64,9 +110,13 @@ class OpenAIServing:
         try:
             return msgspec.json.decode(body, type=kind)
         except msgspec.ValidationError as e:
-            raise op.BadRequest(f"invalid request: {e}") from e
+            # msgspec ends its message with the field's path: "... - at `$.n`".
+            path = re.search(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)", str(e))
+            raise op.BadRequest(f"invalid request: {e}", param=path and path.group(1)) from e
         except msgspec.DecodeError as e:
             raise op.BadRequest(f"the body is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise op.BadRequest("the body's JSON nests too deeply") from e
 
     def check_model(self, model: str | None) -> Response | None:
         if model is not None and model not in self.ctx.model_names:
@@ -83,6 +133,12 @@ class OpenAIServing:
         if isinstance(prompt, str):
             return prompt, list(self.ctx.tokenizer.encode(prompt))
         return self.detokenize(prompt), list(prompt)
+
+    async def prompts_text_and_ids(
+        self, prompts: list[str | list[int]]
+    ) -> list[tuple[str, list[int]]]:
+        size = sum(len(p) for p in prompts)
+        return await self.offload(size, lambda: [self.prompt_text_and_ids(p) for p in prompts])
 
     def detokenize(self, token_ids: list[int], param: str = "prompt") -> str:
         """Token ids as text; `param` names the field that held them."""
@@ -101,6 +157,7 @@ class OpenAIServing:
             prompt_len=len(prompt_ids),
             limits=self.ctx.limits,
         )
+        timeout = self.ctx.request_timeout
         return RequestRun(
             client=self.ctx.client,
             tokenizer=self.ctx.tokenizer,
@@ -110,6 +167,7 @@ class OpenAIServing:
             priority=request.priority,
             log_token_ids=self.ctx.log_token_ids,
             stream=bool(request.stream),
+            deadline=None if timeout is None else time.monotonic() + timeout,
         )
 
     async def run_all(self, http: Request, runs: list[RequestRun]) -> None:
@@ -140,7 +198,11 @@ class OpenAIServing:
             if run.is_finished:
                 run.finish(self.ctx.metrics)
 
-    def stream(self, chunks: AsyncIterator[bytes], runs: list[RequestRun]) -> Response:
+    def stream(
+        self, chunks: AsyncIterator[bytes], runs: list[RequestRun], admitted: int
+    ) -> Response:
+        """The SSE response; it gives back the request's `admitted` places when it ends."""
+
         async def body() -> AsyncIterator[bytes]:
             try:
                 async for chunk in chunks:
@@ -150,6 +212,7 @@ class OpenAIServing:
                 yield sse_error(e)
             finally:
                 self.record(runs)
+                self.ctx.release(admitted)
 
         return StreamingResponse(
             body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -163,29 +226,51 @@ class OpenAIServing:
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
-    async def handle(self, http: Request, build: Callable[[bytes], Any]) -> Response:
+    async def handle(self, http: Request, build: Callable[[bytes, list[int]], Any]) -> Response:
+        """Runs one request. `build` admits it (adding its places to the
+        list); a non-streamed response gives them back here, a stream when
+        it ends."""
+        admitted: list[int] = []
+        streaming = False
         try:
-            return await build(await http.body())
+            response = await build(await http.body(), admitted)
+            streaming = isinstance(response, StreamingResponse)
+            return response
         except ClientGone:
             return Response(status_code=499)
         except Exception as e:
             return exception_response(e)
+        finally:
+            if not streaming:
+                self.ctx.release(sum(admitted))
 
     # ---- /v1/completions ---------------------------------------------------
 
     async def completions(self, http: Request) -> Response:
-        return await self.handle(http, lambda body: self._completions(http, body))
+        return await self.handle(
+            http, lambda body, admitted: self._completions(http, body, admitted)
+        )
 
-    async def _completions(self, http: Request, body: bytes) -> Response:
+    async def _completions(self, http: Request, body: bytes, admitted: list[int]) -> Response:
         req = self.decode(body, op.CompletionRequest)
         if (missing := self.check_model(req.model)) is not None:
             return missing
-        prompts = [self.prompt_text_and_ids(p) for p in completion_prompts(req)]
+        raw_prompts = completion_prompts(req)
+        if len(raw_prompts) > self.ctx.limits.max_prompts:
+            raise op.BadRequest(
+                f"prompt may hold at most {self.ctx.limits.max_prompts} prompts, "
+                f"got {len(raw_prompts)}",
+                param="prompt",
+            )
+        self.ctx.admit(len(raw_prompts))
+        admitted.append(len(raw_prompts))
+        prompts = await self.prompts_text_and_ids(raw_prompts)
         base = op.random_id("cmpl")
         runs = [self.new_run(f"{base}-{i}", ids, req) for i, (_, ids) in enumerate(prompts)]
         texts = [text for text, _ in prompts]
         if req.stream:
-            return self.stream(self._completion_chunks(req, base, runs, texts), runs)
+            chunks = self._completion_chunks(req, base, runs, texts)
+            return self.stream(chunks, runs, admitted.pop())
         await self.run_all(http, runs)
         choices = []
         for i, (run, prompt_text) in enumerate(zip(runs, texts, strict=True)):
@@ -257,10 +342,34 @@ class OpenAIServing:
     # ---- /v1/chat/completions ----------------------------------------------
 
     async def chat(self, http: Request) -> Response:
-        return await self.handle(http, lambda body: self._chat(http, body))
+        return await self.handle(http, lambda body, admitted: self._chat(http, body, admitted))
+
+    async def chat_prompt_async(
+        self, req: op.ChatCompletionRequest | op.TokenizeRequest
+    ) -> list[int]:
+        """chat_prompt, off the event loop for large inputs, within a time bound."""
+        size = sum(_message_size(m) for m in req.messages or [])
+        if getattr(req, "chat_template", None) is None and size < OFFLOAD_CHARS:
+            return self.chat_prompt(req)
+        future = asyncio.get_running_loop().run_in_executor(
+            self.ctx.executor, self.chat_prompt, req
+        )
+        try:
+            return await asyncio.wait_for(future, TEMPLATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise op.BadRequest(
+                f"rendering the chat template took more than {TEMPLATE_TIMEOUT_S:.0f} s",
+                param="messages",
+            ) from None
 
     def chat_prompt(self, req: op.ChatCompletionRequest | op.TokenizeRequest) -> list[int]:
         template = getattr(req, "chat_template", None)
+        if template is not None and not self.ctx.trust_request_chat_template:
+            raise op.BadRequest(
+                "chat templates in requests are refused; the server's operator may allow them "
+                "with --trust-request-chat-template",
+                param="chat_template",
+            )
         try:
             text = self.ctx.tokenizer.apply_chat_template(
                 chat_messages(req),
@@ -274,13 +383,15 @@ class OpenAIServing:
             raise op.BadRequest(f"cannot apply the chat template: {e}", param="messages") from e
         return list(self.ctx.tokenizer.encode(text, add_special_tokens=False))
 
-    async def _chat(self, http: Request, body: bytes) -> Response:
+    async def _chat(self, http: Request, body: bytes, admitted: list[int]) -> Response:
         req = self.decode(body, op.ChatCompletionRequest)
         if (missing := self.check_model(req.model)) is not None:
             return missing
-        run = self.new_run(op.random_id("chatcmpl"), self.chat_prompt(req), req)
+        self.ctx.admit(1)
+        admitted.append(1)
+        run = self.new_run(op.random_id("chatcmpl"), await self.chat_prompt_async(req), req)
         if req.stream:
-            return self.stream(self._chat_chunks(req, run), [run])
+            return self.stream(self._chat_chunks(req, run), [run], admitted.pop())
         await self.run_all(http, [run])
         choices = [
             op.ChatCompletionChoice(
@@ -324,6 +435,13 @@ class OpenAIServing:
             yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=self.usage([run]))
+
+
+def _message_size(message: op.ChatMessageParam) -> int:
+    content = message.content
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.text or "") for part in content or [])
 
 
 async def _wait_disconnect(http: Request) -> None:
