@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -329,3 +330,41 @@ def test_final_only_and_streamed_runs_agree(llm: LLM) -> None:
                 {t: pytest.approx(lp.logprob, abs=1e-4) for t, lp in e.items()} for e in logprobs
             ]
     assert_idle(llm)
+
+
+def test_generate_keeps_the_engine_queue_bounded(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(
+        str(tiny_models["llama-gqa-tied"]),
+        max_num_seqs=2,
+        max_queued_requests=1,
+        num_kv_blocks=64,
+        block_size=4,
+    )
+    engine = llm.engine
+    held: list[int] = []
+    real_step = engine.step
+
+    def step() -> Any:
+        held.append(engine.num_unfinished_requests)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    prompts = [[3 + i, 4 + i, 5 + i] for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5] * 10
+    assert max(held) == 3  # 2 running + 1 queued, never more
+    unbounded = LLM(
+        str(tiny_models["llama-gqa-tied"]), max_queued_requests=-1, num_kv_blocks=64, block_size=4
+    )
+    assert [o.outputs[0].token_ids for o in unbounded.generate(prompts, params, False)] == [
+        o.outputs[0].token_ids for o in outs
+    ]
+    with pytest.raises(errors.InvalidArgumentError, match="max_queued_requests"):
+        LLM(str(tiny_models["llama-gqa-tied"]), max_queued_requests=-2)
+    # A bad prompt anywhere in the batch fails before any work is done.
+    with pytest.raises(errors.InvalidArgumentError):
+        llm.generate([*prompts, [10**6]], params, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.stats().num_used_blocks == 0

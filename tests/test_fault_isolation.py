@@ -15,7 +15,7 @@ import zmq
 from ferrox import LLM, SamplingParams, errors
 from ferrox.engine import core as engine_core
 from ferrox.engine import protocol as p
-from ferrox.engine.core_process import EngineLoop
+from ferrox.engine.core_process import EngineLoop, fatal_description
 from ferrox.runner import sampler as sampler_module
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -53,27 +53,71 @@ def poisoned(max_tokens: int = 6) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=max_tokens)
 
 
-def test_a_failing_step_ends_its_requests_and_the_engine_serves_on(
-    llm: LLM, poisoned_sampler: None
-) -> None:
+def run_to_end(llm: LLM, tokens: dict[str, list[int]] | None = None) -> dict[str, str | None]:
+    """Steps until idle: each request's finish reason, or "failed"."""
     engine = llm.engine
-    engine.add_request("bystander", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=40))
-    for _ in range(3):
-        engine.step()  # the bystander is decoding before the poisoned one arrives
-    engine.add_request("poisoned", [4, 5, 6, 7, 8], poisoned())
     finished: dict[str, str | None] = {}
     while engine.has_unfinished_requests():
         deltas, _ = engine.step()
         for d in deltas:
+            if tokens is not None:
+                tokens.setdefault(d.request_id, []).extend(d.token_ids)
             if d.finish_reason:
                 finished[d.request_id] = d.finish_reason
         for rid, kind, message in engine.take_failures():
-            assert kind == "RequestFailedError" and "sampling blew up" in message
+            assert kind == "RequestFailedError", message
             finished[rid] = "failed"
-    # The failed step held both: both end, the failure reported for each.
-    assert finished == {"bystander": "failed", "poisoned": "failed"}
+    return finished
+
+
+def test_a_request_whose_sampling_fails_ends_alone(llm: LLM, poisoned_sampler: None) -> None:
+    engine = llm.engine
+    engine.add_request("bystander", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=40))
+    tokens: dict[str, list[int]] = {"bystander": []}
+    for _ in range(3):  # the bystander is decoding before the poisoned one arrives
+        for d in engine.step()[0]:
+            tokens["bystander"] += d.token_ids
+    engine.add_request("poisoned", [4, 5, 6, 7, 8], poisoned())
+    engine.add_request("late", [2, 3], SamplingParams(temperature=0.7, seed=1, max_tokens=5))
+    failures: list[tuple[str, str, str]] = []
+    real_take = engine.take_failures
+
+    def take() -> list[tuple[str, str, str]]:
+        got = real_take()
+        failures.extend(got)
+        return got
+
+    engine.take_failures = take  # type: ignore[method-assign]
+    try:
+        finished = run_to_end(llm, tokens)
+    finally:
+        del engine.take_failures
+    assert finished == {"bystander": "length", "poisoned": "failed", "late": "length"}
+    assert "sampling blew up" in failures[0][2]
     assert_idle(llm)
-    # The engine goes on serving.
+    # The bystander's tokens are those it gets alone.
+    alone = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=40), False)
+    assert list(alone[0].outputs[0].token_ids) == tokens["bystander"]
+
+
+def test_an_unattributable_step_failure_ends_the_step_and_serving_goes_on(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = llm.engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the forward pass failed once")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    engine.add_request("b", [3, 2, 1], GREEDY)
+    assert run_to_end(llm) == {"a": "failed", "b": "failed"}
+    assert_idle(llm)
     out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6
     assert_idle(llm)
@@ -148,3 +192,11 @@ def test_engine_loop_fails_undecodable_and_unaddable_requests(
     monkeypatch.undo()
     llm.engine.abort_request("fine")
     assert_idle(llm)
+
+
+def test_a_native_panic_is_reported_as_such() -> None:
+    class PanicException(BaseException):  # the name pyo3 gives a Rust panic
+        pass
+
+    assert "native core panicked" in fatal_description(PanicException("index out of bounds"))
+    assert fatal_description(MemoryError("x")) == "MemoryError: x"

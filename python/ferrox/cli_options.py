@@ -24,6 +24,9 @@ HELP = {
     "kv_cache_memory_bytes": "KV-cache memory budget in bytes",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "max_num_seqs": "most requests running at once",
+    "max_queued_requests": "requests admitted beyond --max-num-seqs running ones; past that the "
+    "server answers 503 with Retry-After at once and LLM.generate feeds the engine as requests "
+    "finish (-1: no bound)",
     "max_num_batched_tokens": "token budget of one step (prefill chunks plus decodes)",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts over several steps",

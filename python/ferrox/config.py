@@ -39,6 +39,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # ... an explicit budget, or
     gpu_memory_utilization: float = 0.9  # ... this fraction of the GPU
     max_num_seqs: int = 256
+    # Requests admitted beyond the running ones; -1: no bound (see cli_options).
+    max_queued_requests: int = 1024
     max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -50,6 +52,13 @@ class EngineConfig:
     # Resolved by `create`:
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
     torch_device: torch.device = field(default=torch.device("cpu"), repr=False)
+
+    @property
+    def max_admitted_requests(self) -> int | None:
+        """Requests admitted at once (running and queued); None: no bound."""
+        if self.max_queued_requests < 0:
+            return None
+        return self.max_num_seqs + self.max_queued_requests
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -78,6 +87,11 @@ class EngineConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        queued = self.max_queued_requests
+        if isinstance(queued, bool) or not isinstance(queued, int) or queued < -1:
+            raise InvalidArgumentError(
+                f"max_queued_requests must be an int >= -1 (-1: no bound), got {queued!r}"
+            )
         optional_positive = {
             "max_model_len": self.max_model_len,
             "num_kv_blocks": self.num_kv_blocks,

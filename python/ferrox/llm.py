@@ -144,12 +144,26 @@ class LLM:
         """Runs requests to the end through the one output path; yields each
         finished request's output, or (`stream`) each step's delta of each."""
         engine, processor = self.engine, self.output_processor
+        for (_, prompt_ids), sp in zip(requests, params, strict=True):
+            engine.validate(prompt_ids, sp)  # every request, before any work
+        # The engine holds at most max_num_seqs + max_queued_requests of them
+        # at once; the rest are added as others finish.
+        bound = engine.config.max_admitted_requests
+        pending = iter(zip(request_ids, requests, params, strict=True))
         added: list[str] = []
-        try:
-            for rid, (text, prompt_ids), sp in zip(request_ids, requests, params, strict=True):
+
+        def feed() -> None:
+            while bound is None or engine.num_unfinished_requests < bound:
+                item = next(pending, None)
+                if item is None:
+                    return
+                rid, (text, prompt_ids), sp = item
                 state = processor.add_request(rid, text, prompt_ids, sp, stream=stream)
-                engine.add_request(rid, prompt_ids, sp, final_only=state.final_only)
                 added.append(rid)
+                engine.add_request(rid, prompt_ids, sp, final_only=state.final_only)
+
+        try:
+            feed()
             while engine.has_unfinished_requests():
                 outputs, stops = processor.process(*engine.step())
                 for rid, error_type, message in engine.take_failures():
@@ -157,6 +171,7 @@ class LLM:
                 for stop in stops:
                     engine.stop_sequence(stop.request_id, stop.index, stop.num_output_tokens)
                 yield from outputs
+                feed()
         finally:
             # Nothing may linger in the engine, whatever ended the loop.
             for rid in added:

@@ -13,6 +13,7 @@ runs the same loop in its engine process.
 
 from __future__ import annotations
 
+import copy
 import logging
 import traceback
 from collections.abc import Sequence
@@ -57,6 +58,15 @@ _FINISH_REASONS: dict[int, FinishReason] = {
 }
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _SEED_SPACE = 1 << 64
+
+
+_STAND_IN_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _stand_in() -> SequenceState:
+    """A greedy row in place of a sequence that left during the step."""
+    req = EngineRequest("", [], _STAND_IN_PARAMS)
+    return SequenceState(-1, -1, req, _STAND_IN_PARAMS, [], [], None)
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -122,6 +132,7 @@ class EngineCore:
         # The scheduler's counters after the last step (they come with its events).
         self.latest_stats: SchedulerStats = self.scheduler.stats()
         self._failures: list[tuple[str, str, str]] = []
+        self._stage = "idle"  # of the step in progress: "sampling", then "applying"
 
     # ---- requests --------------------------------------------------------
 
@@ -315,8 +326,48 @@ class EngineCore:
         except Exception as exc:
             if is_fatal(exc):
                 raise
-            self._fail_plan(plan, exc)
-            return [], []
+            error: Exception = exc
+        # Before any token of the step was taken, the step can run again
+        # without the requests whose own sampling state fails.
+        if self._stage == "sampling" and (culprits := self._culprits(plan)):
+            self._fail_requests(culprits, error)
+            try:
+                return self._run_plan(plan)
+            except Exception as again:
+                if is_fatal(again):
+                    raise
+                error = again
+        self._fail_plan(plan, error)
+        return [], []
+
+    def _culprits(self, plan: BatchPlan) -> list[str]:
+        """The requests of the step whose sampling state, alone, fails to
+        build or to sample (tried on a copy, over zero logits)."""
+        culprits: list[str] = []
+        device = self.runner.device
+        for sid in plan.req_ids[plan.sample_rows].tolist():
+            seq = self._seqs.get(sid)
+            if seq is None or seq.request.request_id in culprits:
+                continue
+            probe = copy.copy(seq)
+            probe.penalty_state = None  # the real one stays untouched
+            try:
+                batch = SamplingBatch.build([probe], self.vocab_size, device)
+                self.runner.sampler(torch.zeros(1, self.vocab_size, device=device), batch)
+            except Exception:
+                culprits.append(seq.request.request_id)
+        return culprits
+
+    def _fail_requests(self, request_ids: list[str], exc: Exception) -> None:
+        logger.error(
+            "requests %s failed in a step; the step goes on without them:\n%s",
+            request_ids,
+            "".join(traceback.format_exception(exc)),
+        )
+        message = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+        for rid in request_ids:
+            self.abort_request(rid)
+            self._failures.append((rid, RequestFailedError.__name__, message))
 
     def take_failures(self) -> list[tuple[str, str, str]]:
         """(request id, error class name, message) of each request a failed
@@ -349,14 +400,22 @@ class EngineCore:
         self._failures += [(rid, RequestFailedError.__name__, message) for rid in failed]
 
     def _run_plan(self, plan: BatchPlan) -> tuple[list[SequenceDelta], list[PromptLogprobs]]:
+        """Runs the plan's step. A row whose request was ended while the plan
+        was outstanding is sampled as a greedy stand-in, and the scheduler's
+        update skips it."""
+        self._stage = "sampling"
         self._note_first_schedules(plan)
-        seqs = [self._seqs[rid] for rid in plan.req_ids[plan.sample_rows].tolist()]
+        seqs = [
+            self._seqs.get(rid) or _stand_in() for rid in plan.req_ids[plan.sample_rows].tolist()
+        ]
         batch = SamplingBatch.build(seqs, self.vocab_size, self.runner.device, self._features)
         rows = prompt_logprob_rows(plan, self._seqs) if self._num_prompt_logprob_requests else []
         out = self.runner.execute(plan, batch, rows)
+        self._stage = "applying"
         prompt = self._prompt_logprobs(plan, out) if out.prompt_logprobs else []
         self._append_tokens(seqs, out, batch.max_num_logprobs >= 0)
         events = self.scheduler.update(plan, out.sampled)
+        seqs = [seq for seq in seqs if seq.seq_id >= 0]
         self.latest_stats = events.stats
         self.num_generated_tokens += len(seqs)
         self._apply_events(events)
@@ -374,8 +433,8 @@ class EngineCore:
         req_ids, computed = plan.req_ids, plan.num_computed_tokens
         t_now = None
         for row in rows:
-            seq = self._seqs[int(req_ids[row])]
-            if seq.num_cached_tokens is None:
+            seq = self._seqs.get(int(req_ids[row]))
+            if seq is not None and seq.num_cached_tokens is None:
                 seq.num_cached_tokens = int(computed[row])
                 req = seq.request
                 if req.first_scheduled_time is None:
@@ -452,7 +511,10 @@ class EngineCore:
     def _prompt_logprobs(self, plan: BatchPlan, out: RunnerOutput) -> list[PromptLogprobs]:
         wire = []
         for entry in out.prompt_logprobs:
-            req = self._seqs[int(plan.req_ids[entry.row])].request
+            seq = self._seqs.get(int(plan.req_ids[entry.row]))
+            if seq is None:
+                continue  # ended while the step ran
+            req = seq.request
             start = int(plan.num_computed_tokens[entry.row])
             if req.num_prompt_logprobs != start + 1:
                 continue  # a chunk recomputed after preemption

@@ -62,15 +62,22 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
             )
         )
         EngineLoop(engine, inputs, outputs, parent).run()
-    except Exception as e:
-        logger.error("engine core failed:\n%s", traceback.format_exc())
-        outputs.send(p.encoder.encode(p.EngineDead(message=f"{type(e).__name__}: {e}")))
+    except BaseException as e:  # a panic in the native core is a BaseException
+        logger.critical("engine core failed: %s\n%s", fatal_description(e), traceback.format_exc())
+        outputs.send(p.encoder.encode(p.EngineDead(message=fatal_description(e))))
         time.sleep(0.2)  # let the message leave before the process ends
         os._exit(1)
     finally:
         inputs.close(linger=0)
         outputs.close(linger=1000)
         ctx.term()
+
+
+def fatal_description(exc: BaseException) -> str:
+    """What the frontend and the log say about an error that ends the engine."""
+    if type(exc).__name__ == "PanicException":  # pyo3's: a Rust panic
+        return f"the native core panicked (a bug in ferrox; please report it): {exc}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class EngineLoop:

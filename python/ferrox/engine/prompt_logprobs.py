@@ -18,8 +18,8 @@ def prompt_logprob_rows(
     rows = []
     req_ids, seq_lens, num_sched = plan.req_ids, plan.seq_lens, plan.num_scheduled_tokens
     for row in range(plan.num_reqs):
-        seq = seqs[int(req_ids[row])]
-        if seq.index != 0 or seq.request.num_prompt_logprobs is None:
+        seq = seqs.get(int(req_ids[row]))
+        if seq is None or seq.index != 0 or seq.request.num_prompt_logprobs is None:
             continue
         prompt, end = seq.prompt_token_ids, int(seq_lens[row])
         if end > len(prompt) or (end == len(prompt) and num_sched[row] == 1):

@@ -113,13 +113,6 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-logit-bias", type=int, default=limits.max_logit_bias)
     group.add_argument("--max-stop-token-ids", type=int, default=limits.max_stop_token_ids)
     group.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=1024,
-        help="requests allowed to wait beyond --max-num-seqs running ones; past that a new "
-        "request gets 503 with Retry-After at once (-1: no bound)",
-    )
-    group.add_argument(
         "--request-timeout",
         type=float,
         default=None,
@@ -171,7 +164,6 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit("ferrox serve needs a model with a tokenizer")
     names = args.served_model_name or [_default_name(config.model)]
     client = AsyncEngineClient(options, stall_timeout=args.engine_stall_timeout)
-    queued = args.max_queued_requests
     exit_code = 0
     ctx = ServingContext(
         client=client,
@@ -190,7 +182,7 @@ def serve(args: argparse.Namespace) -> int:
         ),
         metrics=Metrics(names[0], lambda: client.stats),
         log_token_ids=args.log_token_ids,
-        max_in_flight=None if queued < 0 else config.max_num_seqs + queued,
+        max_in_flight=config.max_admitted_requests,
         request_timeout=args.request_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
     )
