@@ -93,6 +93,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             busy = self.metric("num_requests_running") + self.metric("num_requests_waiting")
+            busy += self.metric("num_requests_admitted")
             if busy == 0 and self.metric("kv_cache_used_blocks") == 0:
                 total = self.metric("kv_cache_total_blocks")
                 free = self.metric("kv_cache_free_blocks") + self.metric("kv_cache_cached_blocks")

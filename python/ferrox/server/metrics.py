@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ferrox.engine.protocol import EngineStats
@@ -91,6 +91,18 @@ class Metrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.requests_rejected = Counter(
+            "ferrox:requests_rejected",
+            "Requests answered 503 before any work: the server was at capacity or draining.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        self.admitted = Gauge(
+            "ferrox:num_requests_admitted",
+            "Engine requests the frontend has admitted and not yet answered in full.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model)
         self.ttft = self._histogram(
             "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )

@@ -11,6 +11,7 @@ large inputs run on a thread pool, not on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import time
@@ -82,16 +83,20 @@ class ServingContext:
     def admit(self, n: int) -> None:
         """Takes n places among the requests in flight, or raises ServerBusyError."""
         if self.draining:
+            self.metrics.requests_rejected.labels(self.model_name, "draining").inc()
             raise ServerBusyError("the server is shutting down; retry on another replica", 5)
         if self.max_in_flight is not None and self.in_flight + n > self.max_in_flight:
+            self.metrics.requests_rejected.labels(self.model_name, "capacity").inc()
             raise ServerBusyError(
                 f"the server is at capacity ({self.in_flight} requests in flight, at most "
                 f"{self.max_in_flight}); retry later"
             )
         self.in_flight += n
+        self.metrics.admitted.set(self.in_flight)
 
     def release(self, n: int) -> None:
         self.in_flight -= n
+        self.metrics.admitted.set(self.in_flight)
 
 
 class OpenAIServing:
@@ -212,10 +217,12 @@ class OpenAIServing:
                 yield sse_error(e)
             finally:
                 self.record(runs)
-                self.ctx.release(admitted)
 
-        return StreamingResponse(
-            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        return _AdmittedStream(
+            body(),
+            on_close=lambda: self.ctx.release(admitted),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
         )
 
     @staticmethod
@@ -435,6 +442,27 @@ class OpenAIServing:
             yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=self.usage([run]))
+
+
+class _AdmittedStream(StreamingResponse):
+    """A stream that gives back its request's admission places however it
+    ends: finished, failed, or the client gone before its body even began."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+            # Close the body now (its runs abort in the engine), not at
+            # garbage collection, when the client left in the middle.
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
 
 
 def _message_size(message: op.ChatMessageParam) -> int:
