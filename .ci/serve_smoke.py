@@ -1,7 +1,8 @@
 """`ferrox serve` as the README's first command runs it: the default model on
-127.0.0.1, one chat completion through the HTTP API, then SIGINT and a clean
-exit. Standard library only, so it runs in an environment that has nothing
-but ferrox and its declared dependencies."""
+127.0.0.1, one chat completion through the HTTP API, a short `ferrox bench
+serve` against it, then SIGINT and a clean exit. Standard library only, so
+it runs in an environment that has nothing but ferrox and its declared
+dependencies."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 STARTUP_TIMEOUT_S = 600  # the first run downloads the default model
 
@@ -64,6 +67,19 @@ def main() -> int:
         if not text or usage["completion_tokens"] < 1:
             print("the reply is empty")
             return 1
+        with tempfile.TemporaryDirectory() as results:
+            bench = subprocess.run(
+                ["ferrox", "bench", "serve", "--base-url", base, "--num-prompts", "4",
+                 "--random-input-len", "16", "--random-output-len", "4", "--disable-tqdm",
+                 "--save-result", "--result-dir", results, "--result-filename", "r.json"],
+                check=False,
+            )  # fmt: skip
+            if bench.returncode != 0:
+                print(f"ferrox bench serve exited with {bench.returncode}")
+                return 1
+            saved = json.loads((Path(results) / "r.json").read_text())
+            print(f"ferrox bench serve: {saved['completed']} requests, "
+                  f"{saved['output_throughput']:.1f} output tok/s")  # fmt: skip
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGINT)

@@ -42,7 +42,7 @@ f = f[0] if isinstance(f, list) else f
 g = json.loads((out / "guidellm.json").read_text())["benchmarks"][0]["metrics"]
 g_tok = g["output_tokens_per_second"]["successful"]["mean"]
 g_ttft = g["time_to_first_token_ms"]["successful"]["mean"]
-print(f"ferrox bench serve: {f['output_tok_s']:.1f} output tok/s, TTFT mean {f['ttft_ms']['mean']:.0f} ms")
+print(f"ferrox bench serve: {f['output_throughput']:.1f} output tok/s, TTFT mean {f['mean_ttft_ms']:.0f} ms")
 print(f"guidellm:           {g_tok:.1f} output tok/s, TTFT mean {g_ttft:.0f} ms")
 EOF
 echo "logs and JSON: $out"

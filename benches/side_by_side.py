@@ -115,20 +115,19 @@ def main() -> None:
             stop(proc)
     ours, theirs = reports["ferrox"], reports["transformers"]
     rows = [
-        ("completed", "completed", None),
-        ("failed", "failed", None),
-        ("output tok/s", "output_tok_s", None),
-        ("request/s", "request_throughput", None),
-        ("TTFT p50 (ms)", "ttft_ms", "p50"),
-        ("TTFT p99 (ms)", "ttft_ms", "p99"),
-        ("TPOT p50 (ms)", "tpot_ms", "p50"),
-        ("E2E p50 (ms)", "e2e_ms", "p50"),
+        ("completed", "completed"),
+        ("failed", "failed"),
+        ("output tok/s", "output_throughput"),
+        ("request/s", "request_throughput"),
+        ("TTFT p50 (ms)", "median_ttft_ms"),
+        ("TTFT p99 (ms)", "p99_ttft_ms"),
+        ("TPOT p50 (ms)", "median_tpot_ms"),
+        ("E2E p50 (ms)", "median_e2el_ms"),
     ]
     print(f"\n{'metric':<16}{'ferrox':>12}{'transformers':>14}{'ratio':>10}")
     table = []
-    for label, key, sub in rows:
-        a = ours[key] if sub is None else ours[key][sub]
-        b = theirs[key] if sub is None else theirs[key][sub]
+    for label, key in rows:
+        a, b = ours[key], theirs[key]
         ratio = a / b if b else float("nan")
         table.append({"metric": label, "ferrox": a, "transformers": b, "ratio": ratio})
         print(f"{label:<16}{a:>12.1f}{b:>14.1f}{ratio:>10.2f}")

@@ -32,9 +32,11 @@ class Server:
         *extra: str,
         api_key: str | None = API_KEY,
         new_session: bool = False,
+        served_names: tuple[str, ...] = (MODEL,),
     ) -> None:
         """`new_session`: the server leads a process group of its own (for
-        signals sent to the whole group)."""
+        signals sent to the whole group). The model is given as `ferrox serve
+        MODEL`, as vLLM takes it."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -43,12 +45,18 @@ class Server:
             "-m",
             "ferrox",
             "serve",
-            "--model",
             str(model),
             "--port",
             str(self.port),
         ]
-        args += ["--served-model-name", MODEL, "--num-kv-blocks", "512", "--block-size", "4"]
+        args += [
+            "--served-model-name",
+            *served_names,
+            "--num-kv-blocks",
+            "512",
+            "--block-size",
+            "4",
+        ]
         args += ["--max-num-seqs", "64", *extra]
         if api_key:
             args += ["--api-key", api_key]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ferrox import cli
+from ferrox import cli, errors
 from ferrox.bench import datasets, serve
 from tests.live_server import API_KEY, Server
 
@@ -71,7 +71,7 @@ def test_bench_serve_reports_and_plots(
     for r in reports:
         assert r["completed"] == 8 and r["failed"] == 0
         assert r["total_output_tokens"] == 8 * 6
-        assert r["ttft_ms"]["p50"] > 0 and r["e2e_ms"]["p99"] >= r["ttft_ms"]["p99"]
+        assert r["median_ttft_ms"] > 0 and r["p99_e2el_ms"] >= r["p99_ttft_ms"]
         assert 0 < r["prefix_cache_hit_rate"] <= 1  # the groups share their system prompt
     assert (tmp_path / "t-shared-prefix-latency-cdf.png").stat().st_size > 0
     assert (tmp_path / "t-shared-prefix-sweep.png").stat().st_size > 0
@@ -87,16 +87,15 @@ def test_bench_serve_chat_turns_resend_history(bench_server: Server, model_dir: 
     )  # fmt: skip
     report = asyncio.run(serve.run_once(args, serve.load_tokenizer(args.tokenizer), float("inf")))
     assert report["completed"] == 4
-    raw = report["_raw"]
     # Second turns carry the first turn and its answer: longer prompts.
-    assert max(r["prompt_tokens"] for r in raw) > min(r["prompt_tokens"] for r in raw)
+    assert max(report["input_lens"]) > min(report["input_lens"])
 
 
 def test_bench_serve_counts_failures(tmp_path: Path, model_dir: Path) -> None:
     args = parse("--base-url", "http://127.0.0.1:9", "--model", "x", "--tokenizer", str(model_dir),
                  "--num-prompts", "2", "--random-input-len", "4", "--disable-tqdm")  # fmt: skip
     report = asyncio.run(serve.run_once(args, serve.load_tokenizer(args.tokenizer), float("inf")))
-    assert report["failed"] == 2 and report["completed"] == 0 and report["errors"]
+    assert report["failed"] == 2 and report["completed"] == 0 and all(report["errors"])
 
 
 def test_bench_latency_writes_json(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -108,3 +107,56 @@ def test_bench_latency_writes_json(tiny_models: dict[str, Path], tmp_path: Path)
     assert cli.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["batch_size"] == 3 and result["prefill_s"] > 0 and result["decode_step_ms"] > 0
+
+
+VLLM_KEYS = {
+    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "output_throughput", "total_token_throughput", "input_lens",
+    "output_lens", "ttfts", "itls", "errors",
+    *(f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99")
+      for m in ("ttft", "tpot", "itl", "e2el")),
+}  # fmt: skip
+
+
+def test_bench_serve_saves_vllms_result_keys(
+    bench_server: Server, model_dir: Path, tmp_path: Path
+) -> None:
+    argv = [
+        "bench", "serve", "--base-url", bench_server.url, "--api-key", API_KEY,
+        "--tokenizer", str(model_dir), "--num-prompts", "6", "--random-input-len", "12",
+        "--random-output-len", "5", "--disable-tqdm", "--save-result", "--result-dir",
+        str(tmp_path), "--result-filename", "run.json", "--metric-percentiles", "50,90",
+        "--percentile-metrics", "ttft,e2el", "--goodput", "ttft:60000", "e2el:1",
+        "--metadata", "gpu=none", "note=x",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert set(result) >= VLLM_KEYS
+    assert {"p50_ttft_ms", "p90_ttft_ms", "p90_e2el_ms"} <= set(result)
+    assert result["completed"] == 6 and result["output_lens"] == [5] * 6  # ignore_eos: random
+    assert result["output_throughput"] == pytest.approx(30 / result["duration"])
+    assert result["request_goodput"] == 0.0  # nobody finishes within 1 ms
+    assert result["gpu"] == "none" and result["note"] == "x"
+
+
+def test_sharegpt_dataset(model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "sharegpt.json"
+    conversations = [
+        {"conversations": [{"from": "human", "value": f"question number {i} " * 3},
+                           {"from": "gpt", "value": "an answer of some length " * (i + 1)}]}
+        for i in range(10)
+    ] + [{"conversations": [{"from": "human", "value": "hi"}]}]  # fmt: skip
+    path.write_text(json.dumps(conversations))
+    tok = serve.load_tokenizer(str(model_dir))
+    args = parse("--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "4")
+    sessions = datasets.build_sessions(args, tok)
+    assert len(sessions) == 4
+    for session in sessions:
+        (turn,) = session.turns
+        assert turn.user.startswith("question number")
+        i = int(turn.user.split()[2])
+        assert turn.output_len == len(tok.encode("an answer of some length " * (i + 1),
+                                                 add_special_tokens=False))  # fmt: skip
+    missing = parse("--dataset-name", "sharegpt", "--num-prompts", "4")
+    with pytest.raises(errors.InvalidArgumentError, match="--dataset-path"):
+        datasets.build_sessions(missing, tok)

@@ -35,6 +35,8 @@ HELP = {
     "enforce_eager": "never capture CUDA graphs",
     "num_speculative_tokens": "KV room reserved per decode for speculative tokens",
     "max_logprobs": "largest logprobs / top_logprobs a request may ask for",
+    "profiler_dir": "enable the torch profiler (LLM.start_profile / stop_profile, the server's "
+    "POST /start_profile and /stop_profile); traces are written to this folder",
 }
 
 

@@ -49,6 +49,7 @@ class EngineConfig:
     enforce_eager: bool = False
     num_speculative_tokens: int = 0
     max_logprobs: int = 20
+    profiler_dir: str | None = None  # enables start_profile / stop_profile
     # Resolved by `create`:
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
     torch_device: torch.device = field(default=torch.device("cpu"), repr=False)

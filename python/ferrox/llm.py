@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 from tqdm.auto import tqdm
@@ -37,6 +38,14 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def start_profile(self) -> None:
+        """Starts the torch profiler in the engine (needs `profiler_dir`)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> Path:
+        """Stops it; returns the Chrome trace written to `profiler_dir`."""
+        return self.engine.stop_profile()
 
     def reset_prefix_cache(self) -> int:
         """Drops every cached prefix (blocks no request uses); returns how many."""

@@ -11,17 +11,25 @@ history). Single-request workloads have one-turn sessions.
 - agent:         ~8,000-token contexts that grow by a tool result per step
                  and are resent each step
 - batch:         unique 1,000-2,000-token inputs, 10-50 output tokens
+- sharegpt:      first user turns of a ShareGPT JSON file (--dataset-path), each
+                 asking for as many tokens as the recorded reply had; as vLLM,
+                 prompts under 4 or over 1,024 tokens and pairs over 2,048 are
+                 left out
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "shared-prefix", "chat", "agent", "batch")
+from ferrox.errors import InvalidArgumentError
+
+DATASETS = ("random", "shared-prefix", "chat", "agent", "batch", "sharegpt")
 
 
 @dataclass
@@ -77,6 +85,10 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("datasets")
     g.add_argument("--dataset-name", choices=DATASETS, default="random")
     g.add_argument("--num-prompts", type=int, default=100, help="requests to send in all")
+    g.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file (sharegpt)")
+    g.add_argument(
+        "--sharegpt-output-len", type=int, default=None, help="output tokens for every request"
+    )
     g.add_argument("--random-input-len", type=int, default=1024)
     g.add_argument("--random-output-len", type=int, default=128)
     g.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -117,6 +129,8 @@ def build_sessions(args: argparse.Namespace, tokenizer: Any) -> list[Session]:
             )
             for _ in range(n)
         ]
+    if name == "sharegpt":
+        return sharegpt_sessions(args, tokenizer)
     if name == "shared-prefix":
         systems = [s.text(args.shared_prefix_len) for _ in range(args.shared_prefix_num_groups)]
         return [
@@ -170,6 +184,36 @@ def build_sessions(args: argparse.Namespace, tokenizer: Any) -> list[Session]:
         )
         for _ in range(n)
     ]
+
+
+def sharegpt_sessions(args: argparse.Namespace, tokenizer: Any) -> list[Session]:
+    if not args.dataset_path:
+        raise InvalidArgumentError("--dataset-name sharegpt needs --dataset-path FILE")
+    try:
+        entries = json.loads(Path(args.dataset_path).read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(f"cannot read the ShareGPT file {args.dataset_path}: {e}") from e
+    pairs = []
+    for entry in entries if isinstance(entries, list) else []:
+        turns = entry.get("conversations") or entry.get("conversation") or []
+        if len(turns) >= 2 and all(isinstance(t, dict) and "value" in t for t in turns[:2]):
+            pairs.append((str(turns[0]["value"]), str(turns[1]["value"])))
+    order = np.random.default_rng(args.seed).permutation(len(pairs))
+    sessions = []
+    for i in order.tolist():
+        prompt, reply = pairs[i]
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        output_len = args.sharegpt_output_len or len(
+            tokenizer.encode(reply, add_special_tokens=False)
+        )
+        if prompt_len < 4 or output_len < 4 or prompt_len > 1024 or prompt_len + output_len > 2048:
+            continue
+        sessions.append(Session([Turn(prompt, output_len)]))
+        if len(sessions) == args.num_prompts:
+            break
+    if not sessions:
+        raise InvalidArgumentError(f"no usable conversation in {args.dataset_path}")
+    return sessions
 
 
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -20,11 +20,11 @@ def plot_reports(reports: list[dict[str, Any]], out: Path, stem: str) -> list[Pa
     paths = []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for report in reports:
-        raw = [r for r in report["_raw"] if r["ok"]]
+        ok = [i for i, error in enumerate(report["errors"]) if not error]
         series = {
-            "TTFT (ms)": [r["ttft"] * 1e3 for r in raw],
-            "ITL (ms)": [g * 1e3 for r in raw for g in r["itls"]],
-            "E2E latency (ms)": [r["e2e"] * 1e3 for r in raw],
+            "TTFT (ms)": [report["ttfts"][i] * 1e3 for i in ok],
+            "ITL (ms)": [g * 1e3 for i in ok for g in report["itls"][i]],
+            "E2E latency (ms)": [report["e2els"][i] * 1e3 for i in ok],
         }
         for ax, (name, values) in zip(axes, series.items(), strict=True):
             if values:
@@ -46,10 +46,10 @@ def plot_reports(reports: list[dict[str, Any]], out: Path, stem: str) -> list[Pa
         top = (max(finite) if finite else 1.0) * 2
         rates = [top if math.isinf(r["request_rate"]) else r["request_rate"] for r in reports]
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        left.plot(rates, [r["output_tok_s"] for r in reports], marker="o")
+        left.plot(rates, [r["output_throughput"] for r in reports], marker="o")
         left.set_xlabel("request rate (req/s; rightmost = all at once)")
         left.set_ylabel("output tokens/s")
-        right.plot(rates, [r["ttft_ms"]["p99"] for r in reports], marker="o", color="tab:red")
+        right.plot(rates, [r["p99_ttft_ms"] for r in reports], marker="o", color="tab:red")
         right.set_xlabel("request rate (req/s; rightmost = all at once)")
         right.set_ylabel("p99 TTFT (ms)")
         for ax in (left, right):

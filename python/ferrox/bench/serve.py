@@ -3,8 +3,14 @@
 Sessions arrive by a Poisson process (a gamma process with --burstiness
 other than 1), turns of a session follow one another, --max-concurrency
 bounds the requests in flight. Every request streams; the report gives
-request and token throughput and TTFT / TPOT / ITL / E2E latency (mean, p50,
-p90, p99), and the prefix-cache hit rate when the target's /metrics has it.
+request and token throughput, goodput under --goodput SLOs, and TTFT / TPOT
+/ ITL / E2EL latency (mean, median, std and --metric-percentiles), and the
+prefix-cache hit rate when the target's /metrics has it.
+
+The result (--save-result) is a flat JSON object with `vllm bench serve`'s
+keys (`completed`, `output_throughput`, `mean_ttft_ms`, `p99_itl_ms`,
+per-request `input_lens` / `output_lens` / `ttfts` / `itls` / `errors`, ...)
+plus ferrox's own (`prefix_cache_hit_rate`, `dataset`, `request_rate`, ...).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import itertools
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ from ferrox.bench.datasets import (
     add_dataset_arguments,
     build_sessions,
 )
+from ferrox.errors import InvalidArgumentError
 
 
 @dataclass
@@ -57,11 +64,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson; < 1 burstier")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--ignore-eos", action="store_true", help="ask for exactly the output lengths"
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask for exactly the output lengths (default: on for the random dataset)",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--result-dir", default=None, help="write JSON results and PNG plots here")
+    parser.add_argument(
+        "--save-result", action="store_true", help="write the result JSON (one per request rate)"
+    )
+    parser.add_argument(
+        "--result-dir", default=None, help="where results go (and PNG plots; default: .)"
+    )
+    parser.add_argument("--result-filename", default=None, help="the JSON's name (one rate)")
+    parser.add_argument(
+        "--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="added to the result"
+    )
+    parser.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl",
+        help="metrics whose percentiles are reported: ttft,tpot,itl,e2el",
+    )
+    parser.add_argument(
+        "--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 25,50,99"
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="SLOs (ttft, tpot, e2el in ms) a request must meet to count in request_goodput",
+    )
     parser.add_argument("--label", default=None, help="name of this run in results")
     parser.add_argument("--disable-tqdm", action="store_true")
     add_dataset_arguments(parser)
@@ -72,6 +106,8 @@ def apply_presets(args: argparse.Namespace) -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.endpoint = args.endpoint or "completions"
+    if args.ignore_eos is None:  # as vLLM: exact output lengths for random prompts
+        args.ignore_eos = args.dataset_name == "random"
     args.request_rate = args.request_rate or [float("inf")]
 
 
@@ -218,7 +254,7 @@ async def run_once(args: argparse.Namespace, tokenizer: Any, rate: float) -> dic
     after = await client.metric_totals()
     bar.close()
     await client.http.aclose()
-    report = summarize(results, duration)
+    report = summarize(results, duration, _percentiles(args), parse_goodput(args.goodput))
     queries = after.get("prefix_cache_queries", 0) - before.get("prefix_cache_queries", 0)
     if queries > 0:
         report["prefix_cache_hit_rate"] = (
@@ -229,7 +265,7 @@ async def run_once(args: argparse.Namespace, tokenizer: Any, rate: float) -> dic
         endpoint=args.endpoint, request_rate=rate, max_concurrency=args.max_concurrency,
         burstiness=args.burstiness, num_prompts=total, seed=args.seed,
     )  # fmt: skip
-    report["_raw"] = [asdict(r) for r in results]
+    report.update(_metadata(args.metadata))
     return report
 
 
@@ -240,66 +276,144 @@ def _arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Genera
     return np.cumsum(gaps).tolist()
 
 
-def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
-    if not values:
-        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    a = np.asarray(values) * scale
-    return {
-        "mean": float(a.mean()),
-        "p50": float(np.percentile(a, 50)),
-        "p90": float(np.percentile(a, 90)),
-        "p99": float(np.percentile(a, 99)),
-    }
+METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+def _percentile_name(p: float) -> str:
+    return str(int(p)) if float(p).is_integer() else str(p)
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """--goodput ttft:500 tpot:50 -> {"ttft": 500.0, "tpot": 50.0} (ms)."""
+    slos: dict[str, float] = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise InvalidArgumentError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        slos[name] = float(value)
+    return slos
+
+
+def summarize(
+    results: list[RequestResult],
+    duration: float,
+    percentiles: tuple[float, ...] = (99.0,),
+    goodput: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The flat report, with `vllm bench serve`'s keys."""
     ok = [r for r in results if r.ok]
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
+    per_request: dict[str, list[float]] = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "itl": [g for r in ok for g in r.itls],
+        "e2el": [r.e2e for r in ok],
+    }
+    inputs = sum(r.prompt_tokens for r in ok)
+    outputs = sum(r.output_tokens for r in ok)
+    report: dict[str, Any] = {
+        "duration": duration,
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
+        "total_input_tokens": inputs,
+        "total_output_tokens": outputs,
         "request_throughput": len(ok) / duration,
-        "input_tok_s": sum(r.prompt_tokens for r in ok) / duration,
-        "output_tok_s": sum(r.output_tokens for r in ok) / duration,
-        "total_input_tokens": sum(r.prompt_tokens for r in ok),
-        "total_output_tokens": sum(r.output_tokens for r in ok),
-        "ttft_ms": _stats([r.ttft for r in ok]),
-        "tpot_ms": _stats(tpots),
-        "itl_ms": _stats([g for r in ok for g in r.itls]),
-        "e2e_ms": _stats([r.e2e for r in ok]),
+        "output_throughput": outputs / duration,
+        "total_token_throughput": (inputs + outputs) / duration,
     }
+    if goodput:
+        good = [r for r in ok if _meets(r, goodput)]
+        report["request_goodput"] = len(good) / duration
+    for metric in METRICS:
+        values = np.asarray(per_request[metric]) * 1000.0
+        empty = values.size == 0
+        report[f"mean_{metric}_ms"] = float("nan") if empty else float(values.mean())
+        report[f"median_{metric}_ms"] = float("nan") if empty else float(np.median(values))
+        report[f"std_{metric}_ms"] = float("nan") if empty else float(values.std())
+        for p in sorted({99.0, *percentiles}):
+            key = f"p{_percentile_name(p)}_{metric}_ms"
+            report[key] = float("nan") if empty else float(np.percentile(values, p))
+    report.update(
+        input_lens=[r.prompt_tokens for r in results],
+        output_lens=[r.output_tokens for r in results],
+        ttfts=[r.ttft for r in results],
+        e2els=[r.e2e for r in results],
+        itls=[r.itls for r in results],
+        errors=[r.error for r in results],
+    )
+    return report
 
 
-def print_report(report: dict[str, Any]) -> None:
+def _meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    values = {
+        "ttft": r.ttft * 1e3,
+        "e2el": r.e2e * 1e3,
+        "tpot": (r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 if r.output_tokens > 1 else 0.0,
+    }
+    return all(values[name] <= limit for name, limit in slos.items())
+
+
+def print_report(
+    report: dict[str, Any],
+    metrics: tuple[str, ...] = ("ttft", "tpot", "itl"),
+    percentiles: tuple[float, ...] = (99.0,),
+) -> None:
     rows = [
         ("completed / failed", f"{report['completed']} / {report['failed']}"),
-        ("duration (s)", f"{report['duration_s']:.2f}"),
+        ("duration (s)", f"{report['duration']:.2f}"),
         ("request throughput (req/s)", f"{report['request_throughput']:.3f}"),
-        ("input tokens/s", f"{report['input_tok_s']:.1f}"),
-        ("output tokens/s", f"{report['output_tok_s']:.1f}"),
+        ("output throughput (tok/s)", f"{report['output_throughput']:.1f}"),
+        ("total token throughput (tok/s)", f"{report['total_token_throughput']:.1f}"),
     ]
+    if "request_goodput" in report:
+        rows.append(("request goodput (req/s)", f"{report['request_goodput']:.3f}"))
     if "prefix_cache_hit_rate" in report:
         rows.append(("prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.1%}"))
     print(f"==== {report['dataset']} @ rate {report['request_rate']} ({report['model']}) ====")
     for name, value in rows:
-        print(f"{name:<30}{value:>16}")
-    print(f"{'latency (ms)':<16}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        s = report[key]
-        print(
-            f"{key[:-3].upper():<16}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}"
-        )
-    for error in report["errors"]:
+        print(f"{name:<32}{value:>16}")
+    names = ["mean", "median", "std", *(f"p{_percentile_name(p)}" for p in percentiles)]
+    print(f"{'latency (ms)':<16}" + "".join(f"{n:>10}" for n in names))
+    for metric in metrics:
+        cells = [report[f"{n}_{metric}_ms"] for n in names]
+        print(f"{metric.upper():<16}" + "".join(f"{c:>10.1f}" for c in cells))
+    for error in sorted({e for e in report["errors"] if e})[:5]:
         print(f"error: {error}")
+
+
+def _percentiles(args: argparse.Namespace) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in args.metric_percentiles.split(","))
+    except ValueError:
+        raise InvalidArgumentError(
+            f"--metric-percentiles takes numbers such as 25,50,99, got {args.metric_percentiles!r}"
+        ) from None
+
+
+def _metrics(args: argparse.Namespace) -> tuple[str, ...]:
+    names = tuple(m for m in args.percentile_metrics.split(",") if m)
+    unknown = [m for m in names if m not in METRICS]
+    if unknown:
+        raise InvalidArgumentError(f"--percentile-metrics knows {METRICS}, not {unknown}")
+    return names
+
+
+def _metadata(items: list[str]) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidArgumentError(f"--metadata takes KEY=VALUE, got {item!r}")
+        pairs[key] = value
+    return pairs
 
 
 def main(args: argparse.Namespace) -> int:
     # Checked before any request is sent, not after the run.
-    require_bench_extra("httpx", "ferrox bench serve")
-    if args.result_dir:
+    if args.result_dir and not args.save_result:
         require_bench_extra("matplotlib", "ferrox bench serve --result-dir (plots)")
+    metrics, percentiles = _metrics(args), _percentiles(args)
+    parse_goodput(args.goodput)
+    _metadata(args.metadata)
     apply_presets(args)
     tokenizer = load_tokenizer(args.tokenizer)
     reports = []
@@ -309,10 +423,17 @@ def main(args: argparse.Namespace) -> int:
         # over from the previous point.
         args.seed = seed + i
         report = asyncio.run(run_once(args, tokenizer, rate))
-        print_report(report)
+        print_report(report, metrics, percentiles)
         reports.append(report)
-    if args.result_dir:
-        out = Path(args.result_dir)
+    args.seed = seed
+    out = Path(args.result_dir or ".")
+    if args.save_result:
+        out.mkdir(parents=True, exist_ok=True)
+        for report in reports:
+            path = out / _result_filename(args, report, len(reports))
+            path.write_text(json.dumps(report, indent=2, default=str))
+            print(f"wrote {path}")
+    elif args.result_dir:
         out.mkdir(parents=True, exist_ok=True)
         stem = f"{args.label or 'bench'}-{args.dataset_name}"
         (out / f"{stem}.json").write_text(json.dumps(reports, indent=2, default=str))
@@ -320,5 +441,13 @@ def main(args: argparse.Namespace) -> int:
 
         for path in plot_reports(reports, out, stem):
             print(f"wrote {path}")
-    args.seed = seed
     return 0 if all(r["failed"] == 0 for r in reports) else 1
+
+
+def _result_filename(args: argparse.Namespace, report: dict[str, Any], count: int) -> str:
+    if args.result_filename and count == 1:
+        return str(args.result_filename)
+    rate = "inf" if math.isinf(report["request_rate"]) else f"{report['request_rate']:g}"
+    model = str(report["model"]).replace("/", "-")
+    stem = args.result_filename.removesuffix(".json") if args.result_filename else "ferrox"
+    return f"{stem}-{rate}qps-{model}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -133,6 +136,8 @@ class EngineCore:
         self.latest_stats: SchedulerStats = self.scheduler.stats()
         self._failures: list[tuple[str, str, str]] = []
         self._stage = "idle"  # of the step in progress: "sampling", then "applying"
+        self.last_step_tokens = 0  # tokens the latest step computed
+        self._profiler: Any = None
 
     # ---- requests --------------------------------------------------------
 
@@ -291,6 +296,33 @@ class EngineCore:
         if self._requests.pop(req.request_id, None) is not None and req.num_prompt_logprobs:
             self._num_prompt_logprob_requests -= 1
 
+    def start_profile(self) -> None:
+        """Starts the torch profiler (CPU, and CUDA on a GPU)."""
+        if self.config.profiler_dir is None:
+            raise InvalidArgumentError("profiling is off: give profiler_dir (--profiler-dir)")
+        if self._profiler is not None:
+            raise InvalidArgumentError("a profile is already running")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+
+    def stop_profile(self) -> Path:
+        """Stops the profiler; returns the Chrome trace file it wrote (open it
+        in Perfetto or chrome://tracing)."""
+        if self._profiler is None or self.config.profiler_dir is None:
+            raise InvalidArgumentError("no profile is running")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        folder = Path(self.config.profiler_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = folder / f"ferrox-engine-{os.getpid()}-{stamp}-{time.monotonic_ns()}.json"
+        profiler.export_chrome_trace(str(path))
+        logger.info("profile written to %s", path)
+        return path
+
     def reset_prefix_cache(self) -> int:
         """Drops every cached prefix no request is using; returns the blocks freed."""
         return self.scheduler.reset_prefix_cache()
@@ -318,6 +350,7 @@ class EngineCore:
         for sid in plan.preempted_ids.tolist():
             if (preempted := self._seqs.get(sid)) is not None:
                 preempted.num_preemptions += 1
+        self.last_step_tokens = plan.num_tokens
         if plan.num_reqs == 0:
             self.latest_stats = self.scheduler.update(plan, _NO_TOKENS).stats
             return [], []

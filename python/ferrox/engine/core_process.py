@@ -106,8 +106,10 @@ class EngineLoop:
                 return
             deltas: list[p.SequenceDelta] = []
             prompt: list[p.PromptLogprobs] = []
+            step_tokens = 0
             if engine.has_unfinished_requests():
                 deltas, prompt = engine.step()
+                step_tokens = engine.last_step_tokens
                 self.failed += [p.RequestFailed(*f) for f in engine.take_failures()]
                 stats = self._stats(engine.latest_stats)
             else:
@@ -116,7 +118,7 @@ class EngineLoop:
             t = time.monotonic()
             heartbeat = t - last_sent >= p.HEARTBEAT_S
             if deltas or prompt or self.failed or stats != last_stats or heartbeat:
-                message = p.StepOutputs(deltas, prompt, self.failed, stats, t)
+                message = p.StepOutputs(deltas, prompt, self.failed, stats, t, step_tokens)
                 if not self._send(p.encoder.encode(message)):
                     return
                 self.failed = []
@@ -178,6 +180,17 @@ class EngineLoop:
         elif isinstance(msg, p.StopSequences):
             for stop in msg.sequences:
                 engine.stop_sequence(stop.request_id, stop.index, stop.num_output_tokens)
+        elif isinstance(msg, (p.StartProfile, p.StopProfile)):
+            try:
+                if isinstance(msg, p.StartProfile):
+                    engine.start_profile()
+                else:
+                    engine.stop_profile()
+            except FerroxError as e:
+                logger.error("%s: %s", type(msg).__name__, e)
+        elif isinstance(msg, p.ResetPrefixCache):
+            freed = engine.reset_prefix_cache()
+            logger.info("prefix cache reset: %d blocks freed", freed)
         elif isinstance(msg, p.Shutdown):
             for rid in engine.request_ids():
                 engine.abort_request(rid)

@@ -46,7 +46,27 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | AbortRequests | StopSequences | Shutdown
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    """Drop every cached prefix no request is using."""
+
+
+class StartProfile(msgspec.Struct, tag="start_profile"):
+    pass
+
+
+class StopProfile(msgspec.Struct, tag="stop_profile"):
+    pass
+
+
+EngineInput = (
+    AddRequest
+    | AbortRequests
+    | StopSequences
+    | Shutdown
+    | ResetPrefixCache
+    | StartProfile
+    | StopProfile
+)
 
 
 # ---- engine -> frontend ------------------------------------------------------
@@ -113,6 +133,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     # time.monotonic() when the engine sent the step: one system-wide clock
     # for both processes, so the frontend can time its own share of a token.
     sent_at: float = 0.0
+    step_tokens: int = 0  # tokens the step computed (prefill chunks and decodes)
 
 
 class Ready(msgspec.Struct, tag="ready"):

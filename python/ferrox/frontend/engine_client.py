@@ -71,6 +71,7 @@ class AsyncEngineClient:
         self.is_dead = False
         self.dead_message = ""
         self.on_dead: Callable[[str], None] | None = None
+        self.on_step: Callable[[int], None] | None = None  # tokens of each engine step
         self._tasks: list[asyncio.Task[None]] = []
         self._dir = tempfile.mkdtemp(prefix="ferrox-ipc-")
         self._ctx = zmq.asyncio.Context()
@@ -188,6 +189,8 @@ class AsyncEngineClient:
 
     def _route(self, msg: p.StepOutputs) -> None:
         self.stats = msg.stats
+        if msg.step_tokens and self.on_step is not None:
+            self.on_step(msg.step_tokens)
         items: list[p.RequestFailed | p.PromptLogprobs | p.SequenceDelta] = [
             *msg.failed,
             *msg.prompt_logprobs,
@@ -213,6 +216,20 @@ class AsyncEngineClient:
                 )
         if not self.is_dead:
             self._mark_dead(f"the engine process exited with code {self._process.exitcode}")
+
+    def reset_prefix_cache(self) -> None:
+        self._control(p.ResetPrefixCache())
+
+    def start_profile(self) -> None:
+        self._control(p.StartProfile())
+
+    def stop_profile(self) -> None:
+        self._control(p.StopProfile())
+
+    def _control(self, message: p.EngineInput) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_message or "the engine process is not running")
+        self._send(message)
 
     def fail_all(self, error: Exception) -> int:
         """Ends every request in flight with `error` (each is then aborted

@@ -33,6 +33,8 @@ class RequestRun:
         params: SamplingParams,
         priority: int = 0,
         log_token_ids: bool = False,
+        log_request: bool = True,
+        max_log_len: int | None = None,
         stream: bool = True,
         deadline: float | None = None,
     ) -> None:
@@ -46,6 +48,8 @@ class RequestRun:
         )
         self.priority = priority
         self.log_token_ids = log_token_ids
+        self.log_request = log_request
+        self.max_log_len = max_log_len
         self.token_times: list[float] = []
         # Per token delta: engine sent the step -> the update was handed on.
         self.frontend_latencies: list[float] = []
@@ -145,7 +149,14 @@ class RequestRun:
             queue_time=queue,
             prompt_tokens=len(self.prompt_token_ids),
             generation_tokens=n_out,
+            prefill_time=_elapsed(m.first_scheduled_time, m.first_token_time),
+            decode_time=_elapsed(m.first_token_time, m.last_token_time),
+            inference_time=_elapsed(m.first_scheduled_time, m.last_token_time),
+            n=self.params.n,
+            max_tokens=self.params.max_tokens,
         )
+        if not self.log_request:
+            return
         duration = max(end - (m.first_token_time or end), 1e-9)
         line = (
             f"{self.request_id}: prompt {len(self.prompt_token_ids)} tokens "
@@ -154,9 +165,17 @@ class RequestRun:
             f"{max(n_out - 1, 0) / duration:.1f} tok/s, finish {reason}"
         )
         if self.log_token_ids:
-            line += f", prompt ids {self.prompt_token_ids}, output ids "
-            line += str([s.token_ids for s in self.seqs])
+            ids = self.prompt_token_ids
+            if self.max_log_len is not None and len(ids) > self.max_log_len:
+                shown = f"{ids[: self.max_log_len]} (+{len(ids) - self.max_log_len} more)"
+            else:
+                shown = str(ids)
+            line += f", prompt ids {shown}, output ids {[s.token_ids for s in self.seqs]}"
         logger.info(line)
+
+
+def _elapsed(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 async def run_to_end(run: RequestRun) -> RequestRun:

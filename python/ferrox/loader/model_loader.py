@@ -18,8 +18,8 @@ from ferrox.config import EngineConfig
 from ferrox.errors import ModelLoadError
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
-from ferrox.loader.default import default_model_path
 from ferrox.loader.gguf import load_gguf, load_gguf_tokenizer
+from ferrox.loader.hub import resolve_model_path
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.registry import resolve_model_class
 
@@ -36,12 +36,7 @@ class LoadedModel:
 
 def load_model(config: EngineConfig) -> LoadedModel:
     start = time.perf_counter()
-    path = Path(config.model) if config.model is not None else default_model_path()
-    if not path.exists():
-        raise ModelLoadError(
-            f"model path {str(path)!r} does not exist (give a Hugging Face model directory, "
-            "a .gguf file, or no model for the bundled SmolLM2-135M-Instruct)"
-        )
+    path = resolve_model_path(config.model)
     fmt = config.load_format
     if fmt == "auto":
         fmt = "gguf" if path.suffix == ".gguf" else "safetensors"
@@ -54,7 +49,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         hf_config = _read_config(path)
         weights = _safetensors_weights(path) if fmt == "safetensors" else None
     if config.tokenizer is not None or tokenizer is None:
-        tokenizer = _load_tokenizer(Path(config.tokenizer) if config.tokenizer else path, fmt)
+        source = resolve_model_path(config.tokenizer) if config.tokenizer else path
+        tokenizer = _load_tokenizer(source, fmt)
     model = build_model(hf_config, config)
     if weights is None:
         init_dummy_weights(model, config.seed)
@@ -78,8 +74,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def load_tokenizer(config: EngineConfig) -> Any | None:
     """The tokenizer alone (for a frontend process that runs no model)."""
     if config.tokenizer is not None:
-        return _load_tokenizer(Path(config.tokenizer), config.load_format)
-    path = Path(config.model) if config.model is not None else default_model_path()
+        return _load_tokenizer(resolve_model_path(config.tokenizer), config.load_format)
+    path = resolve_model_path(config.model)
     if path.suffix == ".gguf":
         return load_gguf_tokenizer(path)
     return _load_tokenizer(path, config.load_format)

@@ -9,10 +9,13 @@ Starlette's routing directly.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -28,12 +31,24 @@ def _json(value: msgspec.Struct | dict) -> Response:
     return Response(msgspec.json.encode(value), media_type="application/json")
 
 
+@dataclass(frozen=True)
+class CorsOptions:
+    """Cross-origin access, as vLLM's --allowed-* flags give it."""
+
+    origins: list[str] = field(default_factory=lambda: ["*"])
+    methods: list[str] = field(default_factory=lambda: ["*"])
+    headers: list[str] = field(default_factory=lambda: ["*"])
+    credentials: bool = False
+
+
 def build_app(
     ctx: ServingContext,
     *,
     api_key: str | None = None,
     max_body_bytes: int = 8 << 20,
     lifespan: object = None,
+    cors: CorsOptions | None = None,
+    profiling: bool = False,
 ) -> Starlette:
     serving = OpenAIServing(ctx)
 
@@ -46,6 +61,18 @@ def build_app(
         if ctx.draining:
             return error_response(503, "the server is shutting down", code="draining")
         return Response(status_code=200)
+
+    def control(action: Callable[[], None]) -> Callable[[Request], Awaitable[Response]]:
+        """A route that sends the engine one control message."""
+
+        async def route(_: Request) -> Response:
+            try:
+                action()
+            except Exception as e:
+                return exception_response(e)
+            return Response(status_code=200)
+
+        return route
 
     async def version(_: Request) -> Response:
         return _json({"version": ferrox.__version__})
@@ -104,6 +131,8 @@ def build_app(
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/reset_prefix_cache", control(ctx.client.reset_prefix_cache), methods=["POST"]),
         Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -112,12 +141,26 @@ def build_app(
         Route("/v1/completions", serving.completions, methods=["POST"]),
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
     ]
+    if profiling:
+        routes += [
+            Route("/start_profile", control(ctx.client.start_profile), methods=["POST"]),
+            Route("/stop_profile", control(ctx.client.stop_profile), methods=["POST"]),
+        ]
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,  # type: ignore[arg-type]
     )
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    cors = cors or CorsOptions()
+    # Added last, so outermost: a preflight is answered before the API-key check.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors.origins,
+        allow_methods=cors.methods,
+        allow_headers=cors.headers,
+        allow_credentials=cors.credentials,
+    )
     return app
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -22,8 +23,9 @@ from ferrox.cli_options import add_engine_arguments, engine_options
 from ferrox.config import EngineConfig
 from ferrox.errors import ServerBusyError
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S, AsyncEngineClient
+from ferrox.loader.hub import is_hub_id, resolve_model_path
 from ferrox.loader.model_loader import load_tokenizer
-from ferrox.server.app import build_app
+from ferrox.server.app import CorsOptions, build_app
 from ferrox.server.metrics import Metrics
 from ferrox.server.request_translation import ServerLimits
 from ferrox.server.serving import ServingContext
@@ -85,7 +87,58 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+# vLLM flags a launch command often carries that ferrox cannot honour, and why.
+UNSUPPORTED_VLLM_FLAGS = {
+    "--tensor-parallel-size": "ferrox runs a model on one device (no tensor parallelism yet)",
+    "-tp": "ferrox runs a model on one device (no tensor parallelism yet)",
+    "--pipeline-parallel-size": "ferrox has no pipeline parallelism",
+    "--data-parallel-size": "ferrox serves one engine per server (no data parallelism yet)",
+    "--quantization": "ferrox loads unquantized safetensors and dequantizes GGUF files",
+    "--kv-cache-dtype": "the KV cache has the model's dtype",
+    "--trust-remote-code": "ferrox runs no code from model repositories",
+    "--enable-lora": "ferrox has no LoRA adapters",
+    "--speculative-config": "ferrox has no speculative decoding yet",
+    "--enable-auto-tool-choice": "ferrox has no tool calling yet",
+    "--tool-call-parser": "ferrox has no tool calling yet",
+    "--reasoning-parser": "ferrox has no reasoning parsers yet",
+    "--guided-decoding-backend": "ferrox has no structured outputs yet",
+    "--cpu-offload-gb": "ferrox does not offload weights",
+    "--swap-space": "ferrox recomputes preempted requests instead of swapping",
+    "--revision": "hub models resolve to their default revision",
+    "--tokenizer-mode": "ferrox uses the model's fast tokenizer",
+    "--limit-mm-per-prompt": "ferrox serves text-only models",
+}
+
+
+def check_unsupported_flags(argv: list[str]) -> None:
+    """Stops with a clear message for a vLLM flag ferrox cannot honour."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in UNSUPPORTED_VLLM_FLAGS:
+            raise SystemExit(
+                f"ferrox serve: {flag} is a vLLM option ferrox does not support: "
+                f"{UNSUPPORTED_VLLM_FLAGS[flag]}"
+            )
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model directory, .gguf file or Hugging Face hub id (the same as --model)",
+    )
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000)
@@ -97,9 +150,41 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--served-model-name",
-        action="append",
+        nargs="+",
+        action="extend",
         default=None,
-        help="name(s) clients use for the model (default: the model path's name)",
+        help="name(s) clients use for the model; the first is reported (default: the model "
+        "argument: a hub id as given, a path's last part)",
+    )
+    group.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                       help='CORS origins, a JSON list (default: ["*"])')  # fmt: skip
+    group.add_argument("--allowed-methods", type=_json_list, default=["*"])
+    group.add_argument("--allowed-headers", type=_json_list, default=["*"])
+    group.add_argument("--allow-credentials", action="store_true")
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template (a file, or the template itself) instead of the model's",
+    )
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a "
+        "folder / file holding a generation_config.json",
+    )
+    group.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per finished request"
+    )
+    group.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="most token ids of a prompt the request log line prints (with --log-token-ids)",
+    )
+    group.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     group.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body")
     limits = ServerLimits()  # the one definition of the defaults
@@ -157,12 +242,24 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(
+                f"ferrox serve: the model is given twice ({args.model_tag!r} and --model "
+                f"{args.model!r})"
+            )
+        args.model = args.model_tag
     options = engine_options(args)
     config = EngineConfig.create(**options)  # fail fast on bad options
     tokenizer = load_tokenizer(config)
     if tokenizer is None:
         raise SystemExit("ferrox serve needs a model with a tokenizer")
+    if args.chat_template is not None:
+        tokenizer.chat_template = _chat_template(args.chat_template)
     names = args.served_model_name or [_default_name(config.model)]
+    sampling_defaults = generation_defaults(args.generation_config, config.model)
+    if sampling_defaults:
+        logger.info("sampling defaults from the generation config: %s", sampling_defaults)
     client = AsyncEngineClient(options, stall_timeout=args.engine_stall_timeout)
     exit_code = 0
     ctx = ServingContext(
@@ -182,6 +279,9 @@ def serve(args: argparse.Namespace) -> int:
         ),
         metrics=Metrics(names[0], lambda: client.stats),
         log_token_ids=args.log_token_ids,
+        log_requests=not args.disable_log_requests,
+        sampling_defaults=sampling_defaults,
+        max_log_len=args.max_log_len,
         max_in_flight=config.max_admitted_requests,
         request_timeout=args.request_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
@@ -206,6 +306,13 @@ def serve(args: argparse.Namespace) -> int:
         ctx.max_model_len = info.max_model_len
         ctx.vocab_size = info.vocab_size
         client.on_dead = on_dead
+        client.on_step = ctx.metrics.iteration_tokens.observe
+        ctx.metrics.set_cache_config(
+            block_size=info.block_size,
+            num_blocks=info.num_kv_blocks,
+            prefix_caching=config.enable_prefix_caching,
+            dtype=str(config.torch_dtype).removeprefix("torch."),
+        )
         if server is not None:
             server.loop = asyncio.get_running_loop()
         print(
@@ -220,7 +327,17 @@ def serve(args: argparse.Namespace) -> int:
             await client.shutdown()
 
     app = build_app(
-        ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes, lifespan=lifespan
+        ctx,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        lifespan=lifespan,
+        profiling=config.profiler_dir is not None,
+        cors=CorsOptions(
+            origins=args.allowed_origins,
+            methods=args.allowed_methods,
+            headers=args.allowed_headers,
+            credentials=args.allow_credentials,
+        ),
     )
     server = _Server(
         uvicorn.Config(
@@ -231,7 +348,7 @@ def serve(args: argparse.Namespace) -> int:
             lifespan="on",
             # Requests are drained before uvicorn's own shutdown starts.
             timeout_graceful_shutdown=int(FLUSH_SECONDS) + 1,
-            log_level="warning",
+            log_level=args.uvicorn_log_level,
             access_log=False,
         ),
         ctx,
@@ -246,10 +363,62 @@ def serve(args: argparse.Namespace) -> int:
 def _default_name(model: str | None) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
+    if is_hub_id(model) and not Path(model).exists():
+        return model  # as vLLM names a hub model: its id
     return Path(model).name.removesuffix(".gguf")
 
 
+# generation_config.json keys -> SamplingParams fields
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(option: str, model: str | None) -> dict[str, Any]:
+    """The sampling defaults --generation-config names (see its help)."""
+    if option == "vllm":
+        return {}
+    if option == "auto":
+        source = resolve_model_path(model)
+        if not source.is_dir():
+            return {}  # a GGUF file carries no generation config
+    else:
+        source = Path(option)
+    file = source / "generation_config.json" if source.is_dir() else source
+    if not file.is_file():
+        if option == "auto":
+            return {}
+        raise SystemExit(f"ferrox serve: --generation-config {option!r}: no generation config")
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as e:
+        raise SystemExit(f"ferrox serve: cannot read {file}: {e}") from e
+    return {
+        ours: data[theirs]
+        for theirs, ours in _GENERATION_KEYS.items()
+        if data.get(theirs) is not None
+    }
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the template itself."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise SystemExit(
+            f"ferrox serve: --chat-template {value!r} is neither a file nor a template"
+        )
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
+    check_unsupported_flags(sys.argv[1:] if argv is None else argv)
     return serve(build_parser().parse_args(argv))
 
 

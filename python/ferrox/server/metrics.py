@@ -22,6 +22,8 @@ _FRONTEND_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class _EngineCollector:
@@ -127,6 +129,41 @@ class Metrics:
         self.generation_tokens = self._histogram(
             "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
+        self.prefill_time = self._histogram(
+            "request_prefill_time_seconds",
+            "First scheduling to first token (the prompt's prefill).",
+            _LATENCY_BUCKETS,
+        )
+        self.decode_time = self._histogram(
+            "request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+        )
+        self.inference_time = self._histogram(
+            "request_inference_time_seconds",
+            "First scheduling to last token (prefill and decode).",
+            _LATENCY_BUCKETS,
+        )
+        self.params_n = self._histogram("request_params_n", "The n of each request.", _N_BUCKETS)
+        self.params_max_tokens = self._histogram(
+            "request_params_max_tokens", "The max_tokens of each request.", _TOKEN_BUCKETS
+        )
+        self.iteration_tokens = self._histogram(
+            "iteration_tokens_total",
+            "Tokens computed per engine step (prefill chunks and decodes).",
+            _STEP_TOKEN_BUCKETS,
+        )
+        self.cache_config = Gauge(
+            "ferrox:cache_config_info",
+            "The KV cache's configuration, in the labels (the value is 1).",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"],
+            registry=self.registry,
+        )
+
+    def set_cache_config(
+        self, *, block_size: int, num_blocks: int, prefix_caching: bool, dtype: str
+    ) -> None:
+        self.cache_config.labels(str(block_size), str(num_blocks), str(prefix_caching), dtype).set(
+            1
+        )
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         """A histogram labelled with the served model's name (its only label)."""
@@ -146,8 +183,22 @@ class Metrics:
         queue_time: float | None,
         prompt_tokens: int,
         generation_tokens: int,
+        prefill_time: float | None = None,
+        decode_time: float | None = None,
+        inference_time: float | None = None,
+        n: int = 1,
+        max_tokens: int | None = None,
     ) -> None:
         self.request_success.labels(self.model, finished_reason).inc()
+        for histogram, value in (
+            (self.prefill_time, prefill_time),
+            (self.decode_time, decode_time),
+            (self.inference_time, inference_time),
+            (self.params_max_tokens, max_tokens),
+        ):
+            if value is not None:
+                histogram.observe(max(value, 0.0))
+        self.params_n.observe(n)
         if ttft is not None:
             self.ttft.observe(ttft)
         for gap in itls:

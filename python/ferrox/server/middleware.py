@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ferrox.server.errors import HTTPLimitError, error_response
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})
 MAX_HEADER_BYTES = 32 << 10
 
 

@@ -152,10 +152,15 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 # ---- responses ---------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):

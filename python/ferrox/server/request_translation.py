@@ -3,6 +3,7 @@ SamplingParams. Every rejection is a ``BadRequest`` that names its field."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
@@ -50,11 +51,16 @@ def sampling_params_from(
     max_model_len: int,
     prompt_len: int,
     limits: ServerLimits,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """The SamplingParams of one prompt of ``request``, which has ``prompt_len`` tokens.
 
-    An omitted ``max_tokens`` becomes the room the prompt leaves in the context.
+    A field the request omits takes its value from ``defaults`` (the model's
+    generation config), else SamplingParams' default; an omitted
+    ``max_tokens`` becomes the default's, at most the room the prompt leaves
+    in the context, else that room.
     """
+    defaults = defaults or {}
     requested: int | None
     if isinstance(request, ChatCompletionRequest):
         prompt_param = "messages"
@@ -71,7 +77,10 @@ def sampling_params_from(
             f"{max_model_len} tokens, which leaves no room for a completion",
             param=prompt_param,
         )
-    max_tokens = _max_tokens(requested, max_tokens_param, room, max_model_len, prompt_len)
+    if requested is None and defaults.get("max_tokens") is not None:
+        max_tokens = min(int(defaults["max_tokens"]), room)
+    else:
+        max_tokens = _max_tokens(requested, max_tokens_param, room, max_model_len, prompt_len)
     if not MIN_PRIORITY <= request.priority <= MAX_PRIORITY:
         raise BadRequest(
             f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {request.priority}",
@@ -94,6 +103,9 @@ def sampling_params_from(
         "frequency_penalty": request.frequency_penalty,
         "seed": request.seed,
     }
+    for name, value in defaults.items():
+        if optional.get(name, False) is None:
+            optional[name] = value
     stop = _stop_strings(request.stop, limits)
     if request.logit_bias is not None and len(request.logit_bias) > limits.max_logit_bias:
         raise BadRequest(

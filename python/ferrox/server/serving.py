@@ -64,6 +64,10 @@ class ServingContext:
     limits: ServerLimits
     metrics: Metrics
     log_token_ids: bool = False
+    log_requests: bool = True
+    # Sampling defaults from the model's generation config (--generation-config).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_log_len: int | None = None  # token ids of a prompt in its log line
     # Engine requests in flight at most (running and queued); None: no bound.
     max_in_flight: int | None = None
     request_timeout: float | None = None  # seconds, per request
@@ -161,6 +165,7 @@ class OpenAIServing:
             max_model_len=self.ctx.max_model_len,
             prompt_len=len(prompt_ids),
             limits=self.ctx.limits,
+            defaults=self.ctx.sampling_defaults,
         )
         timeout = self.ctx.request_timeout
         return RequestRun(
@@ -171,6 +176,8 @@ class OpenAIServing:
             params=params,
             priority=request.priority,
             log_token_ids=self.ctx.log_token_ids,
+            log_request=self.ctx.log_requests,
+            max_log_len=self.ctx.max_log_len,
             stream=bool(request.stream),
             deadline=None if timeout is None else time.monotonic() + timeout,
         )
@@ -229,8 +236,12 @@ class OpenAIServing:
     def usage(runs: list[RequestRun]) -> op.UsageInfo:
         prompt = sum(len(r.prompt_token_ids) for r in runs)
         completion = sum(r.num_output_tokens for r in runs)
+        cached = sum(r.state.num_cached_tokens for r in runs)
         return op.UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=op.PromptTokensDetails(cached_tokens=cached),
         )
 
     async def handle(self, http: Request, build: Callable[[bytes, list[int]], Any]) -> Response:
