@@ -6,6 +6,7 @@ ferrox cannot honour."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ferrox import LLM, SamplingParams, errors
+from ferrox import LLM, RequestOutput, SamplingParams, errors
 from ferrox.server.launch import check_unsupported_flags
 from tests.live_server import API_KEY, Server
 
@@ -204,3 +205,48 @@ def test_generation_config_supplies_sampling_defaults(
     assert (chosen.temperature, chosen.top_p, chosen.max_tokens) == (0.7, 0.8, 20)
     with pytest.raises(SystemExit, match="no generation config"):
         generation_defaults(str(tmp_path / "nothing"), None)
+
+
+def test_async_llm_streams_cumulative_outputs_and_aborts(tiny_models: dict[str, Path]) -> None:
+    from ferrox import AsyncLLM
+
+    path = str(tiny_models["llama-gqa-tied"])
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = LLM(path, num_kv_blocks=64, block_size=4).generate([[5, 6, 7]], greedy, False)
+
+    async def main() -> None:
+        async with AsyncLLM(path, num_kv_blocks=64, block_size=4) as llm:
+            outputs = [o async for o in llm.generate([5, 6, 7], greedy, "a")]
+            lengths = [len(o.outputs[0].token_ids) for o in outputs]
+            assert lengths == sorted(lengths) and lengths[-1] == 12  # cumulative
+            assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+            assert outputs[-1].outputs[0].token_ids == expected[0].outputs[0].token_ids
+            assert outputs[-1].outputs[0].text == expected[0].outputs[0].text
+
+            # Two at once, one aborted part way: it ends with "abort", the other runs on.
+            long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            seen: list[RequestOutput] = []
+
+            async def follow(rid: str) -> None:
+                async for out in llm.generate("a story", long, rid):
+                    seen.append(out)
+                    if rid == "b" and len(out.outputs[0].token_ids) >= 3:
+                        await llm.abort("b")
+
+            await asyncio.gather(follow("b"), follow("c"))
+            last = {o.request_id: o for o in seen}
+            assert last["b"].finished and last["b"].outputs[0].finish_reason == "abort"
+            assert len(last["b"].outputs[0].token_ids) < 200
+            assert last["c"].outputs[0].finish_reason == "length"
+            with pytest.raises(errors.DuplicateRequestError):
+                async for _ in llm.generate("x", greedy, "d"):
+                    async for _ in llm.generate("x", greedy, "d"):
+                        pass
+            for _ in range(100):  # the engine gives back every block
+                if llm.client.stats.num_used_blocks == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert llm.client.stats.num_used_blocks == 0
+        assert not llm.is_running
+
+    asyncio.run(main())

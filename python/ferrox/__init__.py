@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 OPENMP_SPIN_LIMITED = "torch" not in sys.modules or "GOMP_SPINCOUNT" in os.environ
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
+from ferrox.async_llm import AsyncLLM  # noqa: E402
 from ferrox.config import EngineConfig  # noqa: E402
 from ferrox.llm import LLM  # noqa: E402
 from ferrox.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
@@ -18,6 +19,7 @@ from ferrox.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineConfig",
     "Logprob",

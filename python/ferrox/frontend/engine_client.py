@@ -254,7 +254,7 @@ class AsyncEngineClient:
         for task in self._tasks:
             task.cancel()
         if self._process is not None and self._process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, ServerBusyError):
                 self._send(p.Shutdown())
             deadline = time.monotonic() + timeout
             while self._process.is_alive() and time.monotonic() < deadline:

@@ -19,12 +19,11 @@ from typing import Any
 
 import uvicorn
 
+from ferrox.async_llm import AsyncLLM
 from ferrox.cli_options import add_engine_arguments, engine_options
-from ferrox.config import EngineConfig
 from ferrox.errors import ServerBusyError
-from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S, AsyncEngineClient
+from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S
 from ferrox.loader.hub import is_hub_id, resolve_model_path
-from ferrox.loader.model_loader import load_tokenizer
 from ferrox.server.app import CorsOptions, build_app
 from ferrox.server.metrics import Metrics
 from ferrox.server.request_translation import ServerLimits
@@ -107,6 +106,11 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--revision": "hub models resolve to their default revision",
     "--tokenizer-mode": "ferrox uses the model's fast tokenizer",
     "--limit-mm-per-prompt": "ferrox serves text-only models",
+    "--download-dir": "hub models go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE)",
+    "--max-seq-len-to-capture": "CUDA graphs cover decode batches up to --max-num-seqs",
+    "--compilation-config": "ferrox does not use torch.compile",
+    "--hf-overrides": "the model's config is used as it is",
+    "--num-scheduler-steps": "ferrox schedules every step",
 }
 
 
@@ -174,6 +178,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--disable-log-requests", action="store_true", help="no log line per finished request"
+    )
+    group.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM's command lines: ferrox logs no periodic stats (see /metrics)",
     )
     group.add_argument(
         "--max-log-len",
@@ -250,8 +259,9 @@ def serve(args: argparse.Namespace) -> int:
             )
         args.model = args.model_tag
     options = engine_options(args)
-    config = EngineConfig.create(**options)  # fail fast on bad options
-    tokenizer = load_tokenizer(config)
+    # The engine process starts with the server (lifespan below).
+    engine = AsyncLLM(engine_stall_timeout=args.engine_stall_timeout, **options)
+    config, tokenizer = engine.config, engine.tokenizer
     if tokenizer is None:
         raise SystemExit("ferrox serve needs a model with a tokenizer")
     if args.chat_template is not None:
@@ -260,7 +270,7 @@ def serve(args: argparse.Namespace) -> int:
     sampling_defaults = generation_defaults(args.generation_config, config.model)
     if sampling_defaults:
         logger.info("sampling defaults from the generation config: %s", sampling_defaults)
-    client = AsyncEngineClient(options, stall_timeout=args.engine_stall_timeout)
+    client = engine.client
     exit_code = 0
     ctx = ServingContext(
         client=client,
@@ -302,7 +312,7 @@ def serve(args: argparse.Namespace) -> int:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
-        info = await client.start()
+        info = await engine.start()
         ctx.max_model_len = info.max_model_len
         ctx.vocab_size = info.vocab_size
         client.on_dead = on_dead
@@ -324,7 +334,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             yield
         finally:
-            await client.shutdown()
+            await engine.shutdown()
 
     app = build_app(
         ctx,
