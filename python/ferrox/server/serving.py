@@ -119,6 +119,8 @@ class OpenAIServing:
         try:
             return msgspec.json.decode(body, type=kind)
         except msgspec.ValidationError as e:
+            if isinstance(e.__cause__, op.BadRequest):  # raised by a struct's own check
+                raise e.__cause__ from None
             # msgspec ends its message with the field's path: "... - at `$.n`".
             path = re.search(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)", str(e))
             raise op.BadRequest(f"invalid request: {e}", param=path and path.group(1)) from e
