@@ -169,7 +169,7 @@ class LLM:
                 rid, (text, prompt_ids), sp = item
                 state = processor.add_request(rid, text, prompt_ids, sp, stream=stream)
                 added.append(rid)
-                engine.add_request(rid, prompt_ids, sp, final_only=state.final_only)
+                engine.add_request(rid, prompt_ids, sp, final_only=state.final_only, validated=True)
 
         try:
             feed()

@@ -102,6 +102,11 @@ class SamplingParams:
         return copy.deepcopy(self)
 
 
+def check_priority(priority: Any) -> int:
+    """A request's scheduling priority, checked against the engine's range."""
+    return _int("priority", priority, minimum=MIN_PRIORITY, maximum=MAX_PRIORITY)
+
+
 def _int(
     name: str,
     value: Any,

@@ -20,7 +20,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ from ferrox.loader.model_loader import LoadedModel, load_model
 from ferrox.outputs import FinishReason
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
 from ferrox.runner.sampling_batch import FeatureCounts, SamplingBatch
-from ferrox.sampling_params import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
+from ferrox.sampling_params import SamplingParams, check_priority
 
 logger = logging.getLogger("ferrox")
 
@@ -184,19 +184,17 @@ class EngineCore:
         *,
         priority: int = 0,
         final_only: bool = False,
+        validated: bool = False,
     ) -> None:
         """`final_only`: the caller wants each sequence's tokens once, when it
-        finishes (no stop strings, no streaming): no delta before that."""
+        finishes (no stop strings, no streaming): no delta before that.
+        `validated`: the caller has run `validate` on this prompt and params."""
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_token_ids]
-        self.validate(prompt_ids, params)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidArgumentError(f"priority must be an int, got {type(priority).__name__}")
-        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-            raise InvalidArgumentError(
-                f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}"
-            )
+        if not validated:
+            self.validate(prompt_ids, params)
+        priority = check_priority(priority)
         req = EngineRequest(request_id, prompt_ids, params, final_only=final_only)
         if params.prompt_logprobs is not None:
             req.num_prompt_logprobs = 1
@@ -397,7 +395,13 @@ class EngineCore:
             request_ids,
             "".join(traceback.format_exception(exc)),
         )
-        message = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+        self._end_failed(
+            request_ids, f"the engine failed on this request: {type(exc).__name__}: {exc}"
+        )
+
+    def _end_failed(self, request_ids: list[str], message: str) -> None:
+        """Aborts the requests (their blocks go back) and records why, for
+        `take_failures`."""
         for rid in request_ids:
             self.abort_request(rid)
             self._failures.append((rid, RequestFailedError.__name__, message))
@@ -416,21 +420,15 @@ class EngineCore:
         prefix cache), and the scheduler's invariants are checked; should
         they not hold, the error is fatal after all."""
         logger.error("a step failed; ending the requests in it:\n%s", traceback.format_exc())
-        failed = []
-        for sid in plan.req_ids.tolist():
-            seq = self._seqs.get(sid)
-            if seq is not None and seq.request.request_id not in failed:
-                failed.append(seq.request.request_id)
-        for rid in failed:
-            self.abort_request(rid)
+        seqs = (self._seqs.get(sid) for sid in plan.req_ids.tolist())
+        failed = list(dict.fromkeys(seq.request.request_id for seq in seqs if seq is not None))
+        self._end_failed(failed, f"the engine step failed: {type(exc).__name__}: {exc}")
         try:  # every row's request is gone: the update only closes the step
             zeros = np.zeros(len(plan.sample_rows), dtype=np.int64)
             self.latest_stats = self.scheduler.update(plan, zeros).stats
         except SchedulerStateError:
             pass  # the failure came after the scheduler had taken the update
         self.scheduler.check_integrity()
-        message = f"the engine step failed: {type(exc).__name__}: {exc}"
-        self._failures += [(rid, RequestFailedError.__name__, message) for rid in failed]
 
     def _run_plan(self, plan: BatchPlan) -> tuple[list[SequenceDelta], list[PromptLogprobs]]:
         """Runs the plan's step. A row whose request was ended while the plan
@@ -438,9 +436,10 @@ class EngineCore:
         update skips it."""
         self._stage = "sampling"
         self._note_first_schedules(plan)
-        seqs = [
-            self._seqs.get(rid) or _stand_in() for rid in plan.req_ids[plan.sample_rows].tolist()
-        ]
+        live = [self._seqs.get(rid) for rid in plan.req_ids[plan.sample_rows].tolist()]
+        seqs = cast(list[SequenceState], live)
+        if None in live:
+            seqs = [s or _stand_in() for s in live]
         batch = SamplingBatch.build(seqs, self.vocab_size, self.runner.device, self._features)
         rows = prompt_logprob_rows(plan, self._seqs) if self._num_prompt_logprob_requests else []
         out = self.runner.execute(plan, batch, rows)
@@ -448,7 +447,8 @@ class EngineCore:
         prompt = self._prompt_logprobs(plan, out) if out.prompt_logprobs else []
         self._append_tokens(seqs, out, batch.max_num_logprobs >= 0)
         events = self.scheduler.update(plan, out.sampled)
-        seqs = [seq for seq in seqs if seq.seq_id >= 0]
+        if seqs is not live:  # stand-ins drop out here
+            seqs = [s for s in live if s is not None]
         self.latest_stats = events.stats
         self.num_generated_tokens += len(seqs)
         self._apply_events(events)

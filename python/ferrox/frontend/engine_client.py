@@ -159,10 +159,6 @@ class AsyncEngineClient:
                 self.streams.pop(message.request_id, None)
             raise ServerBusyError("the engine's input queue is full; retry later") from None
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.streams)
-
     # ---- background tasks -------------------------------------------------
 
     async def _read_outputs(self) -> None:

@@ -38,7 +38,6 @@ _TYPES = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
-    429: "rate_limit_error",
     431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",

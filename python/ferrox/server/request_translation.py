@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
-from ferrox.sampling_params import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
+from ferrox.sampling_params import SamplingParams, check_priority
 from ferrox.server.openai_protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -81,11 +81,10 @@ def sampling_params_from(
         max_tokens = min(int(defaults["max_tokens"]), room)
     else:
         max_tokens = _max_tokens(requested, max_tokens_param, room, max_model_len, prompt_len)
-    if not MIN_PRIORITY <= request.priority <= MAX_PRIORITY:
-        raise BadRequest(
-            f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {request.priority}",
-            param="priority",
-        )
+    try:
+        check_priority(request.priority)
+    except InvalidArgumentError as exc:
+        raise BadRequest(str(exc), param="priority") from exc
     n = 1 if request.n is None else request.n
     if n > limits.max_n:
         raise BadRequest(f"n must be at most {limits.max_n}, got {n}", param="n")
