@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from ferrox import LLM, RequestOutput, SamplingParams, errors
-from ferrox.server.launch import check_unsupported_flags
+from ferrox.server.vllm_options import check_unsupported_flags
 from tests.live_server import API_KEY, Server
 
 
@@ -180,8 +180,8 @@ def test_generation_config_supplies_sampling_defaults(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
     from ferrox.server import openai_protocol as op
-    from ferrox.server.launch import generation_defaults
     from ferrox.server.request_translation import ServerLimits, sampling_params_from
+    from ferrox.server.vllm_options import generation_defaults
 
     model = tmp_path / "model"
     shutil.copytree(tiny_models["llama-gqa-tied"], model)

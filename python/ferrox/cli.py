@@ -161,7 +161,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["serve"]:
-        from ferrox.server.launch import check_unsupported_flags
+        from ferrox.server.vllm_options import check_unsupported_flags
 
         check_unsupported_flags(arguments[1:])
     parser = build_parser()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -23,11 +22,17 @@ from ferrox.async_llm import AsyncLLM
 from ferrox.cli_options import add_engine_arguments, engine_options
 from ferrox.errors import ServerBusyError
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S
-from ferrox.loader.hub import is_hub_id, resolve_model_path
+from ferrox.loader.hub import is_hub_id
 from ferrox.server.app import CorsOptions, build_app
 from ferrox.server.metrics import Metrics
 from ferrox.server.request_translation import ServerLimits
 from ferrox.server.serving import ServingContext
+from ferrox.server.vllm_options import (
+    chat_template_text,
+    check_unsupported_flags,
+    generation_defaults,
+    json_list,
+)
 
 logger = logging.getLogger("ferrox.server")
 DEATH_GRACE_SECONDS = 2.0
@@ -86,55 +91,6 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-# vLLM flags a launch command often carries that ferrox cannot honour, and why.
-UNSUPPORTED_VLLM_FLAGS = {
-    "--tensor-parallel-size": "ferrox runs a model on one device (no tensor parallelism yet)",
-    "-tp": "ferrox runs a model on one device (no tensor parallelism yet)",
-    "--pipeline-parallel-size": "ferrox has no pipeline parallelism",
-    "--data-parallel-size": "ferrox serves one engine per server (no data parallelism yet)",
-    "--quantization": "ferrox loads unquantized safetensors and dequantizes GGUF files",
-    "--kv-cache-dtype": "the KV cache has the model's dtype",
-    "--trust-remote-code": "ferrox runs no code from model repositories",
-    "--enable-lora": "ferrox has no LoRA adapters",
-    "--speculative-config": "ferrox has no speculative decoding yet",
-    "--enable-auto-tool-choice": "ferrox has no tool calling yet",
-    "--tool-call-parser": "ferrox has no tool calling yet",
-    "--reasoning-parser": "ferrox has no reasoning parsers yet",
-    "--guided-decoding-backend": "ferrox has no structured outputs yet",
-    "--cpu-offload-gb": "ferrox does not offload weights",
-    "--swap-space": "ferrox recomputes preempted requests instead of swapping",
-    "--revision": "hub models resolve to their default revision",
-    "--tokenizer-mode": "ferrox uses the model's fast tokenizer",
-    "--limit-mm-per-prompt": "ferrox serves text-only models",
-    "--download-dir": "hub models go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE)",
-    "--max-seq-len-to-capture": "CUDA graphs cover decode batches up to --max-num-seqs",
-    "--compilation-config": "ferrox does not use torch.compile",
-    "--hf-overrides": "the model's config is used as it is",
-    "--num-scheduler-steps": "ferrox schedules every step",
-}
-
-
-def check_unsupported_flags(argv: list[str]) -> None:
-    """Stops with a clear message for a vLLM flag ferrox cannot honour."""
-    for arg in argv:
-        flag = arg.split("=", 1)[0]
-        if flag in UNSUPPORTED_VLLM_FLAGS:
-            raise SystemExit(
-                f"ferrox serve: {flag} is a vLLM option ferrox does not support: "
-                f"{UNSUPPORTED_VLLM_FLAGS[flag]}"
-            )
-
-
-def _json_list(text: str) -> list[str]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
-    return value
-
-
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model_tag",
@@ -160,10 +116,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="name(s) clients use for the model; the first is reported (default: the model "
         "argument: a hub id as given, a path's last part)",
     )
-    group.add_argument("--allowed-origins", type=_json_list, default=["*"],
+    group.add_argument("--allowed-origins", type=json_list, default=["*"],
                        help='CORS origins, a JSON list (default: ["*"])')  # fmt: skip
-    group.add_argument("--allowed-methods", type=_json_list, default=["*"])
-    group.add_argument("--allowed-headers", type=_json_list, default=["*"])
+    group.add_argument("--allowed-methods", type=json_list, default=["*"])
+    group.add_argument("--allowed-headers", type=json_list, default=["*"])
     group.add_argument("--allow-credentials", action="store_true")
     group.add_argument(
         "--chat-template",
@@ -265,7 +221,7 @@ def serve(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise SystemExit("ferrox serve needs a model with a tokenizer")
     if args.chat_template is not None:
-        tokenizer.chat_template = _chat_template(args.chat_template)
+        tokenizer.chat_template = chat_template_text(args.chat_template)
     names = args.served_model_name or [_default_name(config.model)]
     sampling_defaults = generation_defaults(args.generation_config, config.model)
     if sampling_defaults:
@@ -376,55 +332,6 @@ def _default_name(model: str | None) -> str:
     if is_hub_id(model) and not Path(model).exists():
         return model  # as vLLM names a hub model: its id
     return Path(model).name.removesuffix(".gguf")
-
-
-# generation_config.json keys -> SamplingParams fields
-_GENERATION_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
-def generation_defaults(option: str, model: str | None) -> dict[str, Any]:
-    """The sampling defaults --generation-config names (see its help)."""
-    if option == "vllm":
-        return {}
-    if option == "auto":
-        source = resolve_model_path(model)
-        if not source.is_dir():
-            return {}  # a GGUF file carries no generation config
-    else:
-        source = Path(option)
-    file = source / "generation_config.json" if source.is_dir() else source
-    if not file.is_file():
-        if option == "auto":
-            return {}
-        raise SystemExit(f"ferrox serve: --generation-config {option!r}: no generation config")
-    try:
-        data = json.loads(file.read_text())
-    except ValueError as e:
-        raise SystemExit(f"ferrox serve: cannot read {file}: {e}") from e
-    return {
-        ours: data[theirs]
-        for theirs, ours in _GENERATION_KEYS.items()
-        if data.get(theirs) is not None
-    }
-
-
-def _chat_template(value: str) -> str:
-    """--chat-template: a file's contents, or the template itself."""
-    path = Path(value)
-    if path.is_file():
-        return path.read_text()
-    if "{" not in value:
-        raise SystemExit(
-            f"ferrox serve: --chat-template {value!r} is neither a file nor a template"
-        )
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,109 @@
+"""vLLM's command-line conventions that `ferrox serve` follows: flags ferrox
+refuses with a reason, JSON-list flags, the generation config's sampling
+defaults, and a chat template given as a file or inline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ferrox.loader.hub import resolve_model_path
+
+# vLLM flags a launch command often carries that ferrox cannot honour, and why.
+UNSUPPORTED_VLLM_FLAGS = {
+    "--tensor-parallel-size": "ferrox runs a model on one device (no tensor parallelism yet)",
+    "-tp": "ferrox runs a model on one device (no tensor parallelism yet)",
+    "--pipeline-parallel-size": "ferrox has no pipeline parallelism",
+    "--data-parallel-size": "ferrox serves one engine per server (no data parallelism yet)",
+    "--quantization": "ferrox loads unquantized safetensors and dequantizes GGUF files",
+    "--kv-cache-dtype": "the KV cache has the model's dtype",
+    "--trust-remote-code": "ferrox runs no code from model repositories",
+    "--enable-lora": "ferrox has no LoRA adapters",
+    "--speculative-config": "ferrox has no speculative decoding yet",
+    "--enable-auto-tool-choice": "ferrox has no tool calling yet",
+    "--tool-call-parser": "ferrox has no tool calling yet",
+    "--reasoning-parser": "ferrox has no reasoning parsers yet",
+    "--guided-decoding-backend": "ferrox has no structured outputs yet",
+    "--cpu-offload-gb": "ferrox does not offload weights",
+    "--swap-space": "ferrox recomputes preempted requests instead of swapping",
+    "--revision": "hub models resolve to their default revision",
+    "--tokenizer-mode": "ferrox uses the model's fast tokenizer",
+    "--limit-mm-per-prompt": "ferrox serves text-only models",
+    "--download-dir": "hub models go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE)",
+    "--max-seq-len-to-capture": "CUDA graphs cover decode batches up to --max-num-seqs",
+    "--compilation-config": "ferrox does not use torch.compile",
+    "--hf-overrides": "the model's config is used as it is",
+    "--num-scheduler-steps": "ferrox schedules every step",
+}
+
+
+def check_unsupported_flags(argv: list[str]) -> None:
+    """Stops with a clear message for a vLLM flag ferrox cannot honour."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in UNSUPPORTED_VLLM_FLAGS:
+            raise SystemExit(
+                f"ferrox serve: {flag} is a vLLM option ferrox does not support: "
+                f"{UNSUPPORTED_VLLM_FLAGS[flag]}"
+            )
+
+
+def json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+# generation_config.json keys -> SamplingParams fields
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(option: str, model: str | None) -> dict[str, Any]:
+    """The sampling defaults --generation-config names (see its help)."""
+    if option == "vllm":
+        return {}
+    if option == "auto":
+        source = resolve_model_path(model)
+        if not source.is_dir():
+            return {}  # a GGUF file carries no generation config
+    else:
+        source = Path(option)
+    file = source / "generation_config.json" if source.is_dir() else source
+    if not file.is_file():
+        if option == "auto":
+            return {}
+        raise SystemExit(f"ferrox serve: --generation-config {option!r}: no generation config")
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as e:
+        raise SystemExit(f"ferrox serve: cannot read {file}: {e}") from e
+    return {
+        ours: data[theirs]
+        for theirs, ours in _GENERATION_KEYS.items()
+        if data.get(theirs) is not None
+    }
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: a file's contents, or the template itself."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise SystemExit(
+            f"ferrox serve: --chat-template {value!r} is neither a file nor a template"
+        )
+    return value
