@@ -48,6 +48,18 @@ def test_a_hub_id_loads_from_the_local_cache(
         LLM("test-org/not-there")
 
 
+@pytest.mark.parametrize(
+    "flag", ["--request-timeout=0", "--engine-stall-timeout=-1", "--max-log-len=-2",
+             "--max-body-bytes=-1", "--request-timeout=nan"],
+)  # fmt: skip
+def test_server_flags_are_checked(flag: str, capsys: pytest.CaptureFixture) -> None:
+    from ferrox.server.launch import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([flag])
+    assert "expected" in capsys.readouterr().err
+
+
 def test_unsupported_vllm_flags_are_refused_with_a_reason() -> None:
     with pytest.raises(SystemExit, match="--tensor-parallel-size is a vLLM option"):
         check_unsupported_flags(["--model", "x", "--tensor-parallel-size=2"])
@@ -67,6 +79,15 @@ def test_llm_profiler_writes_a_trace(tiny_models: dict[str, Path], tmp_path: Pat
     plain = LLM(str(tiny_models["qwen3"]), num_kv_blocks=64, block_size=4)
     with pytest.raises(errors.InvalidArgumentError, match="profiler_dir"):
         plain.start_profile()
+    (tmp_path / "a-file").write_text("")
+    unwritable = LLM(
+        str(tiny_models["qwen3"]), num_kv_blocks=64, block_size=4,
+        profiler_dir=str(tmp_path / "a-file" / "traces"),
+    )  # fmt: skip
+    unwritable.start_profile()
+    with pytest.raises(errors.InvalidArgumentError, match="cannot write the profile"):
+        unwritable.stop_profile()
+    unwritable.start_profile()  # the engine goes on, and can profile again
 
 
 @pytest.fixture(scope="module")

@@ -314,10 +314,13 @@ class EngineCore:
         profiler, self._profiler = self._profiler, None
         profiler.stop()
         folder = Path(self.config.profiler_dir)
-        folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = folder / f"ferrox-engine-{os.getpid()}-{stamp}-{time.monotonic_ns()}.json"
-        profiler.export_chrome_trace(str(path))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(path))
+        except OSError as e:
+            raise InvalidArgumentError(f"cannot write the profile to {folder}: {e}") from e
         logger.info("profile written to %s", path)
         return path
 

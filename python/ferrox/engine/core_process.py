@@ -186,7 +186,9 @@ class EngineLoop:
                     engine.start_profile()
                 else:
                     engine.stop_profile()
-            except FerroxError as e:
+            except Exception as e:  # a control message never stops the engine
+                if is_fatal(e):
+                    raise
                 logger.error("%s: %s", type(msg).__name__, e)
         elif isinstance(msg, p.ResetPrefixCache):
             freed = engine.reset_prefix_cache()

@@ -32,6 +32,8 @@ from ferrox.server.vllm_options import (
     check_unsupported_flags,
     generation_defaults,
     json_list,
+    non_negative_int,
+    positive_float,
 )
 
 logger = logging.getLogger("ferrox.server")
@@ -142,7 +144,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-log-len",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="most token ids of a prompt the request log line prints (with --log-token-ids)",
     )
@@ -151,7 +153,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
-    group.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body")
+    group.add_argument(
+        "--max-body-bytes", type=non_negative_int, default=8 << 20, help="largest request body"
+    )
     limits = ServerLimits()  # the one definition of the defaults
     group.add_argument(
         "--max-n", type=int, default=limits.max_n, help="largest `n` a request may ask for"
@@ -164,13 +168,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-stop-token-ids", type=int, default=limits.max_stop_token_ids)
     group.add_argument(
         "--request-timeout",
-        type=float,
+        type=positive_float,
         default=None,
         help="seconds a request may take before it is aborted with 408 (default: no limit)",
     )
     group.add_argument(
         "--engine-stall-timeout",
-        type=float,
+        type=positive_float,
         default=DEFAULT_STALL_TIMEOUT_S,
         help="seconds without a message from the engine (it sends one every second) after "
         "which /health answers 503",
