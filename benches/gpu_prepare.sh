@@ -26,7 +26,8 @@ esac
 # check script installs each one that fits the machine, and reports the rest.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 -d "$out" \
-  msgspec gguf pyzmq uvicorn uvloop starlette httptools prometheus-client
+  --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_31_x86_64 -d "$out" \
+  msgspec gguf pyzmq uvicorn uvloop starlette httptools prometheus-client llguidance
 ls -la "$out"
 du -sh "$out"

@@ -160,7 +160,7 @@ def test_chat_request_decodes_messages_of_every_kind() -> None:
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "tool", "content": "42", "tool_call_id": "t"},
     ]
 
 

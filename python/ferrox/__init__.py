@@ -16,6 +16,7 @@ from ferrox.config import EngineConfig  # noqa: E402
 from ferrox.llm import LLM  # noqa: E402
 from ferrox.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
 from ferrox.sampling_params import SamplingParams  # noqa: E402
+from ferrox.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 __all__ = [
     "LLM",
@@ -26,5 +27,6 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]

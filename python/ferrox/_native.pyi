@@ -18,6 +18,7 @@ __all__ = [
     "StepEvents",
     "__version__",
     "add_rms_norm_cpu",
+    "apply_token_bitmask_cpu",
     "paged_attention_cpu",
     "rotary_in_place_cpu",
 ]
@@ -231,4 +232,9 @@ def add_rms_norm_cpu(
     eps: float,
     out: npt.NDArray[np.float32],
     num_threads: int,
+) -> None: ...
+def apply_token_bitmask_cpu(
+    logits: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.int64],
+    bitmask: npt.NDArray[np.int32],
 ) -> None: ...

@@ -73,8 +73,12 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
+        """Applies the model's chat template to one conversation or a list of
+        them (with `tools` and `chat_template_kwargs` passed to it)."""
         tokenizer = self._require_tokenizer()
         if not messages:
             raise InvalidArgumentError("messages must not be empty")
@@ -87,7 +91,10 @@ class LLM:
                 list(conversation),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                tools=tools,
+                **(chat_template_kwargs or {}),
             )
             prompts.append({"prompt": text, "add_special_tokens": False})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox.errors import InvalidArgumentError
+from ferrox.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this sample greedily (argmax); dividing logits by them would overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -50,6 +51,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output must match a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, minimum=1, maximum=MAX_INT32)
@@ -83,6 +86,20 @@ class SamplingParams:
             )
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidArgumentError(
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
+        if self.structured_outputs is not None and self.min_tokens:
+            raise InvalidArgumentError(
+                "min_tokens cannot be combined with structured_outputs: the grammar decides "
+                "where the output ends"
+            )
         for name in (
             "ignore_eos",
             "skip_special_tokens",

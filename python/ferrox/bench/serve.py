@@ -47,6 +47,7 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    json_ok: bool | None = None  # with --json-schema: the output parsed as JSON
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ask for exactly the output lengths (default: on for the random dataset)",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--json-schema",
+        type=_json_schema,
+        default=None,
+        metavar="FILE_OR_JSON",
+        help="every request's output must match this JSON schema (response_format on chat, "
+        "structured_outputs on completions): the data-processing workload",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
         "--save-result", action="store_true", help="write the result JSON (one per request rate)"
@@ -151,6 +160,12 @@ class Client:
         }
         if self.args.ignore_eos:
             common["ignore_eos"] = True
+        schema = self.args.json_schema
+        if schema is not None and self.args.endpoint == "chat":
+            spec = {"name": "bench", "schema": schema}
+            common["response_format"] = {"type": "json_schema", "json_schema": spec}
+        elif schema is not None:
+            common["structured_outputs"] = {"json": schema}
         if self.args.endpoint == "chat":
             return "/v1/chat/completions", {**common, "messages": messages}
         prompt = "\n\n".join(m["content"] for m in messages)
@@ -201,6 +216,7 @@ class Client:
             ttft=(times[0] if times else end) - start,
             e2e=end - start,
             itls=[b - a for a, b in itertools.pairwise(times)],
+            json_ok=None if self.args.json_schema is None else _parses(output),
         )
 
     async def metric_totals(self) -> dict[str, float]:
@@ -320,6 +336,9 @@ def summarize(
         "output_throughput": outputs / duration,
         "total_token_throughput": (inputs + outputs) / duration,
     }
+    checked = [r.json_ok for r in ok if r.json_ok is not None]
+    if checked:
+        report["json_valid_fraction"] = sum(checked) / len(checked)
     if goodput:
         good = [r for r in ok if _meets(r, goodput)]
         report["request_goodput"] = len(good) / duration
@@ -341,6 +360,26 @@ def summarize(
         errors=[r.error for r in results],
     )
     return report
+
+
+def _json_schema(text: str) -> dict[str, Any]:
+    """--json-schema: a file holding a JSON schema, or the schema itself."""
+    path = Path(text)
+    try:
+        value = json.loads(path.read_text() if path.is_file() else text)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"not a JSON schema file or text: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON schema must be a JSON object")
+    return value
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _meets(r: RequestResult, slos: dict[str, float]) -> bool:
@@ -368,6 +407,8 @@ def print_report(
         rows.append(("request goodput (req/s)", f"{report['request_goodput']:.3f}"))
     if "prefix_cache_hit_rate" in report:
         rows.append(("prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.1%}"))
+    if "json_valid_fraction" in report:
+        rows.append(("outputs that parse as JSON", f"{report['json_valid_fraction']:.1%}"))
     print(f"==== {report['dataset']} @ rate {report['request_rate']} ({report['model']}) ====")
     for name, value in rows:
         print(f"{name:<32}{value:>16}")

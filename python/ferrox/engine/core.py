@@ -35,6 +35,7 @@ from ferrox._native import (
     StepEvents,
 )
 from ferrox.config import EngineConfig
+from ferrox.engine.grammar import GrammarEngine
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, wire_prompt_logprobs
 from ferrox.engine.protocol import PromptLogprobs, SequenceDelta, TokenLogprobs
 from ferrox.engine.sequence import EngineRequest, SequenceState, now
@@ -51,6 +52,7 @@ from ferrox.outputs import FinishReason
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
 from ferrox.runner.sampling_batch import FeatureCounts, SamplingBatch
 from ferrox.sampling_params import SamplingParams, check_priority
+from ferrox.structured_outputs import check_grammar
 
 logger = logging.getLogger("ferrox")
 
@@ -138,6 +140,7 @@ class EngineCore:
         self._stage = "idle"  # of the step in progress: "sampling", then "applying"
         self.last_step_tokens = 0  # tokens the latest step computed
         self._profiler: Any = None
+        self.grammar = GrammarEngine(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     # ---- requests --------------------------------------------------------
 
@@ -168,6 +171,8 @@ class EngineCore:
                 raise InvalidArgumentError(
                     f"{name}={value} exceeds the limit of {self.config.max_logprobs}"
                 )
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
         bad_stop = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
         bad_bias = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
         if bad_stop or bad_bias:
@@ -195,11 +200,19 @@ class EngineCore:
         if not validated:
             self.validate(prompt_ids, params)
         priority = check_priority(priority)
+        # Compiled (or found in the cache) before anything is submitted: a bad
+        # grammar fails this request alone.
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar.matcher(params.structured_outputs)
         req = EngineRequest(request_id, prompt_ids, params, final_only=final_only)
         if params.prompt_logprobs is not None:
             req.num_prompt_logprobs = 1
             self._num_prompt_logprob_requests += 1
         seqs = [self._new_sequence(req, i) for i in range(params.n)]
+        if grammar is not None:
+            for seq in seqs:
+                seq.grammar = grammar.deep_copy()
         # Siblings start once the first sequence has put the prompt in the
         # prefix cache, so that the prompt is computed once, not n times.
         defer = self.config.enable_prefix_caching and len(prompt_ids) >= self.config.block_size
@@ -444,6 +457,10 @@ class EngineCore:
         if None in live:
             seqs = [s or _stand_in() for s in live]
         batch = SamplingBatch.build(seqs, self.vocab_size, self.runner.device, self._features)
+        if "grammar" in self._features:
+            constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+            if constrained:  # computed while the model runs
+                batch.grammar = self.grammar.masks(constrained, self.runner.device)
         rows = prompt_logprob_rows(plan, self._seqs) if self._num_prompt_logprob_requests else []
         out = self.runner.execute(plan, batch, rows)
         self._stage = "applying"
@@ -455,6 +472,11 @@ class EngineCore:
         self.latest_stats = events.stats
         self.num_generated_tokens += len(seqs)
         self._apply_events(events)
+        if batch.grammar is not None:
+            start = time.perf_counter()
+            if failed := self._advance_grammars(seqs):
+                seqs = [s for s in seqs if s.request.request_id not in failed]
+            self.grammar.stats.advance_seconds += time.perf_counter() - start
         deltas = [self._delta(seq) for seq in seqs if seq.is_finished or not seq.request.final_only]
         self._start_siblings(seqs)
         for seq in seqs:
@@ -498,6 +520,32 @@ class EngineCore:
             pending.ranks.append(rank)
             pending.top_ids.append(top_ids)
             pending.top_logprobs.append(top_lps)
+
+    def _advance_grammars(self, seqs: list[SequenceState]) -> set[str]:
+        """Each constrained sequence's matcher takes its new token; a token
+        the grammar refuses fails the request (returns the failed requests'
+        ids). A complete grammar allows only EOS next, which ends the
+        sequence in the scheduler; under `ignore_eos` it ends here."""
+        failed: set[str] = set()
+        for seq in seqs:
+            matcher = seq.grammar
+            if matcher is None or seq.request.request_id in failed:
+                continue
+            if not matcher.consume_token(seq.output_token_ids[-1]):
+                failed.add(seq.request.request_id)
+                logger.error(
+                    "request %s left its grammar: %s", seq.request.request_id, matcher.get_error()
+                )
+            elif (
+                not seq.is_finished
+                and matcher.is_stopped()
+                and seq.output_token_ids[-1] in self.eos_token_ids
+            ):
+                self._stop(seq)
+                seq.finish_reason = "stop"
+        if failed:
+            self._end_failed(sorted(failed), "the output left its structured-output grammar")
+        return failed
 
     def _apply_events(self, events: StepEvents) -> None:
         reasons = events.finish_reasons

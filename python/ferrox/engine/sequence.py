@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ferrox.engine.protocol import TokenLogprobs
 from ferrox.outputs import FinishReason
@@ -35,6 +36,7 @@ class SequenceState:
     # Logprobs of tokens not yet sent.
     pending_logprobs: TokenLogprobs | None = None
     penalty_state: PenaltyState | None = None  # the sampler's, when penalised
+    grammar: Any = None  # the structured-output matcher (llguidance), when constrained
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Batched sampling: logit bias, min-tokens masking, penalties, temperature,
-top-k / top-p / min-p, then greedy or seeded random choice, plus logprobs.
+"""Batched sampling: logit bias, min-tokens masking, penalties, the grammar
+masks of structured outputs, temperature, top-k / top-p / min-p, then
+greedy or seeded random choice, plus logprobs.
 
 Random rows sample by inverse CDF: one uniform per row picks the first token
 whose cumulative probability reaches it. Unseeded rows draw the uniform from
@@ -47,7 +48,8 @@ class Sampler:
         return SamplerOutput(sampled, sampled_lp, ranks, top_ids, top_lp)
 
     def _process(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        if b.bias is not None or b.blocked is not None or b.penalties is not None:
+        changed = (b.bias, b.blocked, b.penalties, b.grammar)
+        if any(part is not None for part in changed):
             logits = logits.clone()
         if b.bias is not None:
             logits.index_put_((b.bias.rows, b.bias.tokens), b.bias.values, accumulate=True)
@@ -62,6 +64,8 @@ class Sampler:
             rows = rows - pen.frequency[:, None] * counts
             rows = rows - pen.presence[:, None] * (counts > 0).float()
             logits[pen.rows] = rows
+        if (grammar := b.grammar) is not None:  # last: nothing may lift a masked token
+            grammar.apply(logits)
         return logits
 
     def _sample_random(self, logits: torch.Tensor, r: RandomSampling) -> torch.Tensor:

@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from ferrox.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrox.engine.grammar import GrammarMask
 
 
 class SampledSequence(Protocol):
@@ -52,8 +55,11 @@ def sampling_features(params: SamplingParams) -> Iterable[str]:
         yield "min_tokens"
     if params.logprobs is not None:
         yield "logprobs"
+    if params.structured_outputs is not None:
+        yield "grammar"
 
 
+# The features the batch builder reads (the grammar's masks come from the engine).
 FEATURES = ("random", "penalties", "logit_bias", "min_tokens", "logprobs")
 
 
@@ -133,6 +139,7 @@ class SamplingBatch:
     penalties: Penalties | None = None
     bias: SparseLogits | None = None  # added to the logits
     blocked: SparseLogits | None = None  # set to -inf (min_tokens)
+    grammar: GrammarMask | None = None  # tokens outside each row's grammar set to -inf
     max_num_logprobs: int = -1  # -1: no row wants logprobs
 
     @property

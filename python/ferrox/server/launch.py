@@ -28,12 +28,14 @@ from ferrox.server.metrics import Metrics
 from ferrox.server.request_translation import ServerLimits
 from ferrox.server.serving import ServingContext
 from ferrox.server.vllm_options import (
+    add_chat_output_arguments,
     chat_template_text,
     check_unsupported_flags,
     generation_defaults,
     json_list,
     non_negative_int,
     positive_float,
+    tool_parser_option,
 )
 
 logger = logging.getLogger("ferrox.server")
@@ -196,6 +198,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="log the prompt and output token ids of every finished request",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_chat_output_arguments(
+        parser.add_argument_group("tool calling, reasoning, structured outputs")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,6 +224,7 @@ def serve(args: argparse.Namespace) -> int:
             )
         args.model = args.model_tag
     options = engine_options(args)
+    tool_parser = tool_parser_option(args)
     # The engine process starts with the server (lifespan below).
     engine = AsyncLLM(engine_stall_timeout=args.engine_stall_timeout, **options)
     config, tokenizer = engine.config, engine.tokenizer
@@ -255,6 +261,8 @@ def serve(args: argparse.Namespace) -> int:
         max_in_flight=config.max_admitted_requests,
         request_timeout=args.request_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_parser=tool_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     server: _Server | None = None
 

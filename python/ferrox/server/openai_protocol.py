@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response bodies, as msgspec Structs.
 
-Requests decode with ``msgspec.json.decode(body, type=...)``: unknown fields are
-ignored and wrong JSON types raise ``msgspec.ValidationError``. Decoding checks
+Requests decode with ``msgspec.json.decode(body, type=...)``: wrong JSON types
+raise ``msgspec.ValidationError``; top-level fields the structs do not name are
+sorted out by ``ferrox.server.request_fields`` (refused, or accepted and
+ignored) before decoding. Decoding checks
 types only; what the values mean (ranges, limits, the prompt's length) is checked
 by ``ferrox.server.request_translation``, which raises ``BadRequest``.
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -53,6 +55,31 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` field: exactly one constraint."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingRequest(msgspec.Struct, kw_only=True):
     """Fields that completions and chat completions share (OpenAI's, then vLLM's).
 
@@ -82,6 +109,16 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     priority: int = 0
+    spaces_between_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* fields (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -107,12 +144,52 @@ class ContentPart(msgspec.Struct, kw_only=True):
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
+class FunctionCallParam(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as the API returns it
+
+
+class ToolCallParam(msgspec.Struct, kw_only=True):
+    """A tool call of an earlier assistant message, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(msgspec.Struct, kw_only=True):
     """One message of a chat request."""
 
     role: Role
     content: str | list[ContentPart] | None = None  # None only for assistant messages
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+    reasoning_content: str | None = None  # assistant messages
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -124,7 +201,14 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # None: allowed
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -135,6 +219,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
 
     def __post_init__(self) -> None:
         # Raised while decoding, msgspec reports this as a ValidationError.
@@ -217,9 +304,37 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str = msgspec.field(default_factory=lambda: random_id("call"))
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+
+
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of a tool call: the first of a call carries its id,
+    type and name; later ones (same index) append to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
@@ -245,6 +360,8 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(msgspec.Struct, kw_only=True):

@@ -3,6 +3,7 @@ SamplingParams. Every rejection is a ``BadRequest`` that names its field."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, cast
@@ -10,6 +11,8 @@ from typing import Any, cast
 from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
 from ferrox.sampling_params import SamplingParams, check_priority
+from ferrox.server import openai_protocol as op
+from ferrox.server.chat_outputs import tool_structured_outputs
 from ferrox.server.openai_protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -19,8 +22,21 @@ from ferrox.server.openai_protocol import (
     ContextLengthBadRequest,
     TokenizeRequest,
 )
+from ferrox.structured_outputs import StructuredOutputsParams, check_grammar
 
 _SAMPLING_PARAM_NAMES = frozenset(field.name for field in fields(SamplingParams))
+# The request fields that constrain the output, at most one per request.
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+# What guided_decoding_backend may name: the one grammar engine ferrox has.
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+MAX_TOOLS = 128
 # Longer keys cannot be token ids (and would trip Python's int-parsing digit limit).
 _MAX_TOKEN_ID_DIGITS = 20
 
@@ -52,13 +68,15 @@ def sampling_params_from(
     prompt_len: int,
     limits: ServerLimits,
     defaults: Mapping[str, Any] | None = None,
+    tool_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The SamplingParams of one prompt of ``request``, which has ``prompt_len`` tokens.
 
     A field the request omits takes its value from ``defaults`` (the model's
     generation config), else SamplingParams' default; an omitted
     ``max_tokens`` becomes the default's, at most the room the prompt leaves
-    in the context, else that room.
+    in the context, else that room. `tool_outputs`: the grammar of a
+    required or named tool_choice (see `tool_plan`).
     """
     defaults = defaults or {}
     requested: int | None
@@ -122,6 +140,15 @@ def sampling_params_from(
             param="stop_token_ids",
         )
     logit_bias = _logit_bias(request.logit_bias)
+    structured = structured_outputs_from(request)
+    if tool_outputs is not None:
+        if structured is not None:
+            raise BadRequest(
+                "a required or named tool_choice cannot be combined with another output "
+                "constraint (response_format, structured_outputs, guided_*)",
+                param="tool_choice",
+            )
+        structured = tool_outputs
     try:
         return SamplingParams(
             n=n,
@@ -135,12 +162,127 @@ def sampling_params_from(
             logit_bias=logit_bias,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            structured_outputs=structured,
             **{name: value for name, value in optional.items() if value is not None},
         )
     except InvalidArgumentError as exc:
         # SamplingParams' messages start with the parameter's name.
         name = str(exc).split(" ", 1)[0]
         raise BadRequest(str(exc), param=name if name in _SAMPLING_PARAM_NAMES else None) from exc
+
+
+def structured_outputs_from(
+    request: CompletionRequest | ChatCompletionRequest,
+) -> StructuredOutputsParams | None:
+    """The request's output constraint, compiled once to check it (a
+    constraint that does not compile is a 400 naming its field)."""
+    text_format = request.response_format is not None and request.response_format.type == "text"
+    given = [
+        name
+        for name in STRUCTURED_FIELDS
+        if getattr(request, name) is not None and not (name == "response_format" and text_format)
+    ]
+    backend = request.guided_decoding_backend
+    if backend is not None and backend not in GRAMMAR_BACKENDS:
+        raise BadRequest(
+            f"guided_decoding_backend must be one of {list(GRAMMAR_BACKENDS)} (ferrox's grammar "
+            f"engine is llguidance), got {backend!r}",
+            param="guided_decoding_backend",
+        )
+    if not given:
+        return None
+    if len(given) > 1:
+        raise BadRequest(
+            f"give at most one output constraint; got {', '.join(given)}", param=given[1]
+        )
+    name = given[0]
+    try:
+        params = _structured_params(request, name)
+        check_grammar(params)
+    except InvalidArgumentError as exc:
+        raise BadRequest(str(exc), param=name) from exc
+    return params
+
+
+def _structured_params(
+    request: CompletionRequest | ChatCompletionRequest, name: str
+) -> StructuredOutputsParams:
+    if name == "response_format":
+        fmt = cast(op.ResponseFormat, request.response_format)
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise BadRequest(
+                "response_format of type json_schema needs json_schema.schema",
+                param="response_format",
+            )
+        return StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_))
+    if name == "structured_outputs":
+        so = cast(op.StructuredOutputsRequest, request.structured_outputs)
+        return StructuredOutputsParams(
+            json=so.json,
+            regex=so.regex,
+            choice=so.choice,
+            grammar=so.grammar,
+            json_object=bool(so.json_object),
+            disable_any_whitespace=so.disable_any_whitespace,
+        )
+    kind = name.removeprefix("guided_")
+    return StructuredOutputsParams(**{kind: getattr(request, name)})
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request uses its tools: "none", "auto" (the server's tool
+    parser reads the output), "required" or "named" (a grammar writes it)."""
+
+    mode: str = "none"
+    name: str | None = None  # the named function
+    structured: StructuredOutputsParams | None = None
+
+
+def tool_plan(request: ChatCompletionRequest, tool_parser: str | None) -> ToolPlan:
+    """Checks `tools` and `tool_choice`; `tool_parser` is the server's
+    (--tool-call-parser with --enable-auto-tool-choice), or None."""
+    tools = request.tools or []
+    if len(tools) > MAX_TOOLS:
+        raise BadRequest(f"tools may hold at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    names = [t.function.name for t in tools]
+    if any(not n for n in names) or len(set(names)) != len(names):
+        raise BadRequest("every tool needs a name of its own", param="tools")
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return ToolPlan()
+    if not tools:
+        raise BadRequest(f"tool_choice {_choice_text(choice)} needs tools", param="tool_choice")
+    if choice == "auto":
+        if tool_parser is None:
+            raise BadRequest(
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                "and --tool-call-parser",
+                param="tool_choice",
+            )
+        return ToolPlan(mode="auto")
+    name = None
+    if isinstance(choice, op.NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise BadRequest(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+    try:
+        structured = tool_structured_outputs(
+            tools, choice, request.parallel_tool_calls is not False
+        )
+        check_grammar(structured)
+    except InvalidArgumentError as exc:
+        raise BadRequest(f"the tools' parameters: {exc}", param="tools") from exc
+    return ToolPlan(mode="named" if name else "required", name=name, structured=structured)
+
+
+def _choice_text(choice: op.ToolChoice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
@@ -172,7 +314,9 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(request: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
-    """The messages as ``{"role": ..., "content": str}`` dicts for ``apply_chat_template``.
+    """The messages as ``{"role": ..., "content": str, ...}`` dicts for
+    ``apply_chat_template``, with their tool calls (arguments as mappings),
+    tool-call ids and names.
 
     Text parts are joined with newlines; "developer" messages become "system" ones,
     the role chat templates know.
@@ -285,7 +429,44 @@ def _message_dict(index: int, message: ChatMessageParam) -> dict[str, Any]:
     else:
         text = "\n".join(_part_text(index, part) for part in content)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": text}
+    entry: dict[str, Any] = {"role": role, "content": text}
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise BadRequest(
+                f"messages[{index}] ({message.role}) has tool_calls; only assistant messages "
+                "may have them",
+                param="messages",
+            )
+        entry["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        entry["reasoning_content"] = message.reasoning_content
+    return entry
+
+
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    """A call's arguments as chat templates expect them: a mapping (they
+    write it with `tojson`), or the text when it is not a JSON object."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 def _part_text(index: int, part: ContentPart) -> str:

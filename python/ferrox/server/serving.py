@@ -30,13 +30,17 @@ from ferrox.frontend.output_processor import SequenceUpdate
 from ferrox.frontend.request_run import RequestRun, merge, run_to_end
 from ferrox.outputs import PositionLogprobs
 from ferrox.server import openai_protocol as op
+from ferrox.server.chat_outputs import ChatOutput, ChatPiece
 from ferrox.server.errors import error_response, exception_response, sse_error
 from ferrox.server.metrics import Metrics
+from ferrox.server.request_fields import check_fields
 from ferrox.server.request_translation import (
     ServerLimits,
+    ToolPlan,
     chat_messages,
     completion_prompts,
     sampling_params_from,
+    tool_plan,
 )
 
 T = TypeVar("T")
@@ -72,6 +76,9 @@ class ServingContext:
     max_in_flight: int | None = None
     request_timeout: float | None = None  # seconds, per request
     trust_request_chat_template: bool = False
+    # --tool-call-parser (with --enable-auto-tool-choice) and --reasoning-parser.
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     draining: bool = False
     in_flight: int = 0
     executor: ThreadPoolExecutor = field(
@@ -116,6 +123,7 @@ class OpenAIServing:
     # ---- shared ----------------------------------------------------------
 
     def decode(self, body: bytes, kind: type[T]) -> T:
+        check_fields(body, kind)  # type: ignore[arg-type]
         try:
             return msgspec.json.decode(body, type=kind)
         except msgspec.ValidationError as e:
@@ -161,13 +169,16 @@ class OpenAIServing:
             )
         return str(self.ctx.tokenizer.decode(token_ids))
 
-    def new_run(self, request_id: str, prompt_ids: list[int], request: Any) -> RequestRun:
+    def new_run(
+        self, request_id: str, prompt_ids: list[int], request: Any, tools: ToolPlan | None = None
+    ) -> RequestRun:
         params = sampling_params_from(
             request,
             max_model_len=self.ctx.max_model_len,
             prompt_len=len(prompt_ids),
             limits=self.ctx.limits,
             defaults=self.ctx.sampling_defaults,
+            tool_outputs=tools.structured if tools is not None else None,
         )
         timeout = self.ctx.request_timeout
         return RequestRun(
@@ -390,71 +401,153 @@ class OpenAIServing:
                 "with --trust-request-chat-template",
                 param="chat_template",
             )
+        messages = chat_messages(req)
+        continue_final = getattr(req, "continue_final_message", False)
+        if continue_final and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):
+            raise op.BadRequest(
+                "continue_final_message needs add_generation_prompt false and an assistant "
+                "message last",
+                param="continue_final_message",
+            )
+        kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+        reserved = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise op.BadRequest(
+                f"chat_template_kwargs may not set {reserved}: they are request fields",
+                param="chat_template_kwargs",
+            )
+        tools = getattr(req, "tools", None)
+        if tools:
+            kwargs["tools"] = [msgspec.to_builtins(tool) for tool in tools]
         try:
             text = self.ctx.tokenizer.apply_chat_template(
-                chat_messages(req),
+                messages,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=continue_final,
                 chat_template=template,
+                **kwargs,
             )
         except op.BadRequest:
             raise
         except Exception as e:
             raise op.BadRequest(f"cannot apply the chat template: {e}", param="messages") from e
-        return list(self.ctx.tokenizer.encode(text, add_special_tokens=False))
+        special = getattr(req, "add_special_tokens", False) and isinstance(
+            req, op.ChatCompletionRequest
+        )
+        return list(self.ctx.tokenizer.encode(text, add_special_tokens=special))
 
     async def _chat(self, http: Request, body: bytes, admitted: list[int]) -> Response:
         req = self.decode(body, op.ChatCompletionRequest)
         if (missing := self.check_model(req.model)) is not None:
             return missing
+        tools = tool_plan(req, self.ctx.tool_parser)
         self.ctx.admit(1)
         admitted.append(1)
-        run = self.new_run(op.random_id("chatcmpl"), await self.chat_prompt_async(req), req)
+        prompt_ids = await self.chat_prompt_async(req)
+        run = self.new_run(op.random_id("chatcmpl"), prompt_ids, req, tools)
         if req.stream:
-            return self.stream(self._chat_chunks(req, run), [run], admitted.pop())
+            return self.stream(self._chat_chunks(req, run, tools), [run], admitted.pop())
         await self.run_all(http, [run])
-        choices = [
-            op.ChatCompletionChoice(
-                index=seq.index,
-                message=op.ChatMessage(role="assistant", content=seq.text),
-                logprobs=_chat_logprobs(seq.logprobs, req.top_logprobs) if req.logprobs else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
+        choices = []
+        for seq in run.seqs:
+            out = self.chat_output(tools)
+            out.feed(seq.text)
+            out.finish()
+            message = out.message()
+            if not req.include_reasoning:
+                message.reasoning_content = None
+            choices.append(
+                op.ChatCompletionChoice(
+                    index=seq.index,
+                    message=message,
+                    logprobs=_chat_logprobs(seq.logprobs, req.top_logprobs)
+                    if req.logprobs
+                    else None,
+                    finish_reason=out.finish_reason(seq.finish_reason),
+                    stop_reason=seq.stop_reason,
+                )
             )
-            for seq in run.seqs
-        ]
         response = op.ChatCompletionResponse(
             id=run.request_id, model=self.ctx.model_name, choices=choices, usage=self.usage([run])
         )
         return Response(msgspec.json.encode(response), media_type="application/json")
 
+    def chat_output(self, tools: ToolPlan) -> ChatOutput:
+        return ChatOutput(
+            reasoning_parser=self.ctx.reasoning_parser,
+            tool_mode=tools.mode,
+            tool_parser=self.ctx.tool_parser,
+            tool_name=tools.name,
+        )
+
     async def _chat_chunks(
-        self, req: op.ChatCompletionRequest, run: RequestRun
+        self, req: op.ChatCompletionRequest, run: RequestRun, tools: ToolPlan
     ) -> AsyncIterator[bytes]:
         model, rid = self.ctx.model_name, run.request_id
 
         def chunk(choices: list[op.ChatCompletionStreamChoice], **kw: Any) -> bytes:
             return _sse(op.ChatCompletionStreamResponse(id=rid, model=model, choices=choices, **kw))
 
+        outputs = {}
         for seq in run.seqs:
+            outputs[seq.index] = self.chat_output(tools)
             delta = op.DeltaMessage(role="assistant", content="")
             yield chunk([op.ChatCompletionStreamChoice(index=seq.index, delta=delta)])
         async for _, upd in merge([run]):
             if not (upd.text or upd.finish_reason):
                 continue
+            out = outputs[upd.index]
+            piece = out.feed(upd.text)
+            if upd.finish_reason:
+                rest = out.finish()
+                piece = ChatPiece(
+                    piece.content + rest.content,
+                    piece.reasoning + rest.reasoning,
+                    piece.tool_deltas + rest.tool_deltas,
+                )
             logprobs = None
             if req.logprobs and upd.logprobs is not None:
                 logprobs = _chat_logprobs(upd.logprobs, req.top_logprobs)
+            delta = op.DeltaMessage(
+                content=piece.content or None,
+                reasoning_content=(piece.reasoning if req.include_reasoning else "") or None,
+                tool_calls=piece.tool_deltas or None,
+            )
+            if not (upd.finish_reason or logprobs or delta != op.DeltaMessage()):
+                continue  # text held back (a tag may be starting)
             choice = op.ChatCompletionStreamChoice(
                 index=upd.index,
-                delta=op.DeltaMessage(content=upd.text) if upd.text else op.DeltaMessage(),
+                delta=delta,
                 logprobs=logprobs,
-                finish_reason=upd.finish_reason,
+                finish_reason=out.finish_reason(upd.finish_reason),
                 stop_reason=upd.stop_reason,
             )
             yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=self.usage([run]))
+
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not set.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class _AdmittedStream(StreamingResponse):

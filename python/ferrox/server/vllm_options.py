@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ferrox.loader.hub import resolve_model_path
+from ferrox.server.chat_outputs import REASONING_PARSERS, TOOL_CALL_PARSERS
+from ferrox.server.request_translation import GRAMMAR_BACKENDS
 
 # vLLM flags a launch command often carries that ferrox cannot honour, and why.
 UNSUPPORTED_VLLM_FLAGS = {
@@ -22,10 +24,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--trust-remote-code": "ferrox runs no code from model repositories",
     "--enable-lora": "ferrox has no LoRA adapters",
     "--speculative-config": "ferrox has no speculative decoding yet",
-    "--enable-auto-tool-choice": "ferrox has no tool calling yet",
-    "--tool-call-parser": "ferrox has no tool calling yet",
-    "--reasoning-parser": "ferrox has no reasoning parsers yet",
-    "--guided-decoding-backend": "ferrox has no structured outputs yet",
     "--cpu-offload-gb": "ferrox does not offload weights",
     "--swap-space": "ferrox recomputes preempted requests instead of swapping",
     "--revision": "hub models resolve to their default revision",
@@ -127,5 +125,65 @@ def chat_template_text(value: str) -> str:
     if "{" not in value:
         raise SystemExit(
             f"ferrox serve: --chat-template {value!r} is neither a file nor a template"
+        )
+    return value
+
+
+def add_chat_output_arguments(group: argparse._ArgumentGroup) -> None:
+    """Tool calling, reasoning and the structured-output backend, as vLLM names them."""
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the model family's tool-call format: hermes (<tool_call> JSON: Qwen2.5, Qwen3, "
+        "Hermes) or llama3_json (Llama 3.1+)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="put the model's <think> block into reasoning_content",
+    )
+    group.add_argument(
+        "--structured-outputs-config",
+        type=_structured_outputs_config,
+        default=None,
+        help='JSON, e.g. {"backend": "guidance"}: ferrox\'s grammar engine is llguidance',
+    )
+    group.add_argument(
+        "--guided-decoding-backend",
+        choices=GRAMMAR_BACKENDS,
+        default=None,
+        help="accepted for vLLM launch commands; the grammar engine is llguidance",
+    )
+
+
+def tool_parser_option(args: argparse.Namespace) -> str | None:
+    """The parser of tool_choice "auto", or None; both flags go together."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit(
+            "ferrox serve: --enable-auto-tool-choice and --tool-call-parser go together"
+        )
+    return args.tool_call_parser
+
+
+def _structured_outputs_config(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or set(value) - {"backend"}:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object with at most a "backend" key, got {text!r}'
+        )
+    if value.get("backend", "auto") not in GRAMMAR_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"backend must be one of {list(GRAMMAR_BACKENDS)} (the grammar engine is "
+            f"llguidance), got {value['backend']!r}"
         )
     return value

@@ -1,8 +1,10 @@
 //! CPU kernels over numpy views of torch tensors.
 
-use ferrox_cpu::{add_rms_norm, paged_attention, rotary_in_place, PagedAttentionArgs};
+use ferrox_cpu::{
+    add_rms_norm, apply_token_bitmask, paged_attention, rotary_in_place, PagedAttentionArgs,
+};
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArray2, PyReadwriteArrayDyn,
     PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
@@ -136,5 +138,25 @@ pub fn add_rms_norm_cpu(
         .as_slice_mut()
         .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
     py.detach(|| add_rms_norm(residual, delta, weight, eps, out, num_threads))
+        .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// Structured outputs: `logits[rows[g], t] = -inf` for every token `t` whose
+/// bit is 0 in `bitmask[g]` (logits [R, V] float32, bitmask [G, W] int32).
+#[pyfunction]
+pub fn apply_token_bitmask_cpu(
+    py: Python<'_>,
+    mut logits: PyReadwriteArray2<'_, f32>,
+    rows: PyReadonlyArray1<'_, i64>,
+    bitmask: PyReadonlyArray2<'_, i32>,
+) -> PyResult<()> {
+    let vocab = logits.shape()[1];
+    let words = bitmask.shape()[1];
+    let rows = contiguous(rows.as_slice())?;
+    let bitmask = contiguous(bitmask.as_slice())?;
+    let logits = logits
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("logits must be C-contiguous".into()))?;
+    py.detach(|| apply_token_bitmask(logits, vocab, rows, bitmask, words))
         .map_err(|e| invalid_argument(e.to_string()))
 }

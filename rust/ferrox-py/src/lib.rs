@@ -26,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::paged_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rotary_in_place_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::add_rms_norm_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask_cpu, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
