@@ -1,6 +1,6 @@
 """Whole-model checks on an NVIDIA GPU (skipped without one): greedy tokens
-against transformers in float32 and bfloat16 with the Triton backend, and
-CUDA-graph replay against eager execution.
+against transformers in float32 and bfloat16 with the Triton backend,
+CUDA-graph replay against eager execution, and structured outputs' masks.
 
 Engines here get a fixed, small KV pool (not one sized from free memory) and
 GPU memory is released after every test, so that one failing test cannot
@@ -127,3 +127,25 @@ def test_kv_pool_is_sized_from_gpu_memory(tiny_models: dict[str, Path]) -> None:
     _, total = torch.cuda.mem_get_info()
     assert runner.kv_cache.num_bytes < 0.5 * total
     assert runner.num_kv_blocks > 1000
+
+
+def test_structured_outputs_match_the_cpu(tiny_models: dict[str, Path]) -> None:
+    """Grammar masks applied on the GPU (the torch path, after a CUDA-graph
+    decode): every output matches its regex, with the CPU engine's tokens."""
+    import re
+
+    from ferrox import StructuredOutputsParams
+
+    path = tiny_models["llama-gqa-tied"]
+    pattern = "[a-z]{5,12}( [a-z]{2,6}){1,3}"
+    params = SamplingParams(
+        temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
+    prompts = batch(models.VOCAB_SIZE)
+    gpu = engine(path, dtype="float32", max_num_seqs=8).generate(prompts, params, use_tqdm=False)
+    cpu = LLM(str(path), dtype="float32", max_num_seqs=8, num_kv_blocks=256).generate(
+        prompts, params, use_tqdm=False
+    )
+    for on_gpu, on_cpu in zip(gpu, cpu, strict=True):
+        assert re.fullmatch(pattern, on_gpu.outputs[0].text)
+        assert on_gpu.outputs[0].token_ids == on_cpu.outputs[0].token_ids
