@@ -88,6 +88,8 @@ def test_llm_profiler_writes_a_trace(tiny_models: dict[str, Path], tmp_path: Pat
     with pytest.raises(errors.InvalidArgumentError, match="cannot write the profile"):
         unwritable.stop_profile()
     unwritable.start_profile()  # the engine goes on, and can profile again
+    unwritable.engine.close()  # stops it: a profile left running crashes torch at exit
+    assert unwritable.engine._profiler is None
 
 
 @pytest.fixture(scope="module")

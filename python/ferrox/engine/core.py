@@ -13,6 +13,7 @@ runs the same loop in its engine process.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
@@ -318,6 +319,7 @@ class EngineCore:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
         self._profiler.start()
+        atexit.register(self.close)  # a profile left running crashes torch at exit
 
     def stop_profile(self) -> Path:
         """Stops the profiler; returns the Chrome trace file it wrote (open it
@@ -336,6 +338,15 @@ class EngineCore:
             raise InvalidArgumentError(f"cannot write the profile to {folder}: {e}") from e
         logger.info("profile written to %s", path)
         return path
+
+    def close(self) -> None:
+        """Stops a profile still running (torch crashes at process exit
+        under a running profiler); its trace is discarded."""
+        atexit.unregister(self.close)
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.stop()
+            logger.warning("a profile was still running at shutdown; its trace is discarded")
 
     def reset_prefix_cache(self) -> int:
         """Drops every cached prefix no request is using; returns the blocks freed."""

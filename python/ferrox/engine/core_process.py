@@ -62,6 +62,7 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
             )
         )
         EngineLoop(engine, inputs, outputs, parent).run()
+        engine.close()
     except BaseException as e:  # a panic in the native core is a BaseException
         logger.critical("engine core failed: %s\n%s", fatal_description(e), traceback.format_exc())
         outputs.send(p.encoder.encode(p.EngineDead(message=fatal_description(e))))
