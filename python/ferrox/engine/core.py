@@ -202,7 +202,7 @@ class EngineCore:
             self.validate(prompt_ids, params)
         priority = check_priority(priority)
         # Compiled (or found in the cache) before anything is submitted: a bad
-        # grammar fails this request alone.
+        # grammar fails this request alone. Each completion copies it.
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar.matcher(params.structured_outputs)

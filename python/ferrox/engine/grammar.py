@@ -15,7 +15,6 @@ schema as an earlier one copies the compiled matcher instead of compiling.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -109,10 +108,8 @@ class GrammarEngine:
         self._executor: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrox-grammar")
-        self._lock = threading.Lock()
         self.num_compiled = 0
         self.num_cache_hits = 0
-        self.compile_seconds = 0.0
         self.stats = GrammarStats()
 
     def _llg_tokenizer(self) -> Any:
@@ -136,30 +133,28 @@ class GrammarEngine:
         return self._tokenizer
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher of `params`' constraint; raises InvalidArgumentError
-        naming the field when it does not compile."""
+        """The compiled matcher of `params`' constraint, shared through the
+        cache: `deep_copy` it for each sequence. Raises InvalidArgumentError
+        naming the field when it does not compile. Called from the engine's
+        thread only (the worker thread only fills masks)."""
         from llguidance import LLMatcher
 
         source = check_grammar(params)
-        with self._lock:
-            compiled = self._compiled.get(source)
-            if compiled is not None:
-                self._compiled.move_to_end(source)
-                self.num_cache_hits += 1
-                return compiled.deep_copy()
-        start = time.perf_counter()
+        compiled = self._compiled.get(source)
+        if compiled is not None:
+            self._compiled.move_to_end(source)
+            self.num_cache_hits += 1
+            return compiled
         compiled = LLMatcher(self._llg_tokenizer(), source, log_level=0)
         if compiled.is_error():
             raise InvalidArgumentError(
                 f"{params.param} does not compile: {compiled.get_error().strip()}"
             )
-        self.compile_seconds += time.perf_counter() - start
         self.num_compiled += 1
-        with self._lock:
-            self._compiled[source] = compiled
-            while len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        self._compiled[source] = compiled
+        if len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
 
     def masks(self, matchers: list[tuple[int, Any]], device: torch.device) -> GrammarMask:
         """Starts computing the next-token masks of (row, matcher) pairs."""
