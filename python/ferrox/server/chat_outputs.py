@@ -324,13 +324,17 @@ class ChatOutput:
     def named(self) -> bool:
         return isinstance(self.tools, NamedToolStream)
 
-    def feed(self, text: str) -> ChatPiece:
+    def feed(self, text: str, final: bool = False) -> ChatPiece:
+        """What `text` adds; `final`: it is the last of the choice's text, so
+        whatever was held back is released too."""
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
-        return self._content(reasoning, content, final=False)
+        if final and self.reasoning:
+            rest_reasoning, rest_content = self.reasoning.finish()
+            reasoning, content = reasoning + rest_reasoning, content + rest_content
+        return self._content(reasoning, content, final)
 
     def finish(self) -> ChatPiece:
-        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
-        return self._content(reasoning, content, final=True)
+        return self.feed("", final=True)
 
     def _content(self, reasoning: str, content: str, final: bool) -> ChatPiece:
         piece = ChatPiece(reasoning=reasoning)

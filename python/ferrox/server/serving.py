@@ -30,7 +30,7 @@ from ferrox.frontend.output_processor import SequenceUpdate
 from ferrox.frontend.request_run import RequestRun, merge, run_to_end
 from ferrox.outputs import PositionLogprobs
 from ferrox.server import openai_protocol as op
-from ferrox.server.chat_outputs import ChatOutput, ChatPiece
+from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.errors import error_response, exception_response, sse_error
 from ferrox.server.metrics import Metrics
 from ferrox.server.request_fields import check_fields
@@ -452,8 +452,7 @@ class OpenAIServing:
         choices = []
         for seq in run.seqs:
             out = self.chat_output(tools)
-            out.feed(seq.text)
-            out.finish()
+            out.feed(seq.text, final=True)
             message = out.message()
             if not req.include_reasoning:
                 message.reasoning_content = None
@@ -498,14 +497,7 @@ class OpenAIServing:
             if not (upd.text or upd.finish_reason):
                 continue
             out = outputs[upd.index]
-            piece = out.feed(upd.text)
-            if upd.finish_reason:
-                rest = out.finish()
-                piece = ChatPiece(
-                    piece.content + rest.content,
-                    piece.reasoning + rest.reasoning,
-                    piece.tool_deltas + rest.tool_deltas,
-                )
+            piece = out.feed(upd.text, final=upd.finish_reason is not None)
             logprobs = None
             if req.logprobs and upd.logprobs is not None:
                 logprobs = _chat_logprobs(upd.logprobs, req.top_logprobs)
