@@ -11,8 +11,6 @@ from typing import Any, cast
 from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
 from ferrox.sampling_params import SamplingParams, check_priority
-from ferrox.server import openai_protocol as op
-from ferrox.server.chat_outputs import tool_structured_outputs
 from ferrox.server.openai_protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -22,21 +20,10 @@ from ferrox.server.openai_protocol import (
     ContextLengthBadRequest,
     TokenizeRequest,
 )
-from ferrox.structured_outputs import StructuredOutputsParams, check_grammar
+from ferrox.server.output_constraints import structured_outputs_from
+from ferrox.structured_outputs import StructuredOutputsParams
 
 _SAMPLING_PARAM_NAMES = frozenset(field.name for field in fields(SamplingParams))
-# The request fields that constrain the output, at most one per request.
-STRUCTURED_FIELDS = (
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
-# What guided_decoding_backend may name: the one grammar engine ferrox has.
-GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
-MAX_TOOLS = 128
 # Longer keys cannot be token ids (and would trip Python's int-parsing digit limit).
 _MAX_TOKEN_ID_DIGITS = 20
 
@@ -76,7 +63,7 @@ def sampling_params_from(
     generation config), else SamplingParams' default; an omitted
     ``max_tokens`` becomes the default's, at most the room the prompt leaves
     in the context, else that room. `tool_outputs`: the grammar of a
-    required or named tool_choice (see `tool_plan`).
+    required or named tool_choice (see `output_constraints.tool_plan`).
     """
     defaults = defaults or {}
     requested: int | None
@@ -170,119 +157,6 @@ def sampling_params_from(
         # SamplingParams' messages start with the parameter's name.
         name = str(exc).split(" ", 1)[0]
         raise BadRequest(str(exc), param=name if name in _SAMPLING_PARAM_NAMES else None) from exc
-
-
-def structured_outputs_from(
-    request: CompletionRequest | ChatCompletionRequest,
-) -> StructuredOutputsParams | None:
-    """The request's output constraint, compiled once to check it (a
-    constraint that does not compile is a 400 naming its field)."""
-    text_format = request.response_format is not None and request.response_format.type == "text"
-    given = [
-        name
-        for name in STRUCTURED_FIELDS
-        if getattr(request, name) is not None and not (name == "response_format" and text_format)
-    ]
-    backend = request.guided_decoding_backend
-    if backend is not None and backend not in GRAMMAR_BACKENDS:
-        raise BadRequest(
-            f"guided_decoding_backend must be one of {list(GRAMMAR_BACKENDS)} (ferrox's grammar "
-            f"engine is llguidance), got {backend!r}",
-            param="guided_decoding_backend",
-        )
-    if not given:
-        return None
-    if len(given) > 1:
-        raise BadRequest(
-            f"give at most one output constraint; got {', '.join(given)}", param=given[1]
-        )
-    name = given[0]
-    try:
-        params = _structured_params(request, name)
-        check_grammar(params)
-    except InvalidArgumentError as exc:
-        raise BadRequest(str(exc), param=name) from exc
-    return params
-
-
-def _structured_params(
-    request: CompletionRequest | ChatCompletionRequest, name: str
-) -> StructuredOutputsParams:
-    if name == "response_format":
-        fmt = cast(op.ResponseFormat, request.response_format)
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise BadRequest(
-                "response_format of type json_schema needs json_schema.schema",
-                param="response_format",
-            )
-        return StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_))
-    if name == "structured_outputs":
-        so = cast(op.StructuredOutputsRequest, request.structured_outputs)
-        return StructuredOutputsParams(
-            json=so.json,
-            regex=so.regex,
-            choice=so.choice,
-            grammar=so.grammar,
-            json_object=bool(so.json_object),
-            disable_any_whitespace=so.disable_any_whitespace,
-        )
-    kind = name.removeprefix("guided_")
-    return StructuredOutputsParams(**{kind: getattr(request, name)})
-
-
-@dataclass(frozen=True)
-class ToolPlan:
-    """How a chat request uses its tools: "none", "auto" (the server's tool
-    parser reads the output), "required" or "named" (a grammar writes it)."""
-
-    mode: str = "none"
-    name: str | None = None  # the named function
-    structured: StructuredOutputsParams | None = None
-
-
-def tool_plan(request: ChatCompletionRequest, tool_parser: str | None) -> ToolPlan:
-    """Checks `tools` and `tool_choice`; `tool_parser` is the server's
-    (--tool-call-parser with --enable-auto-tool-choice), or None."""
-    tools = request.tools or []
-    if len(tools) > MAX_TOOLS:
-        raise BadRequest(f"tools may hold at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
-    names = [t.function.name for t in tools]
-    if any(not n for n in names) or len(set(names)) != len(names):
-        raise BadRequest("every tool needs a name of its own", param="tools")
-    choice = request.tool_choice
-    if choice is None:
-        choice = "auto" if tools else "none"
-    if choice == "none":
-        return ToolPlan()
-    if not tools:
-        raise BadRequest(f"tool_choice {_choice_text(choice)} needs tools", param="tool_choice")
-    if choice == "auto":
-        if tool_parser is None:
-            raise BadRequest(
-                '"auto" tool choice needs the server started with --enable-auto-tool-choice '
-                "and --tool-call-parser",
-                param="tool_choice",
-            )
-        return ToolPlan(mode="auto")
-    name = None
-    if isinstance(choice, op.NamedToolChoice):
-        name = choice.function.name
-        if name not in names:
-            raise BadRequest(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-    try:
-        structured = tool_structured_outputs(
-            tools, choice, request.parallel_tool_calls is not False
-        )
-        check_grammar(structured)
-    except InvalidArgumentError as exc:
-        raise BadRequest(f"the tools' parameters: {exc}", param="tools") from exc
-    return ToolPlan(mode="named" if name else "required", name=name, structured=structured)
-
-
-def _choice_text(choice: op.ToolChoice) -> str:
-    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:

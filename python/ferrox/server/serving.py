@@ -33,14 +33,13 @@ from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.errors import error_response, exception_response, sse_error
 from ferrox.server.metrics import Metrics
+from ferrox.server.output_constraints import ToolPlan, tool_plan
 from ferrox.server.request_fields import check_fields
 from ferrox.server.request_translation import (
     ServerLimits,
-    ToolPlan,
     chat_messages,
     completion_prompts,
     sampling_params_from,
-    tool_plan,
 )
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from typing import Any
 
 from ferrox.loader.hub import resolve_model_path
 from ferrox.server.chat_outputs import REASONING_PARSERS, TOOL_CALL_PARSERS
-from ferrox.server.request_translation import GRAMMAR_BACKENDS
+from ferrox.server.output_constraints import GRAMMAR_BACKENDS
 
 # vLLM flags a launch command often carries that ferrox cannot honour, and why.
 UNSUPPORTED_VLLM_FLAGS = {
