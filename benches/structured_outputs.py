@@ -5,6 +5,9 @@ stream with and without a JSON-schema constraint, on the bundled model.
     python benches/structured_outputs.py --streams 8 --repeats 1 --tokens 24
 
 Prints, in one run:
+- grammar engines: llguidance's compile time and cost per token (mask,
+  then consume) on the bundled vocabulary, beside xgrammar's when that
+  optional peer is installed;
 - compile: the first request's grammar (the vocabulary's index is built
   too), a new schema once the index exists, and a schema seen before (the
   cache);
@@ -21,6 +24,8 @@ Prints, in one run:
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -67,6 +72,52 @@ def compile_times(llm: LLM) -> dict[str, float]:
     return times
 
 
+# Records as the model might write them (the list left open: SCHEMA wants
+# 50), for the engines' cost per token.
+RECORDS = [
+    {"name": "Ada", "age": 36, "email": "ada@example.org", "role": "engineer", "skills": ["c"]},
+    {"name": "Grace Hopper", "age": 85, "email": "grace@navy.mil", "role": "other", "skills": []},
+]
+SAMPLE = json.dumps(RECORDS)[:-1]
+
+
+def compare_engines(llm: LLM) -> dict[str, dict[str, float]]:
+    """Compile time of SCHEMA and the cost of one token (mask, then
+    consume) along SAMPLE: llguidance, and xgrammar when it is installed
+    (an optional peer: `pip install xgrammar`; ferrox does not use it)."""
+    tokenizer, vocab = llm.engine.tokenizer, llm.engine.vocab_size
+    ids = tokenizer.encode(SAMPLE, add_special_tokens=False)
+    grammar = GrammarEngine(tokenizer, vocab, llm.engine.eos_token_ids)
+    grammar.matcher(StructuredOutputsParams(json=OTHER_SCHEMA))  # the vocabulary index
+    import llguidance.torch as lgt
+
+    start = time.perf_counter()
+    matcher = grammar.matcher(StructuredOutputsParams(json=SCHEMA)).deep_copy()
+    compiled = time.perf_counter() - start
+    bitmask = lgt.allocate_token_bitmask(1, vocab)
+    start = time.perf_counter()
+    for token in ids:
+        lgt.fill_next_token_bitmask(matcher, bitmask, 0)
+        assert matcher.consume_token(token), matcher.get_error()
+    per_token = (time.perf_counter() - start) / len(ids)
+    out = {"llguidance": {"compile_ms": compiled * 1e3, "token_us": per_token * 1e6}}
+    if importlib.util.find_spec("xgrammar") is None:
+        return out
+    xgr = importlib.import_module("xgrammar")
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab))
+    start = time.perf_counter()
+    xmatcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(SCHEMA)))
+    compiled = time.perf_counter() - start
+    xbitmask = xgr.allocate_token_bitmask(1, vocab)
+    start = time.perf_counter()
+    for token in ids:
+        xmatcher.fill_next_token_bitmask(xbitmask, 0)
+        assert xmatcher.accept_token(token)
+    per_token = (time.perf_counter() - start) / len(ids)
+    out["xgrammar"] = {"compile_ms": compiled * 1e3, "token_us": per_token * 1e6}
+    return out
+
+
 def decode_speed(llm: LLM, streams: int, tokens: int, constrained: bool) -> tuple[float, float]:
     """(output tokens/s per stream, seconds); the engine's grammar counters
     cover the run."""
@@ -109,6 +160,14 @@ def main() -> None:
         "compile_ms": compile_times(llm),
         "streams": {},
     }
+    results["engines"] = compare_engines(llm)
+    for name, figures in results["engines"].items():
+        print(
+            f"{name}: compiles the schema in {figures['compile_ms']:.1f} ms, "
+            f"{figures['token_us']:.0f} us per token (mask + consume)"
+        )
+    if "xgrammar" not in results["engines"]:
+        print("(pip install xgrammar to compare it too; ferrox does not need it)")
     c = results["compile_ms"]
     print(
         f"compile: first request {c['first']:.1f} ms (with the vocabulary index), "

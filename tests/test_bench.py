@@ -160,3 +160,23 @@ def test_sharegpt_dataset(model_dir: Path, tmp_path: Path) -> None:
     missing = parse("--dataset-name", "sharegpt", "--num-prompts", "4")
     with pytest.raises(errors.InvalidArgumentError, match="--dataset-path"):
         datasets.build_sessions(missing, tok)
+
+
+def test_bench_serve_json_schema(bench_server: Server, model_dir: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"k": {"enum": ["a", "b"]}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    common = ["--base-url", bench_server.url, "--api-key", API_KEY, "--tokenizer",
+              str(model_dir), "--num-prompts", "3", "--random-input-len", "8",
+              "--random-output-len", "120", "--disable-tqdm",
+              "--json-schema", json.dumps(schema)]  # fmt: skip
+    for endpoint in ("chat", "completions"):
+        args = parse(*common, "--endpoint", endpoint)
+        report = asyncio.run(serve.run_once(args, serve.load_tokenizer(args.tokenizer), 1e9))
+        assert report["completed"] == 3
+        assert report["json_valid_fraction"] == 1.0  # the grammar ends it (ignore_eos)
+    with pytest.raises(SystemExit):
+        parse("--json-schema", "[1, 2]")
