@@ -28,7 +28,7 @@ impl Rng {
 fn step(sched: &mut Scheduler) -> usize {
     let plan = sched.schedule().unwrap();
     let sampled = vec![7u32; plan.sample_rows.len()];
-    let events = sched.update(&plan, &sampled, &[]).unwrap();
+    let events = sched.update(&plan, &sampled, &[], None).unwrap();
     events.len()
 }
 

@@ -149,3 +149,31 @@ def test_structured_outputs_match_the_cpu(tiny_models: dict[str, Path]) -> None:
     for on_gpu, on_cpu in zip(gpu, cpu, strict=True):
         assert re.fullmatch(pattern, on_gpu.outputs[0].text)
         assert on_gpu.outputs[0].token_ids == on_cpu.outputs[0].token_ids
+
+
+def test_speculative_decoding_matches_plain_decoding(tiny_models: dict[str, Path]) -> None:
+    """Verification chunks of k + 1 positions run eagerly beside CUDA-graph
+    decodes: n-gram and draft-model speculation give plain decoding's
+    tokens (greedy and seeded), and a draft with the target's weights is
+    always accepted (its KV cache shares the target's blocks)."""
+    path = tiny_models["llama-gqa-tied"]
+    prompts = [[5, 6, 7, 8] * 6 + [5, 6], *batch(models.VOCAB_SIZE)[:3]]
+    params = [
+        greedy(),
+        SamplingParams(temperature=0.3, seed=1, max_tokens=32, ignore_eos=True),
+    ]
+    plain = engine(path, dtype="float32", max_num_seqs=8).generate(
+        prompts * 2, params * 4, use_tqdm=False
+    )
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3},
+    ):
+        llm = engine(path, dtype="float32", max_num_seqs=8, speculative_config=spec)
+        out = llm.generate(prompts * 2, params * 4, use_tqdm=False)
+        for a, b in zip(plain, out, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        stats = llm.engine.stats()
+        assert stats.spec_num_accepted_tokens > 0
+        if spec["method"] == "draft_model":
+            assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens

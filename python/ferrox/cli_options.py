@@ -33,7 +33,11 @@ HELP = {
     "scheduling_policy": "fcfs | priority (lower `priority` values first)",
     "attention_backend": "auto | cpu | torch | triton | flash-attn",
     "enforce_eager": "never capture CUDA graphs",
-    "num_speculative_tokens": "KV room reserved per decode for speculative tokens",
+    "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
+    '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; optional '
+    '"disable_by_batch_size", and "adaptive" (default true: draft lengths from measured '
+    "acceptance and step cost)",
     "max_logprobs": "largest logprobs / top_logprobs a request may ask for",
     "profiler_dir": "enable the torch profiler (LLM.start_profile / stop_profile, the server's "
     "POST /start_profile and /stop_profile); traces are written to this folder",
@@ -56,7 +60,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name not in EngineConfig.field_names():
             continue
         flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(f.type)
+        # speculative_config: JSON text, parsed by EngineConfig.create.
+        kind = str if f.name == "speculative_config" else _base_type(f.type)
         help_text = f"{HELP.get(f.name, '')} (default: {f.default})"
         if kind is bool:
             group.add_argument(

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ferrox.errors import InvalidArgumentError
+from ferrox.speculative import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -47,7 +48,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority"
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    num_speculative_tokens: int = 0
+    # Speculative decoding: a dict (or its JSON text) as vLLM takes it; `create`
+    # turns it into a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     max_logprobs: int = 20
     profiler_dir: str | None = None  # enables start_profile / stop_profile
     # Resolved by `create`:
@@ -75,6 +78,9 @@ class EngineConfig:
                 f"unknown engine option(s) {unknown}; valid options are {cls.field_names()}"
             )
         config = cls(**options)
+        config = dataclasses.replace(
+            config, speculative_config=SpeculativeConfig.parse(config.speculative_config)
+        )
         config.validate()
         device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, device)
@@ -118,10 +124,16 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        if self.num_speculative_tokens < 0 or self.max_logprobs < 0:
-            raise InvalidArgumentError("num_speculative_tokens and max_logprobs must be >= 0")
+        if self.max_logprobs < 0:
+            raise InvalidArgumentError("max_logprobs must be >= 0")
         if not isinstance(self.seed, int):
             raise InvalidArgumentError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """The parsed speculative config (`create` has parsed it)."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec)
 
     def batched_tokens_limit(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

@@ -64,6 +64,15 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # ... and accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens (None without speculation)."""
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
 
     @property
     def time_in_queue(self) -> float | None:

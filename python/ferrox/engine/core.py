@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import logging
 import os
 import time
@@ -40,6 +41,7 @@ from ferrox.engine.grammar import GrammarEngine
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, wire_prompt_logprobs
 from ferrox.engine.protocol import PromptLogprobs, SequenceDelta, TokenLogprobs
 from ferrox.engine.sequence import EngineRequest, SequenceState, now
+from ferrox.engine.speculation import StepCostModel, sampling_rows
 from ferrox.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
@@ -85,6 +87,23 @@ def is_fatal(exc: BaseException) -> bool:
     return name == "AcceleratorError" or "CUDA error" in str(exc) or "device-side" in str(exc)
 
 
+def load_draft_model(config: EngineConfig, vocab_size: int) -> LoadedModel:
+    """The draft model of `speculative_config`, on the target's device and dtype."""
+    spec = config.speculation
+    assert spec is not None and spec.model is not None
+    draft_config = dataclasses.replace(
+        config, model=spec.model, load_format=spec.load_format, tokenizer=None
+    )
+    draft = load_model(draft_config)
+    draft_vocab = int(draft.hf_config.vocab_size)
+    if draft_vocab != vocab_size:
+        raise InvalidArgumentError(
+            f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
+            f"({vocab_size}); a draft model must share the target's tokenizer"
+        )
+    return draft
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
     window = getattr(hf_config, "sliding_window", None)
@@ -112,7 +131,11 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, loaded.hf_config)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, loaded, self.max_model_len)
+        spec = config.speculation
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft_model(config, self.vocab_size)
+        self.runner = ModelRunner(config, loaded, self.max_model_len, draft)
         self.scheduler = Scheduler(
             block_size=config.block_size,
             num_blocks=self.runner.num_kv_blocks,
@@ -123,8 +146,9 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
-            num_speculative_tokens=config.num_speculative_tokens,
+            **(spec.scheduler_options() if spec is not None else {}),
         )
+        self.spec_cost = StepCostModel(self.scheduler) if spec is not None else None
         self._requests: dict[str, EngineRequest] = {}
         self._seqs: dict[int, SequenceState] = {}
         self._next_seq_id = 0
@@ -141,6 +165,7 @@ class EngineCore:
         self._stage = "idle"  # of the step in progress: "sampling", then "applying"
         self.last_step_tokens = 0  # tokens the latest step computed
         self._profiler: Any = None
+        self._draft_seconds = 0.0  # the draft model's share of the step in progress
         self.grammar = GrammarEngine(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     # ---- requests --------------------------------------------------------
@@ -375,12 +400,21 @@ class EngineCore:
         for sid in plan.preempted_ids.tolist():
             if (preempted := self._seqs.get(sid)) is not None:
                 preempted.num_preemptions += 1
+                preempted.draft_synced = 0  # its blocks may be gone
         self.last_step_tokens = plan.num_tokens
         if plan.num_reqs == 0:
             self.latest_stats = self.scheduler.update(plan, _NO_TOKENS).stats
             return [], []
         try:
-            return self._run_plan(plan)
+            if self.spec_cost is None:
+                return self._run_plan(plan)
+            self._draft_seconds = 0.0
+            start = time.perf_counter()
+            result = self._run_plan(plan)
+            self.spec_cost.observe(
+                plan.num_tokens, time.perf_counter() - start - self._draft_seconds
+            )
+            return result
         except Exception as exc:
             if is_fatal(exc):
                 raise
@@ -467,21 +501,37 @@ class EngineCore:
         seqs = cast(list[SequenceState], live)
         if None in live:
             seqs = [s or _stand_in() for s in live]
-        batch = SamplingBatch.build(seqs, self.vocab_size, self.runner.device, self._features)
+        speculating = plan.num_drafts_total > 0
+        drafts = self._propose(plan) if speculating else None
+        rows: list[Any] = seqs
+        prefixes: list[list[int]] | None = None
+        if speculating:  # a verified position samples as if its drafts were output
+            rows, prefixes = sampling_rows(plan, seqs)
+        batch = SamplingBatch.build(rows, self.vocab_size, self.runner.device, self._features)
         if "grammar" in self._features:
-            constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+            constrained = [
+                (i, s.grammar, prefixes[i] if prefixes else [])
+                for i, s in enumerate(seqs)
+                if s.grammar is not None
+            ]
             if constrained:  # computed while the model runs
                 batch.grammar = self.grammar.masks(constrained, self.runner.device)
-        rows = prompt_logprob_rows(plan, self._seqs) if self._num_prompt_logprob_requests else []
-        out = self.runner.execute(plan, batch, rows)
+        prompt_rows = (
+            prompt_logprob_rows(plan, self._seqs) if self._num_prompt_logprob_requests else []
+        )
+        out = self.runner.execute(plan, batch, prompt_rows)
         self._stage = "applying"
         prompt = self._prompt_logprobs(plan, out) if out.prompt_logprobs else []
-        self._append_tokens(seqs, out, batch.max_num_logprobs >= 0)
-        events = self.scheduler.update(plan, out.sampled)
-        if seqs is not live:  # stand-ins drop out here
-            seqs = [s for s in live if s is not None]
+        if not speculating:
+            self._append_tokens(seqs, out, batch.max_num_logprobs >= 0)
+            events = self.scheduler.update(plan, out.sampled)
+            if seqs is not live:  # stand-ins drop out here
+                seqs = [s for s in live if s is not None]
+            self.num_generated_tokens += len(seqs)
+        else:
+            events = self.scheduler.update(plan, out.sampled, None, drafts)
+            seqs = self._append_verified(plan, events, out, batch.max_num_logprobs >= 0)
         self.latest_stats = events.stats
-        self.num_generated_tokens += len(seqs)
         self._apply_events(events)
         if batch.grammar is not None:
             start = time.perf_counter()
@@ -494,6 +544,64 @@ class EngineCore:
             if seq.is_finished and seq.request.is_finished:
                 self._forget(seq.request)
         return deltas, prompt
+
+    def _propose(self, plan: BatchPlan) -> np.ndarray | None:
+        """A draft model's proposals for the plan's draft positions (written
+        into the plan), or None when the scheduler proposed them (n-gram)."""
+        draft = self.runner.draft
+        if draft is None:
+            return None
+        start = time.perf_counter()
+        rows = np.flatnonzero(plan.num_draft_tokens).tolist()
+        seqs = [self._seqs.get(int(plan.req_ids[r])) for r in rows]
+        tokens = [s.prompt_token_ids + s.output_token_ids if s else [] for s in seqs]
+        synced = [s.draft_synced if s else 0 for s in seqs]
+        drafts = draft.propose(plan, tokens, synced)
+        for seq, n in zip(seqs, synced, strict=True):
+            if seq is not None:
+                seq.draft_synced = n
+        self._draft_seconds = time.perf_counter() - start
+        assert self.spec_cost is not None
+        self.spec_cost.observe_drafts(len(drafts), self._draft_seconds)
+        return drafts
+
+    def _append_verified(
+        self, plan: BatchPlan, events: StepEvents, out: RunnerOutput, logprobs: bool
+    ) -> list[SequenceState]:
+        """After a step that verified drafts: each sequence gains the tokens
+        the scheduler kept, in order (with the logprobs of their positions);
+        returns the sequences that progressed."""
+        first_index: dict[int, int] = {}
+        for i, row in enumerate(plan.sample_rows.tolist()):
+            first_index.setdefault(row, i)
+        row_of = {rid: row for row, rid in enumerate(plan.req_ids.tolist())}
+        num_drafts = plan.num_draft_tokens
+        qsl = plan.query_start_loc
+        taken: dict[int, int] = {}
+        progressed: list[SequenceState] = []
+        t_now = None
+        for rid, tok in zip(events.req_ids.tolist(), events.token_ids.tolist(), strict=True):
+            seq = self._seqs.get(rid)
+            if seq is None or tok < 0:
+                continue
+            row = row_of[rid]
+            start = first_index[row]
+            if rid not in taken:
+                taken[rid] = 0
+                progressed.append(seq)
+                if d := int(num_drafts[row]):
+                    proposed = plan.input_ids[int(qsl[row + 1]) - d : int(qsl[row + 1])]
+                    kept = np.cumprod(out.sampled[start : start + d] == proposed)
+                    seq.num_draft_tokens += d
+                    seq.num_accepted_tokens += int(kept.sum())
+            seq.output_token_ids.append(tok)
+            if len(seq.output_token_ids) == 1:
+                seq.first_token_time = t_now = t_now or now()
+            if logprobs:
+                self._add_logprobs(seq, out, start + taken[rid])
+            taken[rid] += 1
+            self.num_generated_tokens += 1
+        return progressed
 
     def _note_first_schedules(self, plan: BatchPlan) -> None:
         """A prefill row seen for the first time: when it was scheduled, and
@@ -516,21 +624,25 @@ class EngineCore:
             output.append(tok)
             if len(output) == 1:
                 seq.first_token_time = t_now = t_now or now()
-        if not logprobs:
+        if logprobs:
+            for i, seq in enumerate(seqs):
+                self._add_logprobs(seq, out, i)
+
+    @staticmethod
+    def _add_logprobs(seq: SequenceState, out: RunnerOutput, i: int) -> None:
+        """Sample position i's logprobs, for a sequence that asked for them."""
+        k = seq.params.logprobs
+        row = None if k is None else out.row_logprobs(i, k)
+        if row is None:
             return
-        for i, seq in enumerate(seqs):
-            k = seq.params.logprobs
-            row = None if k is None else out.row_logprobs(i, k)
-            if row is None:
-                continue
-            lp, rank, top_ids, top_lps = row
-            pending = seq.pending_logprobs
-            if pending is None:
-                pending = seq.pending_logprobs = TokenLogprobs([], [], [], [])
-            pending.logprobs.append(lp)
-            pending.ranks.append(rank)
-            pending.top_ids.append(top_ids)
-            pending.top_logprobs.append(top_lps)
+        lp, rank, top_ids, top_lps = row
+        pending = seq.pending_logprobs
+        if pending is None:
+            pending = seq.pending_logprobs = TokenLogprobs([], [], [], [])
+        pending.logprobs.append(lp)
+        pending.ranks.append(rank)
+        pending.top_ids.append(top_ids)
+        pending.top_logprobs.append(top_lps)
 
     def _advance_grammars(self, seqs: list[SequenceState]) -> set[str]:
         """Each constrained sequence's matcher takes its new token; a token
@@ -542,16 +654,24 @@ class EngineCore:
             matcher = seq.grammar
             if matcher is None or seq.request.request_id in failed:
                 continue
-            if not matcher.consume_token(seq.output_token_ids[-1]):
+            output = seq.output_token_ids
+            accepted = True
+            for i in range(seq.num_grammar_tokens, len(output)):
+                if i and output[i - 1] in self.eos_token_ids and matcher.is_stopped():
+                    # Ended by its EOS under ignore_eos: tokens verified past it go.
+                    self.num_generated_tokens -= len(output) - i
+                    del output[i:]
+                    break
+                if not matcher.consume_token(output[i]):
+                    accepted = False
+                    break
+            seq.num_grammar_tokens = len(output)
+            if not accepted:
                 failed.add(seq.request.request_id)
                 logger.error(
                     "request %s left its grammar: %s", seq.request.request_id, matcher.get_error()
                 )
-            elif (
-                not seq.is_finished
-                and matcher.is_stopped()
-                and seq.output_token_ids[-1] in self.eos_token_ids
-            ):
+            elif not seq.is_finished and matcher.is_stopped() and output[-1] in self.eos_token_ids:
                 self._stop(seq)
                 seq.finish_reason = "stop"
         if failed:
@@ -585,6 +705,8 @@ class EngineCore:
             first_token_time=seq.first_token_time if first and seq.request.final_only else None,
             num_cached_tokens=seq.num_cached_tokens if first else None,
             num_preemptions=seq.num_preemptions if seq.is_finished else 0,
+            num_draft_tokens=seq.num_draft_tokens if seq.is_finished else 0,
+            num_accepted_tokens=seq.num_accepted_tokens if seq.is_finished else 0,
         )
 
     def _start_siblings(self, seqs: list[SequenceState]) -> None:

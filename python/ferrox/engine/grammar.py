@@ -156,22 +156,36 @@ class GrammarEngine:
             self._compiled.popitem(last=False)
         return compiled
 
-    def masks(self, matchers: list[tuple[int, Any]], device: torch.device) -> GrammarMask:
-        """Starts computing the next-token masks of (row, matcher) pairs."""
-        from llguidance.torch import fill_next_token_bitmask_par
+    def masks(
+        self, matchers: list[tuple[int, Any, list[int]]], device: torch.device
+    ) -> GrammarMask:
+        """Starts computing the next-token masks of (row, matcher, drafts)
+        entries: a row's mask is its matcher's after it consumed `drafts`
+        (the drafts before a verified position; empty for plain decoding)."""
+        from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         words = (self._vocab_size + _BITS - 1) // _BITS
         bitmask = torch.empty(len(matchers), words, dtype=torch.int32)
-        indexed = [(m, i) for i, (_, m) in enumerate(matchers)]
+        plain = [(m, i) for i, (_, m, drafts) in enumerate(matchers) if not drafts]
+        drafted = [(i, m, drafts) for i, (_, m, drafts) in enumerate(matchers) if drafts]
 
         stats = self.stats
         stats.steps += 1
 
         def fill() -> torch.Tensor:
             start = time.perf_counter()
-            fill_next_token_bitmask_par(self._executor, indexed, bitmask)
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
+            # After the parallel fill: these share matchers with plain rows.
+            for i, matcher, drafts in drafted:
+                # A refused draft: the mask of the state before it.
+                consumed = matcher.validate_tokens(drafts)
+                if consumed:
+                    matcher.consume_tokens(drafts[:consumed])
+                fill_next_token_bitmask(matcher, bitmask, i)
+                if consumed:
+                    matcher.rollback(consumed)
             stats.fill_seconds += time.perf_counter() - start
             return bitmask
 
         future = self._worker.submit(fill)
-        return GrammarMask([row for row, _ in matchers], future, device, stats)
+        return GrammarMask([row for row, _, _ in matchers], future, device, stats)

@@ -94,6 +94,8 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: float | None = None  # for a final-only request (else: on receipt)
     # Sent when the sequence finishes:
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0  # ... and kept
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):
@@ -113,6 +115,11 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_lengths: list[int] = []  # [a]: verifications that kept a drafts
+    spec_accepted_per_position: list[int] = []  # [i]: drafts kept at position i
     prompt_tokens: int = 0
     generation_tokens: int = 0
     # Idle-time integrity checks of the scheduler that failed (a bug in ferrox).

@@ -37,6 +37,11 @@ class SequenceState:
     pending_logprobs: TokenLogprobs | None = None
     penalty_state: PenaltyState | None = None  # the sampler's, when penalised
     grammar: Any = None  # the structured-output matcher (llguidance), when constrained
+    num_grammar_tokens: int = 0  # output tokens the matcher has consumed
+    # Speculative decoding: tokens whose draft-model KV is valid, and counts.
+    draft_synced: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -182,6 +182,8 @@ class RequestState:
     last_token_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0  # ... and kept
 
     def __post_init__(self) -> None:
         if self.tokenizer is None and self.params.stop:
@@ -221,6 +223,9 @@ class RequestState:
             self.num_cached_tokens = item.num_cached_tokens
         if item.num_preemptions:
             self.num_preemptions += item.num_preemptions
+        if item.num_draft_tokens:
+            self.num_draft_tokens += item.num_draft_tokens
+            self.num_accepted_tokens += item.num_accepted_tokens
         if item.token_ids:
             if self.first_token_time is None:
                 self.first_token_time = item.first_token_time or now
@@ -259,6 +264,8 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             num_generation_tokens=self.num_output_tokens,
             num_preemptions=self.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
 

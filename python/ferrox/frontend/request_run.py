@@ -164,6 +164,11 @@ class RequestRun:
             f"ttft {ttft if ttft is not None else float('nan'):.3f} s, "
             f"{max(n_out - 1, 0) / duration:.1f} tok/s, finish {reason}"
         )
+        if m.num_draft_tokens:
+            line += (
+                f", spec acceptance {m.num_accepted_tokens}/{m.num_draft_tokens} "
+                f"({100 * m.num_accepted_tokens / m.num_draft_tokens:.0f}%)"
+            )
         if self.log_token_ids:
             ids = self.prompt_token_ids
             if self.max_log_len is not None and len(ids) > self.max_log_len:

@@ -16,6 +16,7 @@ from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.loader.model_loader import LoadedModel
 from ferrox.runner.cuda_graph import DecodeGraphs
+from ferrox.runner.draft import DraftRunner
 from ferrox.runner.kv_cache import KVCache, bytes_per_block
 from ferrox.runner.sampler import Sampler
 from ferrox.runner.sampling_batch import SamplingBatch
@@ -64,7 +65,15 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        max_model_len: int,
+        draft: LoadedModel | None = None,
+    ) -> None:
+        """`draft`: the draft model of speculative decoding, whose KV cache
+        shares the target's block layout (and its memory budget)."""
         self.config = config
         self.model = loaded.model
         self.device = config.torch_device
@@ -75,6 +84,11 @@ class ModelRunner:
         self.num_layers = int(hf.num_hidden_layers)
         self.num_kv_heads = self.model.num_kv_heads
         self.head_dim = self.model.head_dim
+        self.draft = (
+            None
+            if draft is None
+            else DraftRunner(draft, config.block_size, self.dtype, self.device)
+        )
         num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(
             self.num_layers,
@@ -85,6 +99,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         self.sampler = Sampler()
         self._staging: dict[str, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
@@ -110,6 +126,8 @@ class ModelRunner:
         per_block = bytes_per_block(
             self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype
         )
+        if self.draft is not None:  # both caches hold every block
+            per_block += self.draft.bytes_per_block()
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:

@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from ferrox.engine.protocol import EngineStats
 
@@ -75,11 +80,52 @@ class _EngineCollector:
         )
         yield counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield from self._speculation(s, counter)
         yield counter(
             "scheduler_integrity_failures",
             "Idle-time scheduler integrity checks that failed (a bug in ferrox).",
             s.integrity_failures,
         )
+
+    def _speculation(
+        self, s: EngineStats, counter: Callable[[str, str, float], CounterMetricFamily]
+    ) -> Iterator[Metric]:
+        """Speculative decoding (vLLM's spec_decode_* names)."""
+        yield counter(
+            "spec_decode_num_drafts",
+            "Verifications of draft tokens (one per request and step that speculated).",
+            s.spec_num_drafts,
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            s.spec_num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            "ferrox:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.",
+            labels=["model_name", "position"],
+        )
+        for i, n in enumerate(s.spec_accepted_per_position):
+            if n or i == 0:
+                per_pos.add_metric([self.model, str(i)], n)
+        yield per_pos
+        # Tokens a verification yields: the accepted drafts and the one after.
+        buckets, total, cumulative = [], 0.0, 0
+        for accepted, n in enumerate(s.spec_accepted_lengths):
+            cumulative += n
+            total += n * (accepted + 1)
+            buckets.append((str(float(accepted + 1)), cumulative))
+        hist = HistogramMetricFamily(
+            "ferrox:spec_decode_acceptance_length",
+            "Tokens each verification yielded (accepted drafts + 1).",
+            labels=["model_name"],
+        )
+        hist.add_metric([self.model], [*buckets, ("+Inf", cumulative)], total)
+        yield hist
 
 
 class Metrics:

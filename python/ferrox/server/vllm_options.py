@@ -23,7 +23,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--kv-cache-dtype": "the KV cache has the model's dtype",
     "--trust-remote-code": "ferrox runs no code from model repositories",
     "--enable-lora": "ferrox has no LoRA adapters",
-    "--speculative-config": "ferrox has no speculative decoding yet",
     "--cpu-offload-gb": "ferrox does not offload weights",
     "--swap-space": "ferrox recomputes preempted requests instead of swapping",
     "--revision": "hub models resolve to their default revision",

@@ -23,6 +23,57 @@ impl std::str::FromStr for Policy {
     }
 }
 
+/// Where a request's draft tokens come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecMethod {
+    /// Prompt lookup: the continuation of the latest earlier occurrence of
+    /// the request's last n tokens (n from `max` down to `min`), in Rust.
+    Ngram { min: usize, max: usize },
+    /// The caller fills the reserved draft positions (a draft model) and
+    /// hands the drafts to `update`.
+    External,
+}
+
+/// The most draft tokens one request may verify in a step.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecConfig {
+    pub method: SpecMethod,
+    /// The most draft tokens per request and step.
+    pub num_tokens: usize,
+    /// Choose each request's draft length from its measured acceptance and
+    /// the step's cost; otherwise always propose `num_tokens`.
+    pub adaptive: bool,
+    /// No speculation in a step when more requests than this are running.
+    pub disable_by_batch_size: Option<usize>,
+}
+
+impl SpecConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.num_tokens == 0 || self.num_tokens > MAX_SPECULATIVE_TOKENS {
+            return Err(CoreError::InvalidArgument(format!(
+                "num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {}",
+                self.num_tokens
+            )));
+        }
+        if let SpecMethod::Ngram { min, max } = self.method {
+            if min == 0 || min > max {
+                return Err(CoreError::InvalidArgument(format!(
+                    "prompt_lookup_min ({min}) must be at least 1 and at most \
+                     prompt_lookup_max ({max})"
+                )));
+            }
+        }
+        if self.disable_by_batch_size == Some(0) {
+            return Err(CoreError::InvalidArgument(
+                "disable_by_batch_size must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerConfig {
     pub block_size: usize,
@@ -35,8 +86,8 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     pub enable_chunked_prefill: bool,
     pub policy: Policy,
-    /// KV room reserved for this many extra tokens per decode step.
-    pub num_speculative_tokens: usize,
+    /// Speculative decoding (None: off).
+    pub speculation: Option<SpecConfig>,
 }
 
 impl Default for SchedulerConfig {
@@ -51,7 +102,7 @@ impl Default for SchedulerConfig {
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
             policy: Policy::Fcfs,
-            num_speculative_tokens: 0,
+            speculation: None,
         }
     }
 }
@@ -97,7 +148,15 @@ impl SchedulerConfig {
                 self.max_num_batched_tokens, self.max_model_len
             )));
         }
+        if let Some(spec) = &self.speculation {
+            spec.validate()?;
+        }
         Ok(())
+    }
+
+    /// The most draft tokens per request and step (0: no speculation).
+    pub fn num_speculative_tokens(&self) -> usize {
+        self.speculation.map_or(0, |s| s.num_tokens)
     }
 
     /// Blocks needed to hold `num_tokens` tokens.

@@ -16,8 +16,10 @@ pub mod request;
 pub mod scheduler;
 mod scheduler_integrity;
 mod scheduler_update;
+pub mod speculation;
 
-pub use config::{Policy, SchedulerConfig};
+pub use config::{Policy, SchedulerConfig, SpecConfig, SpecMethod, MAX_SPECULATIVE_TOKENS};
 pub use plan::{BatchPlan, SchedulerStats, StepEvents};
 pub use request::{FinishReason, Request, RequestParams, RequestStatus};
 pub use scheduler::Scheduler;
+pub use speculation::{SpecCost, SpecStats};

@@ -14,6 +14,11 @@ pub struct BatchPlan {
     pub num_computed_tokens: Vec<i32>,
     /// Rows [0, num_decodes) schedule exactly one token.
     pub num_decodes: usize,
+    /// [B] draft tokens each row verifies (its last positions): such a row
+    /// samples all of its `1 + d` positions.
+    pub num_draft_tokens: Vec<i32>,
+    /// Draft tokens in total.
+    pub num_drafts_total: usize,
     /// [T]
     pub input_ids: Vec<i64>,
     /// [T]
@@ -37,6 +42,9 @@ pub struct BatchPlan {
     pub aborted_ids: Vec<u64>,
     /// Slot of each row inside the scheduler (private bookkeeping).
     pub(crate) slots: Vec<usize>,
+    /// The drafts the scheduler proposed (n-gram), rows in order; the
+    /// caller's drafts replace them in `update` (a draft model).
+    pub(crate) draft_tokens: Vec<u32>,
 }
 
 impl BatchPlan {
@@ -51,7 +59,9 @@ impl BatchPlan {
     }
 }
 
-/// What `update` reports: one entry per request that sampled or finished.
+/// What `update` reports: one entry per token a request gained (several for
+/// a request whose drafts were accepted), or per request that finished
+/// without one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepEvents {
     pub req_ids: Vec<u64>,
@@ -89,4 +99,5 @@ pub struct SchedulerStats {
     pub prefix_queried_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub num_preemptions: u64,
+    pub spec: crate::speculation::SpecStats,
 }

@@ -27,6 +27,8 @@ impl Scheduler {
             num_scheduled_tokens: Vec::with_capacity(num_reqs),
             num_computed_tokens: Vec::with_capacity(num_reqs),
             num_decodes: chosen.iter().take_while(|c| c.num_tokens == 1).count(),
+            num_draft_tokens: Vec::with_capacity(num_reqs),
+            num_drafts_total: chosen.iter().map(|c| c.num_draft).sum(),
             input_ids: Vec::with_capacity(num_tokens),
             positions: Vec::with_capacity(num_tokens),
             query_start_loc: Vec::with_capacity(num_reqs + 1),
@@ -39,19 +41,25 @@ impl Scheduler {
             preempted_ids,
             aborted_ids,
             slots: Vec::with_capacity(num_reqs),
+            draft_tokens: Vec::new(),
         };
         plan.query_start_loc.push(0);
         for (row, c) in chosen.iter().enumerate() {
             let req = self.req(c.slot);
             let start = req.num_computed_tokens;
             let end = start + c.num_tokens;
+            // A row with drafts: its pending token, then the drafts.
+            let known_end = end - c.num_draft;
             plan.req_ids.push(req.id);
             plan.slots.push(c.slot);
             plan.num_scheduled_tokens.push(c.num_tokens as i32);
             plan.num_computed_tokens.push(start as i32);
+            plan.num_draft_tokens.push(c.num_draft as i32);
             plan.seq_lens.push(end as i32);
             plan.input_ids
-                .extend(req.tokens[start..end].iter().map(|&t| t as i64));
+                .extend(req.tokens[start..known_end].iter().map(|&t| t as i64));
+            plan.input_ids.extend(req.draft.iter().map(|&t| t as i64));
+            plan.draft_tokens.extend_from_slice(&req.draft);
             plan.positions.extend((start as i64)..(end as i64));
             for pos in start..end {
                 let block = req.block_table[pos / bs] as i64;
@@ -61,11 +69,14 @@ impl Scheduler {
             plan.block_table
                 .extend(req.block_table.iter().map(|&b| b as i32));
             plan.block_table.resize((row + 1) * width, 0);
-            let qend = plan.input_ids.len() as i32;
-            plan.query_start_loc.push(qend);
-            if end == req.num_tokens() {
-                plan.logits_indices.push(qend as i64 - 1);
-                plan.sample_rows.push(row as i32);
+            let qend = plan.input_ids.len() as i64;
+            plan.query_start_loc.push(qend as i32);
+            if known_end == req.num_tokens() {
+                // Every draft position is sampled, and the one before them.
+                for index in (qend - 1 - c.num_draft as i64)..qend {
+                    plan.logits_indices.push(index);
+                    plan.sample_rows.push(row as i32);
+                }
             }
         }
         plan

@@ -2,6 +2,7 @@
 
 use crate::block_allocator::BlockId;
 use crate::radix_cache::NodeHandle;
+use crate::speculation::SpecState;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestParams {
@@ -71,6 +72,9 @@ pub struct Request {
     /// Set on preemption: output length at that moment; the request is not
     /// preempted again before it has produced a token past it.
     pub protected_until: Option<usize>,
+    /// Draft tokens of the outstanding plan (empty outside a step).
+    pub draft: Vec<u32>,
+    pub spec: SpecState,
 }
 
 impl Request {

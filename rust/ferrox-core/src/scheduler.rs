@@ -19,11 +19,12 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 
 use crate::block_allocator::BlockAllocator;
-use crate::config::{Policy, SchedulerConfig};
+use crate::config::{Policy, SchedulerConfig, SpecMethod};
 use crate::error::{CoreError, Result};
 use crate::plan::{BatchPlan, SchedulerStats};
 use crate::radix_cache::RadixCache;
 use crate::request::{Request, RequestParams, RequestStatus};
+use crate::speculation::{ngram_proposal, SpecCost, SpecState, SpecStats};
 
 pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
@@ -42,13 +43,17 @@ pub struct Scheduler {
     pub(crate) outstanding_step: Option<u64>,
     pending_aborts: Vec<u64>,
     num_preemptions: u64,
+    pub(crate) spec_cost: SpecCost,
+    pub(crate) spec_stats: SpecStats,
 }
 
 /// Work chosen for one request in the step being planned.
 #[derive(Clone, Copy)]
 pub(crate) struct Chosen {
     pub(crate) slot: usize,
+    /// Scheduled tokens, drafts included.
     pub(crate) num_tokens: usize,
+    pub(crate) num_draft: usize,
 }
 
 impl Scheduler {
@@ -68,6 +73,8 @@ impl Scheduler {
             outstanding_step: None,
             pending_aborts: Vec::new(),
             num_preemptions: 0,
+            spec_cost: SpecCost::default(),
+            spec_stats: SpecStats::default(),
         })
     }
 
@@ -102,7 +109,24 @@ impl Scheduler {
             prefix_queried_tokens: self.cache.num_queried_tokens(),
             prefix_hit_tokens: self.cache.num_hit_tokens(),
             num_preemptions: self.num_preemptions,
+            spec: self.spec_stats,
         }
+    }
+
+    /// The measured step cost that adaptive speculation weighs drafts by.
+    pub fn set_spec_cost(&mut self, cost: SpecCost) -> Result<()> {
+        let fields = [cost.step_seconds, cost.token_seconds, cost.draft_seconds];
+        if fields.iter().any(|v| !v.is_finite() || *v < 0.0) {
+            return Err(CoreError::InvalidArgument(format!(
+                "step costs must be finite and non-negative, got {cost:?}"
+            )));
+        }
+        self.spec_cost = cost;
+        Ok(())
+    }
+
+    pub fn spec_cost(&self) -> SpecCost {
+        self.spec_cost
     }
 
     fn priority_key(&self, req: &Request) -> i64 {
@@ -150,11 +174,11 @@ impl Scheduler {
         if params.max_tokens == 0 {
             return reject("max_tokens must be at least 1".into());
         }
+        // Drafts never reach past this length (they are capped by the room left).
         let max_len = prompt
             .len()
             .saturating_add(params.max_tokens)
-            .min(cfg.max_model_len)
-            + cfg.num_speculative_tokens;
+            .min(cfg.max_model_len);
         let blocks_needed = cfg.blocks_for(max_len);
         if blocks_needed > cfg.num_blocks {
             return reject(format!(
@@ -177,6 +201,8 @@ impl Scheduler {
             num_prefix_hit_tokens: 0,
             num_preemptions: 0,
             protected_until: None,
+            draft: Vec::new(),
+            spec: SpecState::default(),
         };
         self.next_arrival += 1;
         let key = (self.priority_key(&request), request.arrival);
@@ -335,6 +361,7 @@ impl Scheduler {
         let req = self.req_mut(slot);
         req.status = RequestStatus::Waiting;
         req.num_computed_tokens = 0;
+        req.draft.clear();
         req.num_preemptions += 1;
         req.protected_until = Some(req.num_output_tokens());
         let arrival = req.arrival;
@@ -354,6 +381,7 @@ impl Scheduler {
         let mut chosen: Vec<Chosen> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted = Vec::new();
         let snapshot = self.running.clone();
+        let threshold = self.spec_threshold(&snapshot);
         for decode_pass in [true, false] {
             for &slot in &snapshot {
                 if budget == 0 {
@@ -370,12 +398,13 @@ impl Scheduler {
                 if num_tokens < pending && !self.config.enable_chunked_prefill {
                     continue;
                 }
-                let extra = if decode_pass {
-                    self.config.num_speculative_tokens
-                } else {
-                    0
+                let num_draft = match threshold {
+                    Some(t) if decode_pass => self.propose(slot, t, budget - 1),
+                    _ => 0,
                 };
-                let need_tokens = req.num_computed_tokens + num_tokens + extra;
+                let num_tokens = num_tokens + num_draft;
+                let req = self.req(slot);
+                let need_tokens = req.num_computed_tokens + num_tokens;
                 let need_blocks = self
                     .config
                     .blocks_for(need_tokens)
@@ -391,8 +420,14 @@ impl Scheduler {
                     }
                 }
                 if scheduled {
-                    chosen.push(Chosen { slot, num_tokens });
+                    chosen.push(Chosen {
+                        slot,
+                        num_tokens,
+                        num_draft,
+                    });
                     budget -= num_tokens;
+                } else {
+                    self.req_mut(slot).draft.clear();
                 }
             }
         }
@@ -481,10 +516,65 @@ impl Scheduler {
             }
             debug_assert_eq!(hit_tokens % bs, 0);
             self.running.push(slot);
-            chosen.push(Chosen { slot, num_tokens });
+            chosen.push(Chosen {
+                slot,
+                num_tokens,
+                num_draft: 0,
+            });
             *budget -= num_tokens;
         }
         Ok(())
+    }
+
+    /// The acceptance probability a draft position must reach this step, or
+    /// None when the step does not speculate.
+    fn spec_threshold(&self, running: &[usize]) -> Option<f64> {
+        let spec = self.config.speculation?;
+        if matches!(spec.disable_by_batch_size, Some(limit) if running.len() > limit) {
+            return None;
+        }
+        if !spec.adaptive {
+            return Some(0.0);
+        }
+        let decodes = running
+            .iter()
+            .filter(|&&s| self.req(s).num_pending_tokens() == 1)
+            .count();
+        Some(self.spec_cost.threshold(decodes))
+    }
+
+    /// Sets a decoding request's drafts for this step (at most `budget`);
+    /// returns how many. They never take the request past `max_tokens` or
+    /// `max_model_len`: the step yields at most one token more than drafts.
+    fn propose(&mut self, slot: usize, threshold: f64, budget: usize) -> usize {
+        let spec = self.config.speculation.expect("speculation is on");
+        let max_model_len = self.config.max_model_len;
+        let req = self.slots[slot].as_mut().expect("live slot");
+        let room = (req
+            .params
+            .max_tokens
+            .saturating_sub(req.num_output_tokens()))
+        .min(max_model_len.saturating_sub(req.num_tokens()))
+        .saturating_sub(1);
+        let limit = spec.num_tokens.min(room).min(budget);
+        let (available, proposal) = match spec.method {
+            SpecMethod::Ngram { min, max } => {
+                let p = ngram_proposal(&req.tokens, min, max, limit);
+                (p.len(), Some(p))
+            }
+            SpecMethod::External => (limit, None),
+        };
+        let len = if spec.adaptive {
+            req.spec.draft_length(available, threshold)
+        } else {
+            available
+        };
+        req.draft.clear();
+        match proposal {
+            Some(p) => req.draft.extend_from_slice(&p[..len]),
+            None => req.draft.resize(len, 0),
+        }
+        len
     }
 
     fn has_room(&self, num_blocks: usize) -> bool {

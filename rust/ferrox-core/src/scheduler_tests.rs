@@ -1,5 +1,5 @@
 use super::*;
-use crate::{BatchPlan, FinishReason, RequestParams, SchedulerConfig};
+use crate::{BatchPlan, FinishReason, RequestParams, SchedulerConfig, SpecConfig};
 use proptest::prelude::*;
 
 const VOCAB: usize = 50;
@@ -55,9 +55,10 @@ impl FakeModel {
             self.kv[slot as usize] = Some((tok as u32, plan.positions[i]));
         }
         let mut out = vec![];
-        for &row in &plan.sample_rows {
+        for (&row, &index) in plan.sample_rows.iter().zip(&plan.logits_indices) {
             let row = row as usize;
-            let seq_len = plan.seq_lens[row] as usize;
+            // The context up to the sampled position (drafts included).
+            let seq_len = plan.positions[index as usize] as usize + 1;
             let table = &plan.block_table[row * plan.block_table_width..];
             let context: Vec<u32> = (0..seq_len)
                 .map(|p| {
@@ -97,6 +98,17 @@ fn check_plan(plan: &BatchPlan, cfg: &SchedulerConfig) {
         if row < plan.num_decodes {
             assert_eq!(plan.num_scheduled_tokens[row], 1);
         }
+        let d = plan.num_draft_tokens[row] as usize;
+        assert!(d <= cfg.num_speculative_tokens());
+        let samples = plan
+            .sample_rows
+            .iter()
+            .filter(|&&r| r as usize == row)
+            .count();
+        assert!(
+            samples == 0 || samples == 1 + d,
+            "row {row}: {samples} samples, {d} drafts"
+        );
         for t in qs..qe {
             let pos = plan.positions[t] as usize;
             let block = plan.block_table[row * plan.block_table_width + pos / cfg.block_size];
@@ -124,6 +136,19 @@ fn drive_for(
     min_steps: usize,
     on_step: &mut impl FnMut(&mut Scheduler, usize),
 ) -> std::collections::HashMap<u64, (Vec<u32>, FinishReason)> {
+    drive_with(sched, model, min_steps, on_step, None)
+}
+
+/// Writes a plan's drafts (a draft model's part) and returns them.
+type Drafter<'a> = &'a mut dyn FnMut(&Scheduler, &mut BatchPlan) -> Vec<u32>;
+
+fn drive_with(
+    sched: &mut Scheduler,
+    model: &mut FakeModel,
+    min_steps: usize,
+    on_step: &mut impl FnMut(&mut Scheduler, usize),
+    mut drafter: Option<Drafter<'_>>,
+) -> std::collections::HashMap<u64, (Vec<u32>, FinishReason)> {
     let cfg = sched.config().clone();
     let mut outputs: std::collections::HashMap<u64, Vec<u32>> = Default::default();
     let mut finished = std::collections::HashMap::new();
@@ -132,11 +157,14 @@ fn drive_for(
         if !sched.has_unfinished() && step >= min_steps {
             break;
         }
-        let plan = sched.schedule().unwrap();
+        let mut plan = sched.schedule().unwrap();
         check_plan(&plan, &cfg);
         sched.check_integrity().unwrap();
+        let drafts = drafter.as_mut().map(|d| d(sched, &mut plan));
         let sampled = model.run(&plan);
-        let events = sched.update(&plan, &sampled, &[]).unwrap();
+        let events = sched
+            .update(&plan, &sampled, &[], drafts.as_deref())
+            .unwrap();
         sched.check_integrity().unwrap();
         for i in 0..events.len() {
             let id = events.req_ids[i];
@@ -279,7 +307,7 @@ fn long_prompt_is_chunked_and_decodes_keep_running() {
         .unwrap();
     let plan = sched.schedule().unwrap();
     let out = model.run(&plan);
-    sched.update(&plan, &out, &[]).unwrap();
+    sched.update(&plan, &out, &[], None).unwrap();
     sched.add_request(2, &[7; 30], params(4)).unwrap();
     let mut steps_with_decode = 0;
     while sched.request(2).unwrap().num_computed_tokens < 30 {
@@ -288,7 +316,7 @@ fn long_prompt_is_chunked_and_decodes_keep_running() {
         assert_eq!(plan.req_ids[0], 1, "the decode runs first");
         steps_with_decode += 1;
         let out = model.run(&plan);
-        sched.update(&plan, &out, &[]).unwrap();
+        sched.update(&plan, &out, &[], None).unwrap();
         sched.check_integrity().unwrap();
     }
     assert!(steps_with_decode >= 30 / 7);
@@ -313,7 +341,7 @@ fn prefix_cache_hits_skip_computed_blocks() {
     let stats = sched.stats();
     assert_eq!(stats.prefix_hit_tokens, 16);
     let sampled = model.run(&plan);
-    sched.update(&plan, &sampled, &[]).unwrap();
+    sched.update(&plan, &sampled, &[], None).unwrap();
     let rest = drive(&mut sched, &mut model, |_, _| {});
     let mut got = vec![sampled[0]];
     got.extend(rest[&2].0.iter());
@@ -339,7 +367,7 @@ fn concurrent_requests_share_a_prefilled_prompt() {
         .unwrap();
     let plan = sched.schedule().unwrap();
     let out = model.run(&plan);
-    sched.update(&plan, &out, &[]).unwrap();
+    sched.update(&plan, &out, &[], None).unwrap();
     // Request 1 is still decoding; its prompt blocks are already shared.
     sched.add_request(2, &prompt, params(2)).unwrap();
     let plan = sched.schedule().unwrap();
@@ -347,7 +375,7 @@ fn concurrent_requests_share_a_prefilled_prompt() {
     assert_eq!(plan.num_computed_tokens[row], 12);
     sched.check_integrity().unwrap();
     let out = model.run(&plan);
-    sched.update(&plan, &out, &[]).unwrap();
+    sched.update(&plan, &out, &[], None).unwrap();
     drive(&mut sched, &mut model, |_, _| {});
     assert_idle(&sched);
 }
@@ -373,7 +401,7 @@ fn preemption_recomputes_and_prefers_latest_arrival() {
             let plan = sched.schedule().unwrap();
             preempted.extend(plan.preempted_ids.iter().copied());
             let sampled = model.run(&plan);
-            let ev = sched.update(&plan, &sampled, &[]).unwrap();
+            let ev = sched.update(&plan, &sampled, &[], None).unwrap();
             sched.check_integrity().unwrap();
             for i in 0..ev.len() {
                 out.entry(ev.req_ids[i])
@@ -409,13 +437,13 @@ fn priority_policy_admits_and_preempts_by_priority() {
     };
     sched.add_request(1, &[1; 8], p(5)).unwrap();
     let plan = sched.schedule().unwrap();
-    sched.update(&plan, &model.run(&plan), &[]).unwrap();
+    sched.update(&plan, &model.run(&plan), &[], None).unwrap();
     // Urgent request: needs blocks held by request 1.
     sched.add_request(2, &[2; 14], p(-1)).unwrap();
     let plan = sched.schedule().unwrap();
     assert_eq!(plan.preempted_ids, vec![1]);
     assert_eq!(plan.req_ids, vec![2]);
-    sched.update(&plan, &model.run(&plan), &[]).unwrap();
+    sched.update(&plan, &model.run(&plan), &[], None).unwrap();
     drive(&mut sched, &mut model, |_, _| {});
     assert_idle(&sched);
 }
@@ -428,7 +456,7 @@ fn abort_in_every_state_returns_blocks() {
     sched.add_request(1, &[1; 20], params(8)).unwrap(); // chunked prefill
     sched.add_request(2, &[2; 3], params(8)).unwrap(); // waiting
     let plan = sched.schedule().unwrap();
-    sched.update(&plan, &model.run(&plan), &[]).unwrap();
+    sched.update(&plan, &model.run(&plan), &[], None).unwrap();
     assert!(sched.abort(2).unwrap());
     assert!(sched.abort(1).unwrap());
     assert!(
@@ -437,13 +465,13 @@ fn abort_in_every_state_returns_blocks() {
     );
     let plan = sched.schedule().unwrap();
     assert_eq!(plan.aborted_ids, vec![2, 1]);
-    sched.update(&plan, &[], &[]).unwrap();
+    sched.update(&plan, &[], &[], None).unwrap();
     assert_idle(&sched);
     // Aborted between schedule and update: the row is skipped.
     sched.add_request(3, &[3; 5], params(8)).unwrap();
     let plan = sched.schedule().unwrap();
     sched.abort(3).unwrap();
-    let events = sched.update(&plan, &model.run(&plan), &[]).unwrap();
+    let events = sched.update(&plan, &model.run(&plan), &[], None).unwrap();
     assert!(events.is_empty());
     assert_idle(&sched);
 }
@@ -474,7 +502,7 @@ fn externally_finished_requests_end_with_stop() {
         )
         .unwrap();
     let plan = sched.schedule().unwrap();
-    let ev = sched.update(&plan, &model.run(&plan), &[1]).unwrap();
+    let ev = sched.update(&plan, &model.run(&plan), &[1], None).unwrap();
     let row = ev.req_ids.iter().position(|&id| id == 1).unwrap();
     assert_eq!(ev.finish_reasons[row], FinishReason::Stop as u8);
     assert!(ev.token_ids[row] >= 0);
@@ -490,11 +518,11 @@ fn stale_plans_are_rejected() {
     sched.add_request(1, &[1, 2, 3], params(4)).unwrap();
     let plan = sched.schedule().unwrap();
     assert!(matches!(sched.schedule(), Err(CoreError::PlanMismatch(_))));
-    assert!(sched.update(&plan, &[1, 2], &[]).is_err());
-    assert!(sched.update(&plan, &[VOCAB as u32], &[]).is_err());
-    sched.update(&plan, &[7], &[]).unwrap();
+    assert!(sched.update(&plan, &[1, 2], &[], None).is_err());
+    assert!(sched.update(&plan, &[VOCAB as u32], &[], None).is_err());
+    sched.update(&plan, &[7], &[], None).unwrap();
     assert!(matches!(
-        sched.update(&plan, &[7], &[]),
+        sched.update(&plan, &[7], &[], None),
         Err(CoreError::PlanMismatch(_))
     ));
     sched.check_integrity().unwrap();
@@ -641,7 +669,7 @@ fn opting_out_of_the_prefix_cache_recomputes_the_prompt() {
         (0, 17)
     );
     sched.check_integrity().unwrap();
-    sched.update(&plan, &model.run(&plan), &[]).unwrap();
+    sched.update(&plan, &model.run(&plan), &[], None).unwrap();
     drive(&mut sched, &mut model, |_, _| {});
     assert_idle(&sched);
 }
@@ -666,7 +694,7 @@ fn reset_prefix_cache_frees_unused_entries_only() {
         )
         .unwrap();
     let plan = sched.schedule().unwrap();
-    sched.update(&plan, &model.run(&plan), &[]).unwrap();
+    sched.update(&plan, &model.run(&plan), &[], None).unwrap();
     let cached = sched.stats().num_cached_blocks;
     assert!(cached > 0 || sched.cache().num_locked_blocks() > 0);
     let freed = sched.reset_prefix_cache().unwrap();
@@ -677,4 +705,312 @@ fn reset_prefix_cache_frees_unused_entries_only() {
         "request 2's prefix stays"
     );
     sched.check_integrity().unwrap();
+}
+
+// ---- speculative decoding ----------------------------------------------
+
+/// A small deterministic generator for test-side choices.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+}
+
+/// A draft model stand-in: each draft is the fake model's true next token
+/// with probability `accept_percent`, else another token; written into the
+/// plan as a draft model's proposals are.
+fn oracle_drafter(
+    seed: u64,
+    accept_percent: u64,
+) -> impl FnMut(&Scheduler, &mut BatchPlan) -> Vec<u32> {
+    let mut rng = Lcg(seed);
+    move |sched, plan| {
+        let mut drafts = Vec::new();
+        for row in 0..plan.num_reqs() {
+            let d = plan.num_draft_tokens[row] as usize;
+            if d == 0 {
+                continue;
+            }
+            let mut context = sched.request(plan.req_ids[row]).unwrap().tokens.clone();
+            let start = plan.query_start_loc[row] as usize + 1;
+            for i in 0..d {
+                let truth = FakeModel::next_token(&context);
+                let token = if rng.chance(accept_percent) {
+                    truth
+                } else {
+                    (truth + 1 + rng.next() as u32 % (VOCAB as u32 - 1)) % VOCAB as u32
+                };
+                context.push(token);
+                plan.input_ids[start + i] = token as i64;
+                drafts.push(token);
+            }
+        }
+        drafts
+    }
+}
+
+fn spec_config(method: SpecMethod, num_tokens: usize, adaptive: bool) -> Option<SpecConfig> {
+    Some(SpecConfig {
+        method,
+        num_tokens,
+        adaptive,
+        disable_by_batch_size: None,
+    })
+}
+
+/// Runs a workload with speculation; every request must end exactly as it
+/// does alone without speculation, and every block must come back.
+fn check_spec_workload(
+    w: &Workload,
+    cfg: SchedulerConfig,
+    drafter: Option<Drafter<'_>>,
+) -> SpecStats {
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let mut aborted = std::collections::HashSet::new();
+    let last_arrival = w.requests.iter().map(|r| r.2).max().unwrap_or(0);
+    let mut on_step = |s: &mut Scheduler, step: usize| {
+        for (i, (prompt, p, arrival)) in w.requests.iter().enumerate() {
+            if *arrival == step {
+                s.add_request(i as u64, prompt, p.clone()).unwrap();
+            }
+        }
+        for &(at, i) in &w.aborts {
+            if at == step && s.abort(i as u64).unwrap() {
+                aborted.insert(i as u64);
+            }
+        }
+    };
+    let finished = drive_with(&mut sched, &mut model, last_arrival, &mut on_step, drafter);
+    for (i, (prompt, p, _)) in w.requests.iter().enumerate() {
+        let id = i as u64;
+        if aborted.contains(&id) {
+            continue;
+        }
+        let alone = run_alone_within(prompt, p.clone(), cfg.max_model_len);
+        assert_eq!(finished[&id], alone, "request {id}");
+    }
+    assert_idle(&sched);
+    sched.stats().spec
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(100))]
+    #[test]
+    fn speculation_gives_the_outputs_of_plain_decoding(
+        w in workload(),
+        external in any::<bool>(),
+        accept_percent in 0u64..101,
+        seed in any::<u64>(),
+        k in 1usize..7,
+        lookup in (1usize..4, 0usize..3),
+        adaptive in any::<bool>(),
+        min_tokens in 0usize..6,
+        caching in any::<bool>(),
+        tight_pool in any::<bool>(),
+        budget in 8usize..40,
+    ) {
+        let mut w = w;
+        for r in &mut w.requests {
+            r.1.min_tokens = min_tokens;
+        }
+        let method = if external {
+            SpecMethod::External
+        } else {
+            SpecMethod::Ngram { min: lookup.0, max: lookup.0 + lookup.1 }
+        };
+        let cfg = SchedulerConfig {
+            enable_prefix_caching: caching,
+            max_model_len: 28,
+            speculation: spec_config(method, k, adaptive),
+            ..config(if tight_pool { 8 } else { 128 }, budget)
+        };
+        let mut drafter = oracle_drafter(seed, accept_percent);
+        let stats = check_spec_workload(&w, cfg, external.then_some(&mut drafter as Drafter<'_>));
+        prop_assert!(stats.num_accepted_tokens <= stats.num_draft_tokens);
+        prop_assert_eq!(stats.accepted_lengths.iter().sum::<u64>(), stats.num_drafts);
+    }
+}
+
+#[test]
+fn speculation_is_exercised_and_accepts_by_pattern() {
+    // The property test above must verify drafts, accept some and reject
+    // some, and preempt in the middle of speculation.
+    let w = Workload {
+        requests: (0..6)
+            .map(|i| {
+                let p = RequestParams {
+                    ignore_eos: true,
+                    ..params(12)
+                };
+                (vec![i + 1; 9], p, 0)
+            })
+            .collect(),
+        aborts: vec![(3, 2)],
+    };
+    for (accept_percent, tight) in [(100, false), (0, false), (60, true)] {
+        let cfg = SchedulerConfig {
+            max_model_len: 28,
+            speculation: spec_config(SpecMethod::External, 4, false),
+            ..config(if tight { 10 } else { 128 }, 32)
+        };
+        let mut drafter = oracle_drafter(7, accept_percent);
+        let mut sched = Scheduler::new(cfg.clone()).unwrap();
+        let stats = check_spec_workload(&w, cfg.clone(), Some(&mut drafter));
+        assert!(stats.num_drafts > 0);
+        match accept_percent {
+            100 => assert_eq!(stats.num_accepted_tokens, stats.num_draft_tokens),
+            0 => assert_eq!(stats.num_accepted_tokens, 0),
+            _ => {
+                assert!(stats.num_accepted_tokens > 0);
+                assert!(stats.num_accepted_tokens < stats.num_draft_tokens);
+                // Preemptions happened with drafts in flight.
+                sched = Scheduler::new(cfg).unwrap();
+                let mut model = FakeModel::new(sched.config());
+                for (i, (prompt, p, _)) in w.requests.iter().enumerate() {
+                    sched.add_request(i as u64, prompt, p.clone()).unwrap();
+                }
+                let mut drafter = oracle_drafter(7, accept_percent);
+                drive_with(
+                    &mut sched,
+                    &mut model,
+                    0,
+                    &mut |_, _| {},
+                    Some(&mut drafter),
+                );
+                assert!(sched.stats().num_preemptions > 0);
+            }
+        }
+        assert_idle(&sched);
+    }
+}
+
+/// A model that repeats the last `period` tokens forever.
+fn periodic_run(plan: &BatchPlan, tokens_of: impl Fn(u64) -> Vec<u32>, period: usize) -> Vec<u32> {
+    plan.sample_rows
+        .iter()
+        .zip(&plan.logits_indices)
+        .map(|(&row, &index)| {
+            let row = row as usize;
+            let mut context = tokens_of(plan.req_ids[row]);
+            let pos = plan.positions[index as usize] as usize;
+            let start = plan.query_start_loc[row] as usize;
+            context.truncate(plan.num_computed_tokens[row] as usize);
+            context.extend(
+                plan.input_ids[start..=index as usize]
+                    .iter()
+                    .map(|&t| t as u32),
+            );
+            assert_eq!(context.len(), pos + 1);
+            context[context.len() - period]
+        })
+        .collect()
+}
+
+#[test]
+fn ngram_drafts_of_repeated_text_are_accepted_and_stop_rules_hold() {
+    let cfg = SchedulerConfig {
+        max_model_len: 64,
+        speculation: spec_config(SpecMethod::Ngram { min: 1, max: 3 }, 5, false),
+        ..config(64, 64)
+    };
+    let mut sched = Scheduler::new(cfg).unwrap();
+    let prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4];
+    sched
+        .add_request(
+            1,
+            &prompt,
+            RequestParams {
+                max_tokens: 22,
+                ..params(0)
+            },
+        )
+        .unwrap();
+    // A stop token inside a run of accepted drafts ends the request there.
+    let stop = RequestParams {
+        stop_token_ids: vec![6],
+        min_tokens: 3,
+        ..params(30)
+    };
+    sched.add_request(2, &prompt, stop).unwrap();
+    let mut outputs: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    let mut steps = 0;
+    while sched.has_unfinished() {
+        let plan = sched.schedule().unwrap();
+        let tokens_of = |id| sched.request(id).unwrap().tokens.clone();
+        let sampled = periodic_run(&plan, tokens_of, 4);
+        let events = sched.update(&plan, &sampled, &[], None).unwrap();
+        sched.check_integrity().unwrap();
+        for i in 0..events.len() {
+            outputs
+                .entry(events.req_ids[i])
+                .or_default()
+                .push(events.token_ids[i] as u32);
+        }
+        steps += 1;
+    }
+    let cycle = [5, 6, 3, 4];
+    let expect: Vec<u32> = (0..22).map(|i| cycle[i % 4]).collect();
+    assert_eq!(outputs[&1], expect);
+    // 6 at outputs 2 and 6: the first is before min_tokens.
+    assert_eq!(outputs[&2], vec![5, 6, 3, 4, 5, 6]);
+    assert!(steps <= 7, "{steps} steps for 22 tokens");
+    let stats = sched.stats().spec;
+    assert!(stats.num_accepted_tokens >= 15, "{stats:?}");
+    assert_idle(&sched);
+}
+
+#[test]
+fn drafts_respect_max_tokens_budget_and_batch_size() {
+    let spec = SpecConfig {
+        method: SpecMethod::External,
+        num_tokens: 8,
+        adaptive: false,
+        disable_by_batch_size: Some(1),
+    };
+    let cfg = SchedulerConfig {
+        speculation: Some(spec),
+        ..config(64, 64)
+    };
+    let mut sched = Scheduler::new(cfg).unwrap();
+    sched.add_request(1, &[1, 2, 3], params(4)).unwrap();
+    let plan = sched.schedule().unwrap();
+    sched.update(&plan, &[7], &[], None).unwrap();
+    let plan = sched.schedule().unwrap();
+    // Three output tokens left: two drafts and the token after them.
+    assert_eq!(plan.num_draft_tokens, vec![2]);
+    assert_eq!(plan.num_tokens(), 3);
+    assert!(
+        sched.update(&plan, &[1, 2, 3], &[], Some(&[9])).is_err(),
+        "draft count"
+    );
+    let events = sched.update(&plan, &[1, 2, 3], &[], Some(&[1, 5])).unwrap();
+    assert_eq!(
+        events.token_ids,
+        vec![1, 2],
+        "the first draft kept, the second replaced"
+    );
+    assert_eq!(sched.request(1).unwrap().num_computed_tokens, 5);
+    // Two requests running: over disable_by_batch_size.
+    let mut sched = Scheduler::new(sched.config().clone()).unwrap();
+    sched.add_request(1, &[1, 2, 3], params(9)).unwrap();
+    sched.add_request(2, &[1, 2, 4], params(9)).unwrap();
+    for _ in 0..3 {
+        let plan = sched.schedule().unwrap();
+        assert_eq!(plan.num_drafts_total, 0);
+        let out = vec![7; plan.sample_rows.len()];
+        sched.update(&plan, &out, &[], None).unwrap();
+    }
+    sched.abort(2).unwrap();
+    let plan = sched.schedule().unwrap();
+    assert_eq!(plan.num_drafts_total, 5, "alone again: 9 - 3 - 1 drafts");
 }

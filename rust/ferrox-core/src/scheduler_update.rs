@@ -14,11 +14,19 @@ impl Scheduler {
     /// EOS / stop token ids / length, and finishes the requests the caller
     /// stopped (a stop string matched). Rows of requests aborted since the
     /// plan was made are skipped.
+    ///
+    /// A row with drafts sampled each of its `1 + d` positions: its tokens
+    /// are the samples up to and including the first that differs from its
+    /// draft, each checked against the stop rules in turn; its KV beyond
+    /// them is given up (rewritten by later steps, never cached).
+    /// `drafts`: the caller's draft tokens, rows in order, for a plan whose
+    /// drafts the caller proposed (None: the scheduler's own).
     pub fn update(
         &mut self,
         plan: &BatchPlan,
         sampled: &[u32],
         finished_externally: &[u64],
+        drafts: Option<&[u32]>,
     ) -> Result<StepEvents> {
         if self.outstanding_step != Some(plan.step_id) {
             return Err(CoreError::PlanMismatch(format!(
@@ -33,47 +41,73 @@ impl Scheduler {
                 sampled.len()
             )));
         }
-        if let Some(&bad) = sampled
-            .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
+        let drafts = drafts.unwrap_or(&plan.draft_tokens);
+        if drafts.len() != plan.num_drafts_total {
             return Err(CoreError::InvalidArgument(format!(
-                "sampled token {bad} is outside the vocabulary [0, {})",
-                self.config.vocab_size
+                "expected {} draft tokens, got {}",
+                plan.num_drafts_total,
+                drafts.len()
+            )));
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&bad) = sampled.iter().chain(drafts).find(|&&t| t as usize >= vocab) {
+            return Err(CoreError::InvalidArgument(format!(
+                "sampled or draft token {bad} is outside the vocabulary [0, {vocab})"
             )));
         }
         self.outstanding_step = None;
-        let live = |s: &Self, row: usize| -> bool {
-            let slot = plan.slots[row];
-            matches!(s.slots.get(slot), Some(Some(r)) if r.id == plan.req_ids[row]
-                && r.status == RequestStatus::Running)
-        };
-        for row in 0..plan.num_reqs() {
-            if !live(self, row) {
-                continue;
-            }
-            let slot = plan.slots[row];
-            let n = plan.num_scheduled_tokens[row] as usize;
-            self.req_mut(slot).num_computed_tokens += n;
-            if n > 1 && self.config.enable_prefix_caching {
-                self.share_computed_blocks(slot)?;
-            }
-        }
         let stopped: FxHashSet<u64> = finished_externally.iter().copied().collect();
         let mut events = StepEvents::default();
-        for (&row, &token) in plan.sample_rows.iter().zip(sampled) {
-            let row = row as usize;
-            if !live(self, row) {
+        let (mut cursor, mut draft_cursor) = (0, 0);
+        for row in 0..plan.num_reqs() {
+            let d = plan.num_draft_tokens[row] as usize;
+            let num_samples = if plan.sample_rows.get(cursor) == Some(&(row as i32)) {
+                1 + d
+            } else {
+                0
+            };
+            let samples = &sampled[cursor..cursor + num_samples];
+            let row_drafts = &drafts[draft_cursor..draft_cursor + d];
+            cursor += num_samples;
+            draft_cursor += d;
+            let slot = plan.slots[row];
+            let live = matches!(self.slots.get(slot), Some(Some(r)) if r.id == plan.req_ids[row]
+                && r.status == RequestStatus::Running);
+            if !live {
                 continue;
             }
-            let slot = plan.slots[row];
-            let max_model_len = self.config.max_model_len;
+            let n = plan.num_scheduled_tokens[row] as usize;
+            if d == 0 {
+                self.req_mut(slot).num_computed_tokens += n;
+                if n > 1 && self.config.enable_prefix_caching {
+                    self.share_computed_blocks(slot)?;
+                }
+                if let Some(&token) = samples.first() {
+                    self.append(slot, token, &stopped, &mut events)?;
+                }
+                continue;
+            }
+            let accepted = samples
+                .iter()
+                .zip(row_drafts)
+                .take_while(|(s, d)| s == d)
+                .count();
+            self.spec_stats.record(d, accepted);
             let req = self.req_mut(slot);
-            req.tokens.push(token);
-            let reason = finish_reason(req, token, stopped.contains(&req.id), max_model_len);
-            events.push(req.id, Some(token), reason);
-            if reason.is_some() {
-                self.remove_request(slot)?;
+            req.spec.observe(d, accepted);
+            req.draft.clear();
+            let mut finished = false;
+            for &token in &samples[..=accepted] {
+                // Everything before the new token is computed.
+                let req = self.req_mut(slot);
+                req.num_computed_tokens = req.num_tokens();
+                if self.append(slot, token, &stopped, &mut events)? {
+                    finished = true;
+                    break;
+                }
+            }
+            if !finished && self.config.enable_prefix_caching {
+                self.share_computed_blocks(slot)?;
             }
         }
         for &id in finished_externally {
@@ -83,6 +117,26 @@ impl Scheduler {
             }
         }
         Ok(events)
+    }
+
+    /// Appends a sampled token to a running request and applies the stop
+    /// rules; returns whether it finished (and was removed).
+    fn append(
+        &mut self,
+        slot: usize,
+        token: u32,
+        stopped: &FxHashSet<u64>,
+        events: &mut StepEvents,
+    ) -> Result<bool> {
+        let max_model_len = self.config.max_model_len;
+        let req = self.req_mut(slot);
+        req.tokens.push(token);
+        let reason = finish_reason(req, token, stopped.contains(&req.id), max_model_len);
+        events.push(req.id, Some(token), reason);
+        if reason.is_some() {
+            self.remove_request(slot)?;
+        }
+        Ok(reason.is_some())
     }
 }
 

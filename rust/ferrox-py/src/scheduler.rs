@@ -2,7 +2,7 @@
 
 use ferrox_core::{
     BatchPlan, Policy, RequestParams, RequestStatus, Scheduler, SchedulerConfig, SchedulerStats,
-    StepEvents,
+    SpecConfig, SpecCost, SpecMethod, StepEvents,
 };
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
@@ -29,12 +29,18 @@ pub struct PyBatchPlan {
     num_tokens: usize,
     #[pyo3(get)]
     num_decodes: usize,
+    /// Draft tokens in the plan (0: no row speculates).
+    #[pyo3(get)]
+    num_drafts_total: usize,
     #[pyo3(get)]
     req_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
     num_scheduled_tokens: Py<PyArray1<i32>>,
     #[pyo3(get)]
     num_computed_tokens: Py<PyArray1<i32>>,
+    /// [B] draft tokens each row verifies (its last positions).
+    #[pyo3(get)]
+    num_draft_tokens: Py<PyArray1<i32>>,
     #[pyo3(get)]
     input_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -68,11 +74,13 @@ impl PyBatchPlan {
             num_reqs,
             num_tokens: plan.num_tokens(),
             num_decodes: plan.num_decodes,
+            num_drafts_total: plan.num_drafts_total,
             req_ids: as_i64(&plan.req_ids).into_pyarray(py).unbind(),
             num_scheduled_tokens: plan.num_scheduled_tokens.clone().into_pyarray(py).unbind(),
             num_computed_tokens: std::mem::take(&mut plan.num_computed_tokens)
                 .into_pyarray(py)
                 .unbind(),
+            num_draft_tokens: plan.num_draft_tokens.clone().into_pyarray(py).unbind(),
             input_ids: std::mem::take(&mut plan.input_ids)
                 .into_pyarray(py)
                 .unbind(),
@@ -131,6 +139,14 @@ pub struct PySchedulerStats {
     prefix_queried_tokens: u64,
     prefix_hit_tokens: u64,
     num_preemptions: u64,
+    /// Verifications (one per request and step that speculated).
+    spec_num_drafts: u64,
+    spec_num_draft_tokens: u64,
+    spec_num_accepted_tokens: u64,
+    /// [a]: verifications that kept exactly a draft tokens.
+    spec_accepted_lengths: Vec<u64>,
+    /// [i]: draft tokens accepted at position i.
+    spec_accepted_per_position: Vec<u64>,
 }
 
 impl From<SchedulerStats> for PySchedulerStats {
@@ -145,6 +161,11 @@ impl From<SchedulerStats> for PySchedulerStats {
             prefix_queried_tokens: s.prefix_queried_tokens,
             prefix_hit_tokens: s.prefix_hit_tokens,
             num_preemptions: s.num_preemptions,
+            spec_num_drafts: s.spec.num_drafts,
+            spec_num_draft_tokens: s.spec.num_draft_tokens,
+            spec_num_accepted_tokens: s.spec.num_accepted_tokens,
+            spec_accepted_lengths: s.spec.accepted_lengths.to_vec(),
+            spec_accepted_per_position: s.spec.accepted_per_position.to_vec(),
         }
     }
 }
@@ -221,9 +242,14 @@ impl PyScheduler {
     #[pyo3(signature = (
         *, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
         vocab_size, enable_prefix_caching = true, enable_chunked_prefill = true,
-        policy = "fcfs", num_speculative_tokens = 0
+        policy = "fcfs", speculative_method = None, num_speculative_tokens = 0,
+        prompt_lookup_min = 1, prompt_lookup_max = 4, spec_adaptive = true,
+        spec_disable_by_batch_size = None
     ))]
     #[allow(clippy::too_many_arguments)]
+    /// `speculative_method`: None (off), "ngram" (the scheduler proposes by
+    /// prompt lookup) or "external" (the caller fills the draft positions
+    /// and passes its drafts to `update`).
     fn new(
         block_size: usize,
         num_blocks: usize,
@@ -234,8 +260,32 @@ impl PyScheduler {
         enable_prefix_caching: bool,
         enable_chunked_prefill: bool,
         policy: &str,
+        speculative_method: Option<&str>,
         num_speculative_tokens: usize,
+        prompt_lookup_min: usize,
+        prompt_lookup_max: usize,
+        spec_adaptive: bool,
+        spec_disable_by_batch_size: Option<usize>,
     ) -> PyResult<Self> {
+        let method = match speculative_method {
+            None => None,
+            Some("ngram") => Some(SpecMethod::Ngram {
+                min: prompt_lookup_min,
+                max: prompt_lookup_max,
+            }),
+            Some("external") => Some(SpecMethod::External),
+            Some(other) => {
+                return Err(invalid_argument(format!(
+                    "speculative_method must be 'ngram' or 'external', got {other:?}"
+                )))
+            }
+        };
+        let speculation = method.map(|method| SpecConfig {
+            method,
+            num_tokens: num_speculative_tokens,
+            adaptive: spec_adaptive,
+            disable_by_batch_size: spec_disable_by_batch_size,
+        });
         let config = SchedulerConfig {
             block_size,
             num_blocks,
@@ -246,7 +296,7 @@ impl PyScheduler {
             enable_prefix_caching,
             enable_chunked_prefill,
             policy: policy.parse::<Policy>().or_raise()?,
-            num_speculative_tokens,
+            speculation,
         };
         Ok(Self {
             inner: Scheduler::new(config).or_raise()?,
@@ -305,15 +355,22 @@ impl PyScheduler {
         PyBatchPlan::new(py, plan)
     }
 
-    #[pyo3(signature = (plan, sampled_token_ids, finished_externally = None))]
+    /// Applies a step: one sampled token per logits index; `draft_token_ids`,
+    /// rows in order, when the caller proposed the plan's drafts.
+    #[pyo3(signature = (plan, sampled_token_ids, finished_externally = None, draft_token_ids = None))]
     fn update(
         &mut self,
         py: Python<'_>,
         plan: PyRef<'_, PyBatchPlan>,
         sampled_token_ids: &Bound<'_, PyAny>,
         finished_externally: Option<&Bound<'_, PyAny>>,
+        draft_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepEvents> {
         let sampled = extract_ids(sampled_token_ids, "sampled_token_ids")?;
+        let drafts = match draft_token_ids {
+            Some(obj) => Some(extract_ids(obj, "draft_token_ids")?),
+            None => None,
+        };
         let finished = match finished_externally {
             Some(obj) => extract_u64s(obj, "finished_externally")?,
             None => Vec::new(),
@@ -322,11 +379,28 @@ impl PyScheduler {
         let inner = &mut self.inner;
         let (events, stats) = py
             .detach(|| -> ferrox_core::Result<_> {
-                let events = inner.update(core, &sampled, &finished)?;
+                let events = inner.update(core, &sampled, &finished, drafts.as_deref())?;
                 Ok((events, inner.stats()))
             })
             .or_raise()?;
         PyStepEvents::new(py, events, stats)
+    }
+
+    /// The measured step cost adaptive speculation weighs drafts by: seconds
+    /// per step, per token in it, and per draft token proposed.
+    fn set_spec_cost(
+        &mut self,
+        step_seconds: f64,
+        token_seconds: f64,
+        draft_seconds: f64,
+    ) -> PyResult<()> {
+        self.inner
+            .set_spec_cost(SpecCost {
+                step_seconds,
+                token_seconds,
+                draft_seconds,
+            })
+            .or_raise()
     }
 
     /// Drops every cached prefix no request uses; returns the blocks freed.
@@ -389,6 +463,9 @@ impl PyScheduler {
         d.set_item("num_prefix_hit_tokens", req.num_prefix_hit_tokens)?;
         d.set_item("num_preemptions", req.num_preemptions)?;
         d.set_item("num_blocks", req.block_table.len())?;
+        d.set_item("spec_accept_rate", req.spec.accept_rate)?;
+        d.set_item("spec_num_draft_tokens", req.spec.num_draft_tokens)?;
+        d.set_item("spec_num_accepted_tokens", req.spec.num_accepted_tokens)?;
         Ok(Some(d))
     }
 

@@ -1,0 +1,124 @@
+"""The engine's side of speculative decoding: the sampling rows of a
+verification, and the step-cost model that adaptive speculation weighs
+draft tokens by.
+
+A row that verifies d drafts samples d + 1 positions. Position j is sampled
+as if drafts 1..j were already output: a `DraftView` of the sequence with
+those tokens appended, so that penalties, min_tokens, seeds (keyed by
+output position), grammar masks and logprobs are those plain decoding would
+use at that position. The scheduler keeps the samples up to the first that
+differs from its draft: for single-token proposals that is exact rejection
+sampling, and a seeded request gives the same tokens with or without
+speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ferrox._native import BatchPlan, Scheduler
+from ferrox.runner.sampling_batch import PenaltyState
+from ferrox.sampling_params import SamplingParams
+
+# Steps between two updates of the scheduler's cost model.
+COST_UPDATE_INTERVAL = 8
+# Weight of older steps in the cost fit (per step).
+COST_DECAY = 0.97
+# Steps measured before the first fit.
+COST_WARMUP = 16
+
+
+@dataclass
+class DraftView:
+    """A sequence as it would be after its first j drafts (for sampling)."""
+
+    params: SamplingParams
+    seed: int | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    min_tokens_blocked_ids: list[int]
+    penalty_state: PenaltyState | None = None  # counted afresh for the view
+    grammar: Any = None
+
+
+def row_drafts(plan: BatchPlan) -> dict[int, np.ndarray]:
+    """Each speculating row's draft tokens (from the plan's input ids)."""
+    qsl = plan.query_start_loc
+    out = {}
+    for row in np.flatnonzero(plan.num_draft_tokens).tolist():
+        d = int(plan.num_draft_tokens[row])
+        end = int(qsl[row + 1])
+        out[row] = plan.input_ids[end - d : end]
+    return out
+
+
+def sampling_rows(plan: BatchPlan, seqs: Sequence[Any]) -> tuple[list[Any], list[list[int]]]:
+    """The rows to sample, one per logits index: a speculating sequence's
+    first position is the sequence itself, its j-th a DraftView; and, per
+    row, the drafts the view has consumed (for grammar masks)."""
+    drafts = row_drafts(plan)
+    rows: list[Any] = []
+    prefixes: list[list[int]] = []
+    previous = -1
+    j = 0
+    for seq, row in zip(seqs, plan.sample_rows.tolist(), strict=True):
+        j = j + 1 if row == previous else 0
+        previous = row
+        if j == 0:
+            rows.append(seq)
+            prefixes.append([])
+            continue
+        prefix = drafts[row][:j].tolist()
+        rows.append(
+            DraftView(
+                params=seq.params,
+                seed=seq.seed,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids + prefix,
+                min_tokens_blocked_ids=seq.min_tokens_blocked_ids,
+            )
+        )
+        prefixes.append(prefix)
+    return rows, prefixes
+
+
+@dataclass
+class StepCostModel:
+    """Fits step time = a + b * tokens over recent steps (exponentially
+    weighted least squares) and tells the scheduler, with the draft model's
+    seconds per draft token, every few steps."""
+
+    scheduler: Scheduler
+    _sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # w, wx, wy, wxx, wxy
+    _steps: int = 0
+    draft_seconds: float = 0.0  # per draft token (EMA), 0 for n-gram
+    fitted: tuple[float, float] | None = None
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        x, y = float(num_tokens), seconds
+        self._sums *= COST_DECAY
+        self._sums += (1.0, x, y, x * x, x * y)
+        self._steps += 1
+        if self._steps >= COST_WARMUP and self._steps % COST_UPDATE_INTERVAL == 0:
+            self._refit()
+
+    def observe_drafts(self, num_drafts: int, seconds: float) -> None:
+        if num_drafts:
+            per = seconds / num_drafts
+            self.draft_seconds = (
+                per if not self.draft_seconds else 0.9 * self.draft_seconds + 0.1 * per
+            )
+
+    def _refit(self) -> None:
+        w, sx, sy, sxx, sxy = self._sums
+        var = sxx * w - sx * sx
+        if var <= 1e-9 * w * w:  # every step had the same size: no slope to learn
+            return
+        b = max((sxy * w - sx * sy) / var, 0.0)
+        a = max((sy - b * sx) / w, 0.0)
+        self.fitted = (a, b)
+        self.scheduler.set_spec_cost(a, b, self.draft_seconds)
