@@ -25,11 +25,9 @@ from ferrox.runner.sampling_batch import PenaltyState
 from ferrox.sampling_params import SamplingParams
 
 # Steps between two updates of the scheduler's cost model.
-COST_UPDATE_INTERVAL = 8
+COST_UPDATE_INTERVAL = 4
 # Weight of older steps in the cost fit (per step).
 COST_DECAY = 0.97
-# Steps measured before the first fit.
-COST_WARMUP = 16
 
 
 @dataclass
@@ -90,7 +88,9 @@ def sampling_rows(plan: BatchPlan, seqs: Sequence[Any]) -> tuple[list[Any], list
 class StepCostModel:
     """Fits step time = a + b * tokens over recent steps (exponentially
     weighted least squares) and tells the scheduler, with the draft model's
-    seconds per draft token, every few steps."""
+    seconds per draft token, every few steps. Until the steps' sizes have
+    varied enough to give a slope, a is the mean step time and b is 0: n-gram
+    drafts then look free, a draft model's cost counts from its first step."""
 
     scheduler: Scheduler
     _sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # w, wx, wy, wxx, wxy
@@ -103,22 +103,24 @@ class StepCostModel:
         self._sums *= COST_DECAY
         self._sums += (1.0, x, y, x * x, x * y)
         self._steps += 1
-        if self._steps >= COST_WARMUP and self._steps % COST_UPDATE_INTERVAL == 0:
+        if self._steps % COST_UPDATE_INTERVAL == 0:
             self._refit()
 
     def observe_drafts(self, num_drafts: int, seconds: float) -> None:
         if num_drafts:
             per = seconds / num_drafts
             self.draft_seconds = (
-                per if not self.draft_seconds else 0.9 * self.draft_seconds + 0.1 * per
+                per if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * per
             )
+            if self.fitted is None:  # the draft's cost matters from the first step
+                self._refit()
 
     def _refit(self) -> None:
         w, sx, sy, sxx, sxy = self._sums
-        var = sxx * w - sx * sx
-        if var <= 1e-9 * w * w:  # every step had the same size: no slope to learn
+        if w <= 0:
             return
-        b = max((sxy * w - sx * sy) / var, 0.0)
+        var = sxx * w - sx * sx
+        b = max((sxy * w - sx * sy) / var, 0.0) if var > 1e-6 * w * w else 0.0
         a = max((sy - b * sx) / w, 0.0)
         self.fitted = (a, b)
         self.scheduler.set_spec_cost(a, b, self.draft_seconds)

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from ferrox.config import EngineConfig
 from ferrox.errors import ModelLoadError
 from ferrox.layers.attention import get_attention_backend
+from ferrox.layers.cpu_linear import pack_linear_layers
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
 from ferrox.loader.gguf import load_gguf, load_gguf_tokenizer
 from ferrox.loader.hub import resolve_model_path
@@ -61,6 +62,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
                 for name, t in weights
             )
     model.eval()
+    if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32:
+        pack_linear_layers(model)  # weights in oneDNN's layout (see cpu_linear.py)
     return LoadedModel(
         hf_config=hf_config,
         model=model,

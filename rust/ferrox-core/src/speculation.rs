@@ -16,7 +16,7 @@ use crate::config::MAX_SPECULATIVE_TOKENS;
 /// token again, so that its acceptance estimate can recover.
 pub const PROBE_INTERVAL: u32 = 16;
 /// Weight of one verified position in a request's acceptance estimate.
-const ACCEPT_RATE_WEIGHT: f32 = 0.15;
+const ACCEPT_RATE_WEIGHT: f32 = 0.2;
 /// A new request's acceptance estimate.
 pub const INITIAL_ACCEPT_RATE: f32 = 0.6;
 
@@ -109,8 +109,9 @@ impl Default for SpecState {
 impl SpecState {
     /// How many of `available` draft tokens to verify: the longest prefix
     /// whose every position is accepted with probability at least
-    /// `threshold` (`accept_rate^j`); one token every `PROBE_INTERVAL` steps
-    /// when that is none.
+    /// `threshold` (`accept_rate^j`); when that is none, one token every
+    /// `PROBE_INTERVAL` steps, unless not even a sure draft would pay
+    /// (threshold >= 1).
     pub fn draft_length(&mut self, available: usize, threshold: f64) -> usize {
         if available == 0 {
             return 0;
@@ -125,7 +126,7 @@ impl SpecState {
             }
             len += 1;
         }
-        if len == 0 {
+        if len == 0 && threshold < 1.0 {
             self.steps_without += 1;
             if self.steps_without >= PROBE_INTERVAL {
                 self.steps_without = 0;

@@ -35,26 +35,27 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_table_cpu: np.ndarray | None = None  # [B, W] int32, host copy
-    _row_split: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    _row_split: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
 
-    def row_split(self) -> tuple[np.ndarray, np.ndarray]:
-        """(rows with one query token, rows with several), int32.
+    def row_split(self, max_short: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(rows with at most `max_short` query tokens, the other rows), int32.
 
-        Single-token rows (decodes) suit a kernel that streams each row's
-        cached keys once; multi-token rows (prefill chunks, with or without a
-        cached prefix) suit matrix-multiply attention."""
-        if self._row_split is None:
+        Short rows (decodes, a speculative verification's few positions) suit
+        a kernel that streams each row's cached keys; long rows (prefill
+        chunks) suit matrix-multiply attention."""
+        if self._row_split is None or self._row_split[0] != max_short:
             num_sched = np.diff(self.query_start_loc_cpu)
-            single = num_sched == 1
+            short = num_sched <= max_short
             self._row_split = (
-                np.flatnonzero(single).astype(np.int32),
-                np.flatnonzero(~single).astype(np.int32),
+                max_short,
+                np.flatnonzero(short).astype(np.int32),
+                np.flatnonzero(~short).astype(np.int32),
             )
-        return self._row_split
+        return self._row_split[1], self._row_split[2]
 
 
 class AttentionBackend(ABC):

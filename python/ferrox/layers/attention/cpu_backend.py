@@ -1,7 +1,7 @@
-"""CPU attention: a Rust kernel reads the paged cache in place (each cached
-key and value once per request and KV head) for single-token rows (decodes);
-prefill chunks use torch's matrix-multiply attention (fused causal attention
-for fresh prompts, a gathered context and a mask after a cached prefix).
+"""CPU attention: a Rust kernel reads the paged cache in place for rows of
+a few query tokens (decodes, speculative verifications); longer prefill
+chunks use torch's matrix-multiply attention (fused causal attention for
+fresh prompts, a gathered context and a mask after a cached prefix).
 Float32 only; other dtypes fall back to the torch backend."""
 
 import torch
@@ -10,6 +10,11 @@ from ferrox._native import paged_attention_cpu
 from ferrox.layers.attention.base import AttentionMetadata
 from ferrox.layers.attention.torch_backend import TorchAttentionBackend, store_kv
 from ferrox.layers.cpu_kernels import kernel_threads
+
+# Rows of at most this many query tokens go to the paged kernel: it reads the
+# cached keys once per query token, cheaper than gathering the context for
+# matrix-multiply attention while the queries are few.
+SHORT_QUERY_LEN = 17
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -37,7 +42,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, H, D]
-        single_rows, chunk_rows = meta.row_split()
+        single_rows, chunk_rows = meta.row_split(SHORT_QUERY_LEN)
         if len(single_rows):
             paged_attention_cpu(
                 out.numpy(),
