@@ -351,7 +351,7 @@ def main() -> None:
     if "single" in args.parts:
         results["single"] = single(args.repeats, args.max_tokens)
     if "crossover" in args.parts:
-        results["crossover"] = crossover(args.streams, 96, 1)
+        results["crossover"] = crossover(args.streams, 96, args.repeats)
     if "draft" in args.parts:
         results["draft"] = draft(96, [1, 8], args.repeats)
     if "serve" in args.parts:

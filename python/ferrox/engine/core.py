@@ -412,7 +412,7 @@ class EngineCore:
             start = time.perf_counter()
             result = self._run_plan(plan)
             self.spec_cost.observe(
-                plan.num_tokens, time.perf_counter() - start - self._draft_seconds
+                plan.num_tokens, plan.num_sampled, time.perf_counter() - start - self._draft_seconds
             )
             return result
         except Exception as exc:

@@ -86,22 +86,30 @@ def sampling_rows(plan: BatchPlan, seqs: Sequence[Any]) -> tuple[list[Any], list
 
 @dataclass
 class StepCostModel:
-    """Fits step time = a + b * tokens over recent steps (exponentially
-    weighted least squares) and tells the scheduler, with the draft model's
-    seconds per draft token, every few steps. Until the steps' sizes have
-    varied enough to give a slope, a is the mean step time and b is 0: n-gram
-    drafts then look free, a draft model's cost counts from its first step."""
+    """Fits step time = a + b * tokens + c * sampled positions over recent
+    steps (exponentially weighted least squares; a sampled position adds an
+    LM-head row and its sampling) and tells the scheduler every few steps:
+    a, the cost b + c of a token that is sampled (a decode, a draft), and the
+    draft model's seconds per draft token. Until the steps' sizes have varied
+    enough to separate the terms, the fit is the least-norm one (a decode-only
+    history gives a right a + (b + c) N); at first, a is the mean step time
+    and b = c = 0: n-gram drafts then look free, a draft model's cost counts
+    from its first step."""
 
     scheduler: Scheduler
-    _sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # w, wx, wy, wxx, wxy
+    # Weighted moments of (1, tokens, sampled) and of the step time.
+    _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _steps: int = 0
     draft_seconds: float = 0.0  # per draft token (EMA), 0 for n-gram
-    fitted: tuple[float, float] | None = None
+    fitted: tuple[float, float] | None = None  # (a, b + c)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        x, y = float(num_tokens), seconds
-        self._sums *= COST_DECAY
-        self._sums += (1.0, x, y, x * x, x * y)
+    def observe(self, num_tokens: int, num_sampled: int, seconds: float) -> None:
+        x = np.array([1.0, float(num_tokens), float(num_sampled)])
+        self._xx *= COST_DECAY
+        self._xy *= COST_DECAY
+        self._xx += np.outer(x, x)
+        self._xy += x * seconds
         self._steps += 1
         if self._steps % COST_UPDATE_INTERVAL == 0:
             self._refit()
@@ -116,11 +124,13 @@ class StepCostModel:
                 self._refit()
 
     def _refit(self) -> None:
-        w, sx, sy, sxx, sxy = self._sums
+        w = self._xx[0, 0]
         if w <= 0:
             return
-        var = sxx * w - sx * sx
-        b = max((sxy * w - sx * sy) / var, 0.0) if var > 1e-6 * w * w else 0.0
-        a = max((sy - b * sx) / w, 0.0)
-        self.fitted = (a, b)
-        self.scheduler.set_spec_cost(a, b, self.draft_seconds)
+        coef = np.linalg.lstsq(self._xx, self._xy, rcond=1e-9)[0]
+        a, b, c = (float(v) for v in coef)
+        sampled_token = max(b + c, 0.0)
+        if a < 0 or b + c < 0:  # no sensible slope yet: the mean step
+            a, sampled_token = self._xy[0] / w, 0.0
+        self.fitted = (a, sampled_token)
+        self.scheduler.set_spec_cost(a, sampled_token, self.draft_seconds)
