@@ -1,0 +1,83 @@
+"""CPU linear layers: `F.linear` against the oneDNN-packed weights ferrox
+uses (`ferrox.layers.cpu_linear`), at the bundled model's shapes, for the row
+counts of a decode (1), speculative verifications (2-17) and small batches.
+
+    python benches/cpu_linear.py [--repeats 5] [--json FILE]
+
+Prints microseconds per call (median of repeats, min-max) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import ferrox  # noqa: F401 (before torch use: ferrox tunes OpenMP)
+from ferrox.layers.cpu_linear import PackedLinear, packed_linear_supported
+
+# SmolLM2-135M: fused q/k/v, o, fused gate/up, down, LM head.
+SHAPES = {
+    "qkv 576->960": (576, 960),
+    "o 576->576": (576, 576),
+    "gate_up 576->3072": (576, 3072),
+    "down 1536->576": (1536, 576),
+    "lm_head 576->49152": (576, 49152),
+}
+ROWS = (1, 2, 4, 7, 8, 17)
+
+
+def time_call(fn, x: torch.Tensor, seconds: float = 0.2) -> float:
+    fn(x)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn(x)
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not packed_linear_supported():
+        raise SystemExit("this torch build has no oneDNN linear ops")
+    torch.manual_seed(0)
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    print(f"{'layer':20} {'rows':>4} {'F.linear us':>12} {'packed us':>10} {'ratio':>6}")
+    with torch.inference_mode():
+        for name, (k, n) in SHAPES.items():
+            linear = nn.Linear(k, n, bias=False)
+            packed = PackedLinear(linear)
+            for m in ROWS:
+                x = torch.randn(m, k)
+                assert torch.allclose(linear(x), packed(x), rtol=1e-4, atol=1e-4)
+                plain, fast = [], []
+                for _ in range(args.repeats):
+                    plain.append(time_call(linear, x))
+                    fast.append(time_call(packed, x))
+                ratios = [p / f for p, f in zip(plain, fast, strict=True)]
+                row = {
+                    "linear_us": float(np.median(plain)) * 1e6,
+                    "packed_us": float(np.median(fast)) * 1e6,
+                    "ratio": float(np.median(ratios)),
+                    "ratio_min": float(np.min(ratios)),
+                    "ratio_max": float(np.max(ratios)),
+                }
+                result.setdefault(name, {})[str(m)] = row
+                print(
+                    f"{name:20} {m:4d} {row['linear_us']:12.0f} {row['packed_us']:10.0f} "
+                    f"{row['ratio']:5.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
+                )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
