@@ -86,7 +86,7 @@ impl StepEvents {
 }
 
 /// Counters for metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SchedulerStats {
     pub num_running: usize,
     pub num_waiting: usize,

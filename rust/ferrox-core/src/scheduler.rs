@@ -202,7 +202,7 @@ impl Scheduler {
             num_preemptions: 0,
             protected_until: None,
             draft: Vec::new(),
-            spec: SpecState::default(),
+            spec: SpecState::starting_at(self.spec_stats.accept_rate),
         };
         self.next_arrival += 1;
         let key = (self.priority_key(&request), request.arrival);

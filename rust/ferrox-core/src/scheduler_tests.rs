@@ -575,11 +575,22 @@ fn workload() -> impl Strategy<Value = Workload> {
 
 /// Runs the workload; returns how many preemptions it caused.
 fn check_workload(w: &Workload, cfg: SchedulerConfig) -> u64 {
+    check_workload_with(w, cfg, None).num_preemptions
+}
+
+/// Runs the workload (with a draft model's stand-in, if given): every
+/// request not aborted must end exactly as it does alone, without
+/// speculation, and every block must come back. Returns the final counters.
+fn check_workload_with(
+    w: &Workload,
+    cfg: SchedulerConfig,
+    drafter: Option<Drafter<'_>>,
+) -> crate::SchedulerStats {
     let mut sched = Scheduler::new(cfg.clone()).unwrap();
     let mut model = FakeModel::new(&cfg);
     let mut aborted = std::collections::HashSet::new();
     let last_arrival = w.requests.iter().map(|r| r.2).max().unwrap_or(0);
-    let finished = drive_for(&mut sched, &mut model, last_arrival, &mut |s, step| {
+    let mut on_step = |s: &mut Scheduler, step: usize| {
         for (i, (prompt, p, arrival)) in w.requests.iter().enumerate() {
             if *arrival == step {
                 s.add_request(i as u64, prompt, p.clone()).unwrap();
@@ -590,7 +601,8 @@ fn check_workload(w: &Workload, cfg: SchedulerConfig) -> u64 {
                 aborted.insert(i as u64);
             }
         }
-    });
+    };
+    let finished = drive_with(&mut sched, &mut model, last_arrival, &mut on_step, drafter);
     for (i, (prompt, p, _)) in w.requests.iter().enumerate() {
         let id = i as u64;
         if aborted.contains(&id) {
@@ -601,7 +613,7 @@ fn check_workload(w: &Workload, cfg: SchedulerConfig) -> u64 {
         assert_eq!(finished[&id], alone, "request {id}");
     }
     assert_idle(&sched);
-    sched.stats().num_preemptions
+    sched.stats()
 }
 
 proptest! {
@@ -767,42 +779,6 @@ fn spec_config(method: SpecMethod, num_tokens: usize, adaptive: bool) -> Option<
     })
 }
 
-/// Runs a workload with speculation; every request must end exactly as it
-/// does alone without speculation, and every block must come back.
-fn check_spec_workload(
-    w: &Workload,
-    cfg: SchedulerConfig,
-    drafter: Option<Drafter<'_>>,
-) -> SpecStats {
-    let mut sched = Scheduler::new(cfg.clone()).unwrap();
-    let mut model = FakeModel::new(&cfg);
-    let mut aborted = std::collections::HashSet::new();
-    let last_arrival = w.requests.iter().map(|r| r.2).max().unwrap_or(0);
-    let mut on_step = |s: &mut Scheduler, step: usize| {
-        for (i, (prompt, p, arrival)) in w.requests.iter().enumerate() {
-            if *arrival == step {
-                s.add_request(i as u64, prompt, p.clone()).unwrap();
-            }
-        }
-        for &(at, i) in &w.aborts {
-            if at == step && s.abort(i as u64).unwrap() {
-                aborted.insert(i as u64);
-            }
-        }
-    };
-    let finished = drive_with(&mut sched, &mut model, last_arrival, &mut on_step, drafter);
-    for (i, (prompt, p, _)) in w.requests.iter().enumerate() {
-        let id = i as u64;
-        if aborted.contains(&id) {
-            continue;
-        }
-        let alone = run_alone_within(prompt, p.clone(), cfg.max_model_len);
-        assert_eq!(finished[&id], alone, "request {id}");
-    }
-    assert_idle(&sched);
-    sched.stats().spec
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(100))]
     #[test]
@@ -835,7 +811,7 @@ proptest! {
             ..config(if tight_pool { 8 } else { 128 }, budget)
         };
         let mut drafter = oracle_drafter(seed, accept_percent);
-        let stats = check_spec_workload(&w, cfg, external.then_some(&mut drafter as Drafter<'_>));
+        let stats = check_workload_with(&w, cfg, external.then_some(&mut drafter as Drafter<'_>)).spec;
         prop_assert!(stats.num_accepted_tokens <= stats.num_draft_tokens);
         prop_assert_eq!(stats.accepted_lengths.iter().sum::<u64>(), stats.num_drafts);
     }
@@ -865,7 +841,7 @@ fn speculation_is_exercised_and_accepts_by_pattern() {
         };
         let mut drafter = oracle_drafter(7, accept_percent);
         let mut sched = Scheduler::new(cfg.clone()).unwrap();
-        let stats = check_spec_workload(&w, cfg.clone(), Some(&mut drafter));
+        let stats = check_workload_with(&w, cfg.clone(), Some(&mut drafter)).spec;
         assert!(stats.num_drafts > 0);
         match accept_percent {
             100 => assert_eq!(stats.num_accepted_tokens, stats.num_draft_tokens),

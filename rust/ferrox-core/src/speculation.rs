@@ -17,8 +17,11 @@ use crate::config::MAX_SPECULATIVE_TOKENS;
 pub const PROBE_INTERVAL: u32 = 16;
 /// Weight of one verified position in a request's acceptance estimate.
 const ACCEPT_RATE_WEIGHT: f32 = 0.2;
-/// A new request's acceptance estimate.
+/// The acceptance estimate before any verification.
 pub const INITIAL_ACCEPT_RATE: f32 = 0.6;
+/// Weight of one verified position in the engine-wide acceptance estimate,
+/// which a new request starts from.
+const GLOBAL_ACCEPT_RATE_WEIGHT: f32 = 0.02;
 /// A draft position must be expected to return this many times its modelled
 /// cost: the linear step-cost model underprices verification positions in
 /// large batches (measured at 16-32 streams, `benches/speculative.py`).
@@ -101,16 +104,21 @@ pub struct SpecState {
 
 impl Default for SpecState {
     fn default() -> Self {
+        Self::starting_at(INITIAL_ACCEPT_RATE)
+    }
+}
+
+impl SpecState {
+    /// A new request's state, from the acceptance recently seen engine-wide.
+    pub fn starting_at(accept_rate: f32) -> Self {
         Self {
-            accept_rate: INITIAL_ACCEPT_RATE,
+            accept_rate,
             steps_without: 0,
             num_draft_tokens: 0,
             num_accepted_tokens: 0,
         }
     }
-}
 
-impl SpecState {
     /// How many of `available` draft tokens to verify: the longest prefix
     /// whose every position is accepted with probability at least
     /// `threshold` (`accept_rate^j`); when that is none, one token every
@@ -147,16 +155,22 @@ impl SpecState {
     pub fn observe(&mut self, drafted: usize, accepted: usize) {
         self.num_draft_tokens += drafted as u64;
         self.num_accepted_tokens += accepted as u64;
-        let trials = (accepted + 1).min(drafted);
-        for i in 0..trials {
-            let kept = if i < accepted { 1.0 } else { 0.0 };
-            self.accept_rate += ACCEPT_RATE_WEIGHT * (kept - self.accept_rate);
-        }
+        learn(&mut self.accept_rate, ACCEPT_RATE_WEIGHT, drafted, accepted);
+    }
+}
+
+/// Moves an acceptance estimate toward a verification's outcome: positions
+/// kept count 1, the first refused 0 (the ones after it were not tried).
+fn learn(rate: &mut f32, weight: f32, drafted: usize, accepted: usize) {
+    let trials = (accepted + 1).min(drafted);
+    for i in 0..trials {
+        let kept = if i < accepted { 1.0 } else { 0.0 };
+        *rate += weight * (kept - *rate);
     }
 }
 
 /// Counters of every verification so far.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SpecStats {
     /// Requests verified (one per request and step that speculated).
     pub num_drafts: u64,
@@ -166,10 +180,31 @@ pub struct SpecStats {
     pub accepted_lengths: [u64; MAX_SPECULATIVE_TOKENS + 1],
     /// [i]: draft tokens accepted at position i.
     pub accepted_per_position: [u64; MAX_SPECULATIVE_TOKENS],
+    /// Engine-wide acceptance estimate (per position), a new request's start.
+    pub accept_rate: f32,
+}
+
+impl Default for SpecStats {
+    fn default() -> Self {
+        Self {
+            num_drafts: 0,
+            num_draft_tokens: 0,
+            num_accepted_tokens: 0,
+            accepted_lengths: [0; MAX_SPECULATIVE_TOKENS + 1],
+            accepted_per_position: [0; MAX_SPECULATIVE_TOKENS],
+            accept_rate: INITIAL_ACCEPT_RATE,
+        }
+    }
 }
 
 impl SpecStats {
     pub fn record(&mut self, drafted: usize, accepted: usize) {
+        learn(
+            &mut self.accept_rate,
+            GLOBAL_ACCEPT_RATE_WEIGHT,
+            drafted,
+            accepted,
+        );
         self.num_drafts += 1;
         self.num_draft_tokens += drafted as u64;
         self.num_accepted_tokens += accepted as u64;
