@@ -571,12 +571,19 @@ class EngineCore:
         """After a step that verified drafts: each sequence gains the tokens
         the scheduler kept, in order (with the logprobs of their positions);
         returns the sequences that progressed."""
+        # The first sample index of each request's row.
         first_index: dict[int, int] = {}
-        for i, row in enumerate(plan.sample_rows.tolist()):
-            first_index.setdefault(row, i)
-        row_of = {rid: row for row, rid in enumerate(plan.req_ids.tolist())}
-        num_drafts = plan.num_draft_tokens
-        qsl = plan.query_start_loc
+        for i, rid in enumerate(plan.req_ids[plan.sample_rows].tolist()):
+            first_index.setdefault(rid, i)
+        for rid, d, a in zip(
+            events.verified_ids.tolist(),
+            events.num_drafted.tolist(),
+            events.num_accepted.tolist(),
+            strict=True,
+        ):
+            if (verified := self._seqs.get(rid)) is not None:
+                verified.num_draft_tokens += d
+                verified.num_accepted_tokens += a
         taken: dict[int, int] = {}
         progressed: list[SequenceState] = []
         t_now = None
@@ -584,16 +591,10 @@ class EngineCore:
             seq = self._seqs.get(rid)
             if seq is None or tok < 0:
                 continue
-            row = row_of[rid]
-            start = first_index[row]
+            start = first_index[rid]
             if rid not in taken:
                 taken[rid] = 0
                 progressed.append(seq)
-                if d := int(num_drafts[row]):
-                    proposed = plan.input_ids[int(qsl[row + 1]) - d : int(qsl[row + 1])]
-                    kept = np.cumprod(out.sampled[start : start + d] == proposed)
-                    seq.num_draft_tokens += d
-                    seq.num_accepted_tokens += int(kept.sum())
             seq.output_token_ids.append(tok)
             if len(seq.output_token_ids) == 1:
                 seq.first_token_time = t_now = t_now or now()

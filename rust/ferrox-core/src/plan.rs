@@ -69,6 +69,11 @@ pub struct StepEvents {
     pub token_ids: Vec<i64>,
     /// 0 while running, else `FinishReason as u8`.
     pub finish_reasons: Vec<u8>,
+    /// One entry per request that verified drafts this step: its id, the
+    /// drafts verified and how many were accepted.
+    pub verified_ids: Vec<u64>,
+    pub num_drafted: Vec<u32>,
+    pub num_accepted: Vec<u32>,
 }
 
 impl StepEvents {

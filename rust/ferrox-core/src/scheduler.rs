@@ -125,10 +125,6 @@ impl Scheduler {
         Ok(())
     }
 
-    pub fn spec_cost(&self) -> SpecCost {
-        self.spec_cost
-    }
-
     fn priority_key(&self, req: &Request) -> i64 {
         match self.config.policy {
             Policy::Fcfs => 0,

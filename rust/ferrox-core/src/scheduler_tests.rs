@@ -975,6 +975,10 @@ fn drafts_respect_max_tokens_budget_and_batch_size() {
         vec![1, 2],
         "the first draft kept, the second replaced"
     );
+    assert_eq!(
+        (events.verified_ids, events.num_drafted, events.num_accepted),
+        (vec![1], vec![2], vec![1])
+    );
     assert_eq!(sched.request(1).unwrap().num_computed_tokens, 5);
     // Two requests running: over disable_by_batch_size.
     let mut sched = Scheduler::new(sched.config().clone()).unwrap();

@@ -95,6 +95,9 @@ impl Scheduler {
             self.spec_stats.record(d, accepted);
             let req = self.req_mut(slot);
             req.spec.observe(d, accepted);
+            events.verified_ids.push(req.id);
+            events.num_drafted.push(d as u32);
+            events.num_accepted.push(accepted as u32);
             req.draft.clear();
             let mut finished = false;
             for &token in &samples[..=accepted] {

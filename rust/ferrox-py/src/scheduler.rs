@@ -201,6 +201,13 @@ pub struct PyStepEvents {
     token_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
     finish_reasons: Py<PyArray1<u8>>,
+    /// Per request that verified drafts: its id, drafts verified, accepted.
+    #[pyo3(get)]
+    verified_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    num_drafted: Py<PyArray1<u32>>,
+    #[pyo3(get)]
+    num_accepted: Py<PyArray1<u32>>,
     #[pyo3(get)]
     stats: Py<PySchedulerStats>,
     len: usize,
@@ -213,6 +220,9 @@ impl PyStepEvents {
             req_ids: as_i64(&events.req_ids).into_pyarray(py).unbind(),
             token_ids: events.token_ids.into_pyarray(py).unbind(),
             finish_reasons: events.finish_reasons.into_pyarray(py).unbind(),
+            verified_ids: as_i64(&events.verified_ids).into_pyarray(py).unbind(),
+            num_drafted: events.num_drafted.into_pyarray(py).unbind(),
+            num_accepted: events.num_accepted.into_pyarray(py).unbind(),
             stats: Py::new(py, PySchedulerStats::from(stats))?,
         })
     }
