@@ -505,7 +505,9 @@ class EngineCore:
         drafts = self._propose(plan) if speculating else None
         rows: list[Any] = seqs
         prefixes: list[list[int]] | None = None
-        if speculating:  # a verified position samples as if its drafts were output
+        if speculating and self._features.any():
+            # A verified position samples as if its drafts were output (all-
+            # greedy batches without features read no row: they need no views).
             rows, prefixes = sampling_rows(plan, seqs)
         batch = SamplingBatch.build(rows, self.vocab_size, self.runner.device, self._features)
         if "grammar" in self._features:

@@ -76,6 +76,10 @@ class FeatureCounts:
     def __contains__(self, feature: str) -> bool:
         return self._counts[feature] > 0
 
+    def any(self) -> bool:
+        """Whether a live sequence uses any optional feature."""
+        return any(n > 0 for n in self._counts.values())
+
 
 @dataclass
 class SeededRows:
