@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import dataclasses
 import logging
 import os
 import time
@@ -41,7 +40,7 @@ from ferrox.engine.grammar import GrammarEngine
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, wire_prompt_logprobs
 from ferrox.engine.protocol import PromptLogprobs, SequenceDelta, TokenLogprobs
 from ferrox.engine.sequence import EngineRequest, SequenceState, now
-from ferrox.engine.speculation import StepCostModel, sampling_rows
+from ferrox.engine.speculation import StepCostModel, load_draft_model, sampling_rows
 from ferrox.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
@@ -85,23 +84,6 @@ def is_fatal(exc: BaseException) -> bool:
         return True
     name = type(exc).__name__
     return name == "AcceleratorError" or "CUDA error" in str(exc) or "device-side" in str(exc)
-
-
-def load_draft_model(config: EngineConfig, vocab_size: int) -> LoadedModel:
-    """The draft model of `speculative_config`, on the target's device and dtype."""
-    spec = config.speculation
-    assert spec is not None and spec.model is not None
-    draft_config = dataclasses.replace(
-        config, model=spec.model, load_format=spec.load_format, tokenizer=None
-    )
-    draft = load_model(draft_config)
-    draft_vocab = int(draft.hf_config.vocab_size)
-    if draft_vocab != vocab_size:
-        raise InvalidArgumentError(
-            f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
-            f"({vocab_size}); a draft model must share the target's tokenizer"
-        )
-    return draft
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:

@@ -14,6 +14,7 @@ speculation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,9 @@ from typing import Any
 import numpy as np
 
 from ferrox._native import BatchPlan, Scheduler
+from ferrox.config import EngineConfig
+from ferrox.errors import InvalidArgumentError
+from ferrox.loader.model_loader import LoadedModel, load_model
 from ferrox.runner.sampling_batch import PenaltyState
 from ferrox.sampling_params import SamplingParams
 
@@ -28,6 +32,23 @@ from ferrox.sampling_params import SamplingParams
 COST_UPDATE_INTERVAL = 4
 # Weight of older steps in the cost fit (per step).
 COST_DECAY = 0.97
+
+
+def load_draft_model(config: EngineConfig, vocab_size: int) -> LoadedModel:
+    """The draft model of `speculative_config`, on the target's device and dtype."""
+    spec = config.speculation
+    assert spec is not None and spec.model is not None
+    draft_config = dataclasses.replace(
+        config, model=spec.model, load_format=spec.load_format, tokenizer=None
+    )
+    draft = load_model(draft_config)
+    draft_vocab = int(draft.hf_config.vocab_size)
+    if draft_vocab != vocab_size:
+        raise InvalidArgumentError(
+            f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
+            f"({vocab_size}); a draft model must share the target's tokenizer"
+        )
+    return draft
 
 
 @dataclass
