@@ -19,7 +19,9 @@ __all__ = [
     "__version__",
     "add_rms_norm_cpu",
     "apply_token_bitmask_cpu",
+    "dequantize_rows_cpu",
     "paged_attention_cpu",
+    "quant_matmul_cpu",
     "rotary_in_place_cpu",
 ]
 
@@ -266,4 +268,19 @@ def apply_token_bitmask_cpu(
     logits: npt.NDArray[np.float32],
     rows: npt.NDArray[np.int64],
     bitmask: npt.NDArray[np.int32],
+) -> None: ...
+def quant_matmul_cpu(
+    out: npt.NDArray[np.float32],
+    x: npt.NDArray[np.float32],
+    w: npt.NDArray[np.uint8],
+    bias: npt.NDArray[np.float32] | None,
+    fmt: str,
+    num_threads: int,
+) -> None: ...
+def dequantize_rows_cpu(
+    out: npt.NDArray[np.float32],
+    w: npt.NDArray[np.uint8],
+    fmt: str,
+    rows: npt.NDArray[np.int64],
+    num_threads: int,
 ) -> None: ...

@@ -3,8 +3,15 @@
 
 pub mod elementwise;
 pub mod paged_attention;
+pub mod pool;
+pub mod quant_matmul;
+#[cfg(target_arch = "x86_64")]
+mod quant_matmul_avx2;
 pub mod token_bitmask;
 
 pub use elementwise::{add_rms_norm, rotary_in_place};
 pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
+pub use quant_matmul::{
+    dequantize_rows, quant_matmul, QuantFormat, QuantMatmulArgs, QuantShapeError,
+};
 pub use token_bitmask::{apply_token_bitmask, BitmaskError};

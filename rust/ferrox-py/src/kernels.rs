@@ -1,7 +1,8 @@
 //! CPU kernels over numpy views of torch tensors.
 
 use ferrox_cpu::{
-    add_rms_norm, apply_token_bitmask, paged_attention, rotary_in_place, PagedAttentionArgs,
+    add_rms_norm, apply_token_bitmask, dequantize_rows, paged_attention, quant_matmul,
+    rotary_in_place, PagedAttentionArgs, QuantFormat, QuantMatmulArgs,
 };
 use numpy::{
     PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArray2, PyReadwriteArrayDyn,
@@ -158,5 +159,80 @@ pub fn apply_token_bitmask_cpu(
         .as_slice_mut()
         .map_err(|_| invalid_argument("logits must be C-contiguous".into()))?;
     py.detach(|| apply_token_bitmask(logits, vocab, rows, bitmask, words))
+        .map_err(|e| invalid_argument(e.to_string()))
+}
+
+fn quant_format(name: &str) -> PyResult<QuantFormat> {
+    match name {
+        "q4_1" => Ok(QuantFormat::Q4_1),
+        "q8_0" => Ok(QuantFormat::Q8_0),
+        other => Err(invalid_argument(format!(
+            "unknown block format {other:?}; expected 'q4_1' or 'q8_0'"
+        ))),
+    }
+}
+
+/// `out[M, N] = x[M, K] @ W^T (+ bias)` for a weight `W` kept in a block
+/// format (`w`: [N, K / 32 * block bytes] uint8; see ferrox_cpu::quant_matmul).
+#[pyfunction]
+#[pyo3(signature = (out, x, w, bias, fmt, num_threads))]
+pub fn quant_matmul_cpu(
+    py: Python<'_>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    x: PyReadonlyArray2<'_, f32>,
+    w: PyReadonlyArray2<'_, u8>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    fmt: &str,
+    num_threads: usize,
+) -> PyResult<()> {
+    let fmt = quant_format(fmt)?;
+    let [m, k] = dims::<2>(x.shape(), "x")?;
+    let n = w.shape()[0];
+    let bias = match &bias {
+        Some(b) => Some(contiguous(b.as_slice())?),
+        None => None,
+    };
+    let x = contiguous(x.as_slice())?;
+    let w = contiguous(w.as_slice())?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let args = QuantMatmulArgs {
+        x,
+        w,
+        bias,
+        m,
+        k,
+        n,
+        fmt,
+        num_threads,
+    };
+    py.detach(|| quant_matmul(&args, out))
+        .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// Rows `rows` of a block-format weight (`w`: [N, row bytes] uint8) as
+/// float32 into `out` ([len(rows), K]).
+#[pyfunction]
+pub fn dequantize_rows_cpu(
+    py: Python<'_>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    w: PyReadonlyArray2<'_, u8>,
+    fmt: &str,
+    rows: PyReadonlyArray1<'_, i64>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let fmt = quant_format(fmt)?;
+    let k = out.shape()[1];
+    let rows: Vec<usize> = rows
+        .as_array()
+        .iter()
+        .map(|&r| usize::try_from(r).map_err(|_| invalid_argument(format!("row {r} is negative"))))
+        .collect::<PyResult<_>>()?;
+    let w = contiguous(w.as_slice())?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    py.detach(|| dequantize_rows(w, fmt, k, &rows, out, num_threads))
         .map_err(|e| invalid_argument(e.to_string()))
 }

@@ -27,6 +27,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::rotary_in_place_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::add_rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::quant_matmul_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::dequantize_rows_cpu, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,208 @@
+use super::*;
+use proptest::prelude::*;
+
+/// float16 bits of a positive normal value with a random mantissa and an
+/// exponent in 2^-6 .. 2^-2, with the given sign.
+fn half_bits(exp: u16, frac: u16, negative: bool) -> [u8; 2] {
+    let bits = (u16::from(negative) << 15) | ((exp % 5 + 9) << 10) | (frac & 0x3ff);
+    bits.to_le_bytes()
+}
+
+fn weight_bytes(fmt: QuantFormat, n: usize, k: usize, seed: &[u16]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(n * fmt.row_bytes(k));
+    let mut at = 0;
+    let mut next = || {
+        at += 1;
+        seed[at % seed.len()]
+            .wrapping_mul(40503)
+            .wrapping_add((at as u16).wrapping_mul(7919))
+    };
+    for _ in 0..n * (k / BLOCK) {
+        let (e, f) = (next(), next());
+        bytes.extend(half_bits(e, f, false));
+        match fmt {
+            QuantFormat::Q4_1 => {
+                let (e, f, s) = (next(), next(), next());
+                bytes.extend(half_bits(e, f, s % 2 == 0));
+                bytes.extend((0..16).map(|_| next() as u8));
+            }
+            QuantFormat::Q8_0 => {
+                // -127..=127, as llama.cpp writes them
+                bytes.extend((0..BLOCK).map(|_| ((next() % 255) as i16 - 127) as i8 as u8));
+            }
+        }
+    }
+    bytes
+}
+
+fn dense(fmt: QuantFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0.0; n * k];
+    let rows: Vec<usize> = (0..n).collect();
+    dequantize_rows(w, fmt, k, &rows, &mut out, 1).unwrap();
+    out
+}
+
+/// The kernel's output for `args`, from a NaN-filled buffer (every element
+/// must be written).
+fn run(args: &QuantMatmulArgs) -> Vec<f32> {
+    let mut out = vec![f32::NAN; args.m * args.n];
+    quant_matmul(args, &mut out).unwrap();
+    out
+}
+
+fn case() -> impl Strategy<Value = (usize, usize, usize, Vec<f32>, Vec<u16>, bool, usize)> {
+    (
+        1usize..11,
+        1usize..11,
+        1usize..40,
+        prop::collection::vec(any::<u16>(), 1..64),
+        any::<bool>(),
+        1usize..4,
+    )
+        .prop_flat_map(|(m, kb, n, seed, bias, threads)| {
+            let k = kb * BLOCK;
+            (
+                Just(m),
+                Just(k),
+                Just(n),
+                prop::collection::vec(-4.0f32..4.0, m * k),
+                Just(seed),
+                Just(bias),
+                Just(threads),
+            )
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Against float64 matmuls of the dequantized weights: exact (up to
+    /// float rounding) over the quantized activations, and within the bound
+    /// that quantizing the activations allows over the float activations.
+    #[test]
+    fn quant_matmul_matches_dequantized_reference((m, k, n, x, seed, with_bias, threads) in case()) {
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+            let w = weight_bytes(fmt, n, k, &seed);
+            let wf = dense(fmt, &w, n, k);
+            let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
+            let bias = with_bias.then_some(bias.as_slice());
+            let got = run(&QuantMatmulArgs { x: &x, w: &w, bias, m, k, n, fmt, num_threads: threads });
+            let acts = quantize_activations(&x, k);
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut on_quantized, mut on_float, mut bound, mut magnitude) = (0f64, 0f64, 0f64, 0f64);
+                    for c in 0..k {
+                        let wv = wf[j * k + c] as f64;
+                        let b = (i * k + c) / BLOCK;
+                        on_quantized += wv * acts.q[i * k + c] as f64 * acts.d[b] as f64;
+                        on_float += wv * x[i * k + c] as f64;
+                        bound += wv.abs() * acts.d[b] as f64 / 2.0;
+                        magnitude += (wv * x[i * k + c] as f64).abs();
+                    }
+                    let b = bias.map_or(0.0, |b| b[j] as f64);
+                    let y = got[i * n + j] as f64;
+                    let tol = 1e-5 * (magnitude + bound + b.abs() + 1.0);
+                    prop_assert!((y - on_quantized - b).abs() <= tol,
+                        "{fmt:?} m={m} k={k} n={n} ({i},{j}): {y} vs {}", on_quantized + b);
+                    prop_assert!((y - on_float - b).abs() <= bound + tol,
+                        "{fmt:?} ({i},{j}): {y} vs float {} beyond bound {bound}", on_float + b);
+                }
+            }
+        }
+    }
+
+    /// The vector kernel and the portable one agree, whatever the threads.
+    #[test]
+    fn vector_and_portable_kernels_agree((m, k, n, x, seed, _b, threads) in case()) {
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+            let w = weight_bytes(fmt, n, k, &seed);
+            let args = QuantMatmulArgs { x: &x, w: &w, bias: None, m, k, n, fmt, num_threads: threads };
+            let got = run(&args);
+            let acts = quantize_activations(&x, k);
+            let mut want = vec![0.0; m * n];
+            unsafe { columns_portable(&args, &acts, 0, n, want.as_mut_ptr()) };
+            // Both sum in float32, in different orders: the gap scales with
+            // the terms' magnitudes, not with the (possibly cancelled) result.
+            let wf = dense(fmt, &w, n, k);
+            for i in 0..m {
+                for j in 0..n {
+                    let magnitude: f32 = (0..k)
+                        .map(|c| (wf[j * k + c] * acts.q[i * k + c] as f32 * acts.d[(i * k + c) / BLOCK]).abs())
+                        .sum();
+                    let (a, b) = (got[i * n + j], want[i * n + j]);
+                    prop_assert!((a - b).abs() <= 1e-5 * (1.0 + magnitude), "{fmt:?}: {a} vs {b}");
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// The vector dequantizer gives the portable one's values, for any rows
+    /// (repeats, any order) and threads.
+    #[test]
+    fn dequantize_rows_matches_block_by_block(
+        kb in 1usize..20, n in 1usize..30, seed in prop::collection::vec(any::<u16>(), 1..64),
+        picks in prop::collection::vec(any::<prop::sample::Index>(), 0..40), threads in 1usize..4,
+    ) {
+        let k = kb * BLOCK;
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+            let w = weight_bytes(fmt, n, k, &seed);
+            let rows: Vec<usize> = picks.iter().map(|i| i.index(n)).collect();
+            let mut got = vec![f32::NAN; rows.len() * k];
+            dequantize_rows(&w, fmt, k, &rows, &mut got, threads).unwrap();
+            for (i, &r) in rows.iter().enumerate() {
+                let row = &w[r * fmt.row_bytes(k)..(r + 1) * fmt.row_bytes(k)];
+                let mut want = vec![0.0; k];
+                for b in 0..kb {
+                    dequantize_block(row, fmt, b, &mut want[b * BLOCK..(b + 1) * BLOCK]);
+                }
+                // fma rounds once where the portable code rounds twice
+                for (a, b) in got[i * k..(i + 1) * k].iter().zip(&want) {
+                    prop_assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{fmt:?}: {a} vs {b}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn f16_conversion_covers_every_class() {
+    assert_eq!(f16_to_f32(0x3c00), 1.0);
+    assert_eq!(f16_to_f32(0xc000), -2.0);
+    assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+    assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+    assert_eq!(f16_to_f32(0x7bff), 65504.0);
+    assert!(f16_to_f32(0x7c00).is_infinite());
+    assert!(f16_to_f32(0x7e00).is_nan());
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let w = vec![0u8; 20];
+    let x = vec![0.0; 32];
+    let mut out = vec![0.0; 1];
+    let ok = QuantMatmulArgs {
+        x: &x,
+        w: &w,
+        bias: None,
+        m: 1,
+        k: 32,
+        n: 1,
+        fmt: QuantFormat::Q4_1,
+        num_threads: 1,
+    };
+    assert!(quant_matmul(&ok, &mut out).is_ok());
+    let odd_k = QuantMatmulArgs {
+        k: 30,
+        x: &x[..30],
+        ..ok
+    };
+    assert!(quant_matmul(&odd_k, &mut out).is_err());
+    let short_w = QuantMatmulArgs { w: &w[..19], ..ok };
+    assert!(quant_matmul(&short_w, &mut out).is_err());
+    let mut rows_out = vec![0.0; 32];
+    assert!(dequantize_rows(&w, QuantFormat::Q4_1, 32, &[1], &mut rows_out, 1).is_err());
+}
