@@ -23,7 +23,15 @@ _DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-CPU_KV_CACHE_BYTES = 2 << 30
+# How linear weights are held (see loader/model_loader.py): None keeps a GGUF
+# file's 4- and 8-bit blocks as stored (CPU) and loads other checkpoints in
+# `dtype`; "gguf" says the same of a GGUF file explicitly; "q8_0" / "q4_1"
+# quantize every linear layer at load; "none" dequantizes to `dtype`.
+QUANTIZATIONS = (None, "gguf", "q8_0", "q4_1", "none")
+# The CPU KV pool, unless sized explicitly: room for this many tokens or one
+# max_model_len sequence, whichever is more, within CPU_KV_CACHE_MAX_BYTES.
+CPU_KV_CACHE_TOKENS = 16384
+CPU_KV_CACHE_MAX_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class EngineConfig:
     tokenizer: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    quantization: str | None = None  # one of QUANTIZATIONS
     device: str = "auto"  # auto: CUDA when available
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own limit
@@ -119,6 +128,11 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise InvalidArgumentError(
                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError(
+                f"quantization must be one of {QUANTIZATIONS[1:]} (or None), "
+                f"got {self.quantization!r}"
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidArgumentError(

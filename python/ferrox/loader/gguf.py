@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
-from ferrox.loader.gguf_dequant import dequantize_tensor
+from ferrox.loader.gguf_dequant import BlockTensor, block_tensor, dequantize_tensor
 from ferrox.loader.gguf_tokenizer import build_tokenizer
 
 
@@ -32,7 +32,7 @@ class GGUFModel:
     """Everything needed to run a GGUF model with Hugging Face-style model code."""
 
     config: PretrainedConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | BlockTensor]
     tokenizer: PreTrainedTokenizerFast
 
 
@@ -96,8 +96,12 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast
     return build_tokenizer(metadata)
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> GGUFModel:
-    """Read a GGUF file and dequantize all its tensors into `dtype`."""
+def load_gguf(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, keep_blocks: bool = False
+) -> GGUFModel:
+    """Read a GGUF file and dequantize its tensors into `dtype`; with
+    `keep_blocks`, 2-D Q4_0 / Q4_1 / Q8_0 tensors stay in their blocks
+    (BlockTensor)."""
     if not dtype.is_floating_point:
         raise InvalidArgumentError(f"dtype must be a floating point type, got {dtype}")
     path = Path(path)
@@ -118,15 +122,20 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) 
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = _build_config(metadata, tensor_names, arch_name, arch)
 
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor | BlockTensor] = {}
     for tensor in reader.tensors:
         name = _hf_tensor_name(tensor.name, arch)
-        weight = dequantize_tensor(tensor)  # [out_features, in_features] or [features]
+        blocks = block_tensor(tensor) if keep_blocks else None
+        # [out_features, in_features] (uint8 row bytes for blocks) or [features]
+        weight = dequantize_tensor(tensor) if blocks is None else blocks.data
         if arch.is_rotary_interleaved and ".q_proj." in name:
             weight = _unpermute_rotary_rows(weight, config.num_attention_heads)
         elif arch.is_rotary_interleaved and ".k_proj." in name:
             weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
-        state_dict[name] = weight.to(dtype)
+        if blocks is None:
+            state_dict[name] = weight.to(dtype)
+        else:
+            state_dict[name] = BlockTensor(blocks.fmt, weight.contiguous(), blocks.in_features)
     if "model.embed_tokens.weight" not in state_dict:
         raise ModelLoadError(f"{path} has no token embedding tensor (token_embd.weight)")
 

@@ -9,12 +9,58 @@ and torch runs each on its intra-op thread pool: on a small machine that is busy
 its threads wait on each other and loading slows down ten-fold. numpy runs them on one thread.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
 from ferrox.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A weight kept in a block format the CPU kernels read
+    (`ferrox.layers.quant_linear`): `data` is uint8 [out_features, row bytes]."""
+
+    fmt: str  # "q4_1" or "q8_0"
+    data: torch.Tensor
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.in_features)
+
+
+# GGML types the block kernels run, and the block format each loads into.
+BLOCK_FORMATS = {
+    GGMLQuantizationType.Q4_0: "q4_1",
+    GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q8_0: "q8_0",
+}
+
+
+def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
+    """A 2-D Q4_0 / Q4_1 / Q8_0 tensor as stored (Q4_0 rewritten as Q4_1
+    with offset -8 * scale, which is exact); None for any other tensor."""
+    ggml_type = GGMLQuantizationType(tensor.tensor_type)
+    shape = [int(n) for n in reversed(tensor.shape.tolist())]
+    if ggml_type not in BLOCK_FORMATS or len(shape) != 2:
+        return None
+    rows, in_features = shape
+    raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+    if ggml_type == GGMLQuantizationType.Q4_0:
+        blocks = _blocks(raw, 18)
+        scale = blocks[:, :2].view(np.float16)
+        out = np.empty((blocks.shape[0], 20), dtype=np.uint8)
+        out[:, :2] = blocks[:, :2]
+        out[:, 2:4] = (scale * np.float16(-8)).view(np.uint8)
+        out[:, 4:] = blocks[:, 2:]
+    else:
+        out = raw.copy()
+    data = torch.from_numpy(out.reshape(rows, -1))
+    return BlockTensor(BLOCK_FORMATS[ggml_type], data, in_features)
 
 
 def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:

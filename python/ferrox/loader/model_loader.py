@@ -15,13 +15,15 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from ferrox.config import EngineConfig
-from ferrox.errors import ModelLoadError
+from ferrox.errors import InvalidArgumentError, ModelLoadError
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import pack_linear_layers
+from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
 from ferrox.loader.gguf import load_gguf, load_gguf_tokenizer
+from ferrox.loader.gguf_dequant import BlockTensor
 from ferrox.loader.hub import resolve_model_path
-from ferrox.models.llama import LlamaForCausalLM
+from ferrox.models.llama import LlamaForCausalLM, merged_target
 from ferrox.models.registry import resolve_model_class
 
 
@@ -41,27 +43,43 @@ def load_model(config: EngineConfig) -> LoadedModel:
     fmt = config.load_format
     if fmt == "auto":
         fmt = "gguf" if path.suffix == ".gguf" else "safetensors"
+    quantize_to = _check_quantization(config, fmt)
     tokenizer = None
+    plan: dict[str, str] = {}
     if fmt == "gguf" or (fmt == "dummy" and path.suffix == ".gguf"):
-        gguf = load_gguf(path, dtype=config.torch_dtype)
+        keep_blocks = (
+            fmt == "gguf" and config.quantization in (None, "gguf") and _runs_block_kernels(config)
+        )
+        gguf = load_gguf(path, dtype=config.torch_dtype, keep_blocks=keep_blocks)
         hf_config, tokenizer = gguf.config, gguf.tokenizer
-        weights: Iterator[tuple[str, torch.Tensor]] | None = iter(gguf.state_dict.items())
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        plan = block_plan(gguf.state_dict, tied)
+        weights: Iterator[tuple[str, torch.Tensor]] | None = _with_plan(
+            gguf.state_dict, plan, config.torch_dtype
+        )
     else:
         hf_config = _read_config(path)
         weights = _safetensors_weights(path) if fmt == "safetensors" else None
     if config.tokenizer is not None or tokenizer is None:
         source = resolve_model_path(config.tokenizer) if config.tokenizer else path
         tokenizer = _load_tokenizer(source, fmt)
-    model = build_model(hf_config, config)
+    model = build_model(hf_config, config, plan)
     if weights is None:
         init_dummy_weights(model, config.seed)
     else:
         with torch.device(config.torch_device):
             model.load_weights(
-                (name, t.to(device=config.torch_device, dtype=config.torch_dtype))
+                (
+                    name,
+                    t
+                    if t.dtype == torch.uint8  # block-format bytes, as stored
+                    else t.to(device=config.torch_device, dtype=config.torch_dtype),
+                )
                 for name, t in weights
             )
     model.eval()
+    if quantize_to is not None:
+        quantize_linear_layers(model, quantize_to)
     if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32:
         pack_linear_layers(model)  # weights in oneDNN's layout (see cpu_linear.py)
     return LoadedModel(
@@ -84,7 +102,96 @@ def load_tokenizer(config: EngineConfig) -> Any | None:
     return _load_tokenizer(path, config.load_format)
 
 
-def build_model(hf_config: PretrainedConfig, config: EngineConfig) -> LlamaForCausalLM:
+def _runs_block_kernels(config: EngineConfig) -> bool:
+    return config.torch_device.type == "cpu" and config.torch_dtype == torch.float32
+
+
+def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
+    """The block format to quantize float weights into at load, if any."""
+    q = config.quantization
+    if q == "gguf" and fmt not in ("gguf", "dummy"):
+        raise InvalidArgumentError("quantization='gguf' needs a GGUF model file")
+    if q in ("q8_0", "q4_1"):
+        if not _runs_block_kernels(config):
+            raise InvalidArgumentError(
+                f"quantization={q!r} runs on the CPU in float32 (device cpu, dtype float32); "
+                f"got device {config.torch_device.type}, dtype {config.torch_dtype}"
+            )
+        return q
+    return None
+
+
+def block_plan(state: dict[str, torch.Tensor | BlockTensor], tied: bool) -> dict[str, str]:
+    """Model modules (our names) that keep block-format weights, and their
+    format: those whose every tensor part is in one block format. The merged
+    q/k/v and gate/up projections need all their parts alike; a tied LM head
+    follows the embedding."""
+    parts: dict[str, set[str | None]] = {}
+    for name, t in state.items():
+        if not name.endswith(".weight"):
+            continue
+        target, _ = merged_target(name)
+        module = target.removeprefix("model.").removesuffix(".weight")
+        parts.setdefault(module, set()).add(t.fmt if isinstance(t, BlockTensor) else None)
+    plan: dict[str, str] = {}
+    for module, formats in parts.items():
+        (fmt,) = formats if len(formats) == 1 else (None,)
+        if fmt is not None:
+            plan[module] = fmt
+    if tied and "embed_tokens" in plan:
+        plan["lm_head"] = plan["embed_tokens"]
+    return plan
+
+
+def _with_plan(
+    state: dict[str, torch.Tensor | BlockTensor], plan: dict[str, str], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Block tensors of planned modules as their bytes; the others dense."""
+    for name, t in state.items():
+        if isinstance(t, BlockTensor):
+            target, _ = merged_target(name)
+            module = target.removeprefix("model.").removesuffix(".weight")
+            if module in plan:
+                yield name, t.data
+            else:
+                yield name, dequantize(t.data, t.fmt, t.in_features).to(dtype)
+        else:
+            yield name, t
+
+
+def quantize_linear_layers(model: torch.nn.Module, fmt: str) -> int:
+    """Replaces every float `nn.Linear` with a QuantLinear in `fmt`."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, QuantLinear.from_linear(child, fmt))
+    return len(targets)
+
+
+def _use_blocks(model: torch.nn.Module, plan: dict[str, str]) -> None:
+    """Swaps the planned modules (still on the meta device) for block-format ones."""
+    for path, fmt in plan.items():
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        old = getattr(parent, attr)
+        if isinstance(old, torch.nn.Linear):
+            new: torch.nn.Module = QuantLinear(
+                old.in_features, old.out_features, old.bias is not None, fmt
+            )
+        elif isinstance(old, torch.nn.Embedding):
+            new = QuantEmbedding(old.num_embeddings, old.embedding_dim, fmt)
+        else:
+            raise ModelLoadError(f"{path} cannot hold block-format weights")
+        setattr(parent, attr, new)
+
+
+def build_model(
+    hf_config: PretrainedConfig, config: EngineConfig, plan: dict[str, str] | None = None
+) -> LlamaForCausalLM:
     cls = resolve_model_class(hf_config)
     backend = get_attention_backend(config.attention_backend, config.torch_device)
     # Parameters are created on the meta device, then materialised once on
@@ -94,6 +201,7 @@ def build_model(hf_config: PretrainedConfig, config: EngineConfig) -> LlamaForCa
     try:
         with torch.device("meta"):
             model = cls(hf_config, backend)
+            _use_blocks(model, plan or {})
     finally:
         torch.set_default_dtype(previous_dtype)
     model = model.to_empty(device=config.torch_device)

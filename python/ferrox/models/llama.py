@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            target, part = _merged_target(name)
+            target, part = merged_target(name)
             key = _param_name(target)
             if key not in params:
                 raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint")
@@ -221,7 +221,7 @@ _MERGED = {
 }
 
 
-def _merged_target(name: str) -> tuple[str, str | None]:
+def merged_target(name: str) -> tuple[str, str | None]:
     for src, (dst, part) in _MERGED.items():
         if src in name:
             return name.replace(src, dst), part

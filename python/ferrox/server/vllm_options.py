@@ -19,7 +19,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "-tp": "ferrox runs a model on one device (no tensor parallelism yet)",
     "--pipeline-parallel-size": "ferrox has no pipeline parallelism",
     "--data-parallel-size": "ferrox serves one engine per server (no data parallelism yet)",
-    "--quantization": "ferrox loads unquantized safetensors and dequantizes GGUF files",
     "--kv-cache-dtype": "the KV cache has the model's dtype",
     "--trust-remote-code": "ferrox runs no code from model repositories",
     "--enable-lora": "ferrox has no LoRA adapters",

@@ -1,0 +1,163 @@
+"""Linear layers and embeddings over block-quantized weights on the CPU.
+
+Weights stay in llama.cpp's block layouts (`q4_1`: 4-bit with a float16
+scale and offset per 32 weights, 0.625 bytes a weight; `q8_0`: 8-bit with a
+scale, 1.06 bytes a weight), the layout the native kernel reads
+(`ferrox_cpu::quant_matmul`). A decode step multiplies a few rows by every
+weight once, so reading a quarter of float32's bytes is most of the win.
+
+Large batches (prefill) dequantize the weight once per call into a float32
+scratch and use the float matmul: there the arithmetic dominates, and
+oneDNN's float GEMM beats an integer dot product per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrox._native import dequantize_rows_cpu, quant_matmul_cpu
+from ferrox.errors import InvalidArgumentError
+from ferrox.layers.cpu_kernels import kernel_threads
+
+BLOCK = 32
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+# Above this many rows a call dequantizes the weight into a reused scratch
+# buffer and runs a float GEMM (benches/cpu_linear.py measures the
+# crossover), for weights of at most this many elements; larger ones (an LM
+# head, which only ever sees the sampled rows) always use the kernel.
+DEQUANTIZE_ABOVE_ROWS = 64
+DEQUANTIZE_MAX_ELEMENTS = 8 << 20
+
+_scratch = torch.empty(0)
+
+
+def _scratch_buffer(numel: int) -> torch.Tensor:
+    """A float32 buffer of `numel` elements, reused across calls (a fresh
+    allocation of megabytes costs its page faults on every call)."""
+    global _scratch
+    if _scratch.numel() < numel:
+        _scratch = torch.empty(numel, dtype=torch.float32)
+    return _scratch[:numel]
+
+
+def row_bytes(fmt: str, in_features: int) -> int:
+    if fmt not in BLOCK_BYTES:
+        raise InvalidArgumentError(
+            f"unknown block format {fmt!r}; expected one of {sorted(BLOCK_BYTES)}"
+        )
+    if in_features % BLOCK:
+        raise InvalidArgumentError(
+            f"{fmt} needs input widths that are multiples of {BLOCK}, got {in_features}"
+        )
+    return in_features // BLOCK * BLOCK_BYTES[fmt]
+
+
+def dequantize(
+    weight: torch.Tensor, fmt: str, in_features: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A block-format weight [N, row bytes] as float32 [N, in_features]."""
+    if out is None:
+        out = torch.empty(weight.shape[0], in_features, dtype=torch.float32)
+    rows = np.arange(weight.shape[0], dtype=np.int64)
+    dequantize_rows_cpu(out.numpy(), weight.numpy(), fmt, rows, kernel_threads())
+    return out
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A float weight [N, K] in a block format: uint8 [N, K / 32 * block bytes].
+
+    q8_0: scale = max |w| / 127 per block, w ~ scale * round(w / scale).
+    q4_1: offset = min, scale = (max - min) / 15, w ~ scale * q + offset.
+    The rounding uses the float16 scale and offset as stored."""
+    n, k = weight.shape
+    row_bytes(fmt, k)
+    w = weight.detach().to(torch.float32).numpy().reshape(n, k // BLOCK, BLOCK)
+    out = np.empty((n, k // BLOCK, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if fmt == "q8_0":
+            d = (np.abs(w).max(-1) / 127).astype(np.float16)
+            inv = np.where(d > 0, 1 / d.astype(np.float32), 0)
+            q = np.clip(np.rint(w * inv[..., None]), -127, 127).astype(np.int8)
+            out[..., :2] = d[..., None].view(np.uint8)
+            out[..., 2:] = q.view(np.uint8)
+        else:
+            lo = w.min(-1).astype(np.float16)
+            d = ((w.max(-1) - lo.astype(np.float32)) / 15).astype(np.float16)
+            inv = np.where(d > 0, 1 / d.astype(np.float32), 0)
+            q = np.rint((w - lo.astype(np.float32)[..., None]) * inv[..., None])
+            q = np.clip(q, 0, 15).astype(np.uint8)
+            out[..., 0:2] = d[..., None].view(np.uint8)
+            out[..., 2:4] = lo[..., None].view(np.uint8)
+            out[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
+    return torch.from_numpy(out.reshape(n, -1))
+
+
+class QuantLinear(nn.Module):
+    """`nn.Linear`'s forward (float32 in and out) over a block-format weight."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        shape = (out_features, row_bytes(fmt, in_features))
+        self.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._views: tuple[np.ndarray, np.ndarray | None] | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str) -> QuantLinear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt)
+        layer.weight.data = quantize(linear.weight, fmt)
+        if linear.bias is not None and layer.bias is not None:
+            layer.bias.data = linear.bias.detach().to(torch.float32).clone()
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        rows = x2.shape[0]
+        if rows > DEQUANTIZE_ABOVE_ROWS and self.out_features * self.in_features <= (
+            DEQUANTIZE_MAX_ELEMENTS
+        ):
+            scratch = _scratch_buffer(self.out_features * self.in_features)
+            weight = dequantize(
+                self.weight, self.fmt, self.in_features, scratch.view(self.out_features, -1)
+            )
+            out = F.linear(x2, weight, self.bias)
+        else:
+            # The weight and bias never change after loading: their numpy
+            # views are made once (a tied head shares the embedding's bytes).
+            if self._views is None:
+                bias = None if self.bias is None else self.bias.detach().numpy()
+                self._views = (self.weight.detach().numpy(), bias)
+            out = torch.empty(rows, self.out_features, dtype=torch.float32)
+            quant_matmul_cpu(out.numpy(), x2.numpy(), *self._views, self.fmt, kernel_threads())
+        return out.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class QuantEmbedding(nn.Module):
+    """`nn.Embedding` over a block-format table: looked-up rows are
+    dequantized (the table doubles as a tied LM head's weight)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: str) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.fmt = fmt
+        shape = (num_embeddings, row_bytes(fmt, embedding_dim))
+        self.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        out = torch.empty(flat.shape[0], self.embedding_dim, dtype=torch.float32)
+        dequantize_rows_cpu(out.numpy(), self.weight.numpy(), self.fmt, flat.numpy(), 1)
+        return out.view(*ids.shape, self.embedding_dim)
