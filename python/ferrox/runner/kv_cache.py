@@ -25,13 +25,16 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        zeroed: bool = True,
     ) -> None:
         if num_blocks <= 0:
             raise InvalidArgumentError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # [L, 2, N, BS, Hkv, D]
-        self.storage = torch.zeros(
+        # [L, 2, N, BS, Hkv, D]. Unzeroed memory costs nothing until a block
+        # is written (the OS maps pages on first touch): only for backends
+        # that never read a slot before it is written.
+        self.storage = (torch.zeros if zeroed else torch.empty)(
             num_layers,
             2,
             num_blocks,

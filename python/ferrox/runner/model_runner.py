@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from ferrox._native import BatchPlan
-from ferrox.config import CPU_KV_CACHE_BYTES, EngineConfig
+from ferrox.config import CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_TOKENS, EngineConfig
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention import AttentionMetadata
+from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
 from ferrox.loader.model_loader import LoadedModel
 from ferrox.runner.cuda_graph import DecodeGraphs
 from ferrox.runner.draft import DraftRunner
@@ -98,6 +99,7 @@ class ModelRunner:
             self.head_dim,
             self.dtype,
             self.device,
+            zeroed=not self._reads_written_slots_only(),
         )
         if self.draft is not None:
             self.draft.allocate(num_blocks)
@@ -116,6 +118,12 @@ class ModelRunner:
                 device=self.device,
             )
             self.graphs.capture()
+
+    def _reads_written_slots_only(self) -> bool:
+        """The CPU backend in float32 reads each row's own context, never a
+        slot beyond it (other backends gather padded contexts and mask)."""
+        backend = self.model.decoder_layers()[0].self_attn.attn
+        return isinstance(backend, CpuAttentionBackend) and self.dtype == torch.float32
 
     @property
     def num_kv_blocks(self) -> int:
@@ -136,7 +144,10 @@ class ModelRunner:
             elif self.device.type == "cuda":
                 budget = self._free_gpu_budget()
             else:
-                budget = CPU_KV_CACHE_BYTES
+                # Sized from the model: a 135M model needs hundreds of
+                # megabytes, not gigabytes, for its default context.
+                tokens = max(CPU_KV_CACHE_TOKENS, self.max_model_len)
+                budget = min(tokens // cfg.block_size * per_block, CPU_KV_CACHE_MAX_BYTES)
             num_blocks = budget // per_block
         needed = -(-self.max_model_len // cfg.block_size)
         if num_blocks < needed:
