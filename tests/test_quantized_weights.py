@@ -289,6 +289,67 @@ def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt:
     _assert_same_greedy(got, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 
 
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2"])
+def test_fused_decode_layers_match_the_module_path(
+    tiny_models: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps run each layer in one native call; the same kernels one
+    module at a time give the same tokens and logprobs (Qwen2: q/k/v bias)."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 9, 20)
+    ]
+    llm, fused = _run(tiny_models[name], prompts, quantization="q8_0")
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None
+    calls: list[int] = []
+    monkeypatch.setattr(model.fused_decode, "run", _counted(model.fused_decode.run, calls))
+    _assert_close(_run_again(llm, prompts), fused)
+    # Every step: the prompts' full blocks now come from the prefix cache,
+    # so even the first step computes at most 16 tokens a row.
+    assert len(calls) == MAX_TOKENS
+    model.fused_decode = None
+    _assert_close(_run_again(llm, prompts), fused)
+    assert len(calls) == MAX_TOKENS
+
+
+def _assert_close(got: Greedy, expected: Greedy) -> None:
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
+def _counted(fn, calls: list):  # type: ignore[no-untyped-def]
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _run_again(llm: LLM, prompts: list[list[int]]) -> Greedy:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats().num_used_blocks == 0
+    return [
+        (
+            o.outputs[0].token_ids,
+            [
+                lp[t].logprob
+                for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+            ],
+        )
+        for o in outputs
+    ]
+
+
+def test_fused_decode_needs_block_weights(tiny_models: dict[str, Path]) -> None:
+    dense = LLM(str(tiny_models["llama-gqa-tied"]), num_kv_blocks=16)
+    assert dense.engine.runner.model.fused_decode is None
+    qwen3 = LLM(str(tiny_models["qwen3"]), num_kv_blocks=16, quantization="q8_0")  # q/k norms
+    assert qwen3.engine.runner.model.fused_decode is None
+
+
 def test_quantization_options_are_checked(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="quantization must be one of"):
         EngineConfig.create(model="x", quantization="awq")

@@ -12,6 +12,7 @@ __all__ = [
     "FINISH_STOP",
     "BatchPlan",
     "BlockAllocator",
+    "CpuDecoderLayer",
     "RadixCache",
     "Scheduler",
     "SchedulerStats",
@@ -284,3 +285,39 @@ def dequantize_rows_cpu(
     rows: npt.NDArray[np.int64],
     num_threads: int,
 ) -> None: ...
+
+_BlockLinear: TypeAlias = tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32] | None, str]
+
+@final
+class CpuDecoderLayer:
+    """A decoder layer over block-format weights, run whole for decode steps."""
+
+    def __new__(
+        cls,
+        input_norm: npt.NDArray[np.float32],
+        post_attention_norm: npt.NDArray[np.float32],
+        eps: float,
+        qkv: _BlockLinear,
+        o: _BlockLinear,
+        gate_up: _BlockLinear,
+        down: _BlockLinear,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+    ) -> CpuDecoderLayer: ...
+    def forward(
+        self,
+        residual: npt.NDArray[np.float32],
+        x: npt.NDArray[np.float32],
+        k_cache: npt.NDArray[np.float32],
+        v_cache: npt.NDArray[np.float32],
+        positions: npt.NDArray[np.int64],
+        cos: npt.NDArray[np.float32],
+        sin: npt.NDArray[np.float32],
+        slot_mapping: npt.NDArray[np.int64],
+        block_table: npt.NDArray[np.int32],
+        query_start_loc: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+        num_threads: int,
+    ) -> None: ...

@@ -82,6 +82,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         quantize_linear_layers(model, quantize_to)
     if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32:
         pack_linear_layers(model)  # weights in oneDNN's layout (see cpu_linear.py)
+    model.prepare_fused_decode()
     return LoadedModel(
         hf_config=hf_config,
         model=model,

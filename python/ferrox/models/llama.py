@@ -15,6 +15,7 @@ from torch import nn
 from ferrox.errors import ModelLoadError
 from ferrox.layers.activation import silu_and_mul
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
+from ferrox.layers.cpu_decoder import FusedCpuDecode
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -137,6 +138,14 @@ class LlamaForCausalLM(nn.Module):
         # The rotary tables are shared by every layer; keep them out of the
         # per-layer modules' parameter lists.
         self.rotary = rotary
+        self.fused_decode: FusedCpuDecode | None = None
+
+    def prepare_fused_decode(self) -> bool:
+        """Once the weights are loaded: run decode steps one native call per
+        layer where the layers allow it (block weights, CPU attention)."""
+        layers = self.decoder_layers()
+        self.fused_decode = FusedCpuDecode(layers) if FusedCpuDecode.supports(layers) else None
+        return self.fused_decode is not None
 
     def forward(
         self,
@@ -146,6 +155,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        if self.fused_decode is not None and self.fused_decode.applies(x.shape[0], meta):
+            x, stream = self.fused_decode.run(x, positions, kv_caches, meta)
+            return self.norm.add_forward(stream, x)[0]
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv, meta)

@@ -1,6 +1,7 @@
 //! CPU kernels for the ferrox model runner. Pure Rust on plain slices; the
 //! Python bindings hand in numpy views of torch tensors.
 
+pub mod decoder_layer;
 pub mod elementwise;
 pub mod paged_attention;
 pub mod pool;
@@ -9,6 +10,7 @@ pub mod quant_matmul;
 mod quant_matmul_avx2;
 pub mod token_bitmask;
 
+pub use decoder_layer::{decoder_layer, BlockLinear, DecoderLayerStep, DecoderLayerWeights};
 pub use elementwise::{add_rms_norm, rotary_in_place};
 pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 pub use quant_matmul::{

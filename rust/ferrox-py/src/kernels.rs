@@ -162,7 +162,7 @@ pub fn apply_token_bitmask_cpu(
         .map_err(|e| invalid_argument(e.to_string()))
 }
 
-fn quant_format(name: &str) -> PyResult<QuantFormat> {
+pub(crate) fn quant_format(name: &str) -> PyResult<QuantFormat> {
     match name {
         "q4_1" => Ok(QuantFormat::Q4_1),
         "q8_0" => Ok(QuantFormat::Q8_0),

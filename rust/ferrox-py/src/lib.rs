@@ -3,6 +3,7 @@
 
 mod allocator;
 mod convert;
+mod decoder_layer;
 mod errors;
 mod kernels;
 mod radix;
@@ -14,6 +15,7 @@ use pyo3::prelude::*;
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PyBlockAllocator>()?;
+    m.add_class::<decoder_layer::CpuDecoderLayer>()?;
     m.add_class::<radix::PyRadixCache>()?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PyBatchPlan>()?;

@@ -1,0 +1,108 @@
+"""Decode steps on the CPU, one native call per decoder layer.
+
+When every linear layer of a Llama-family model holds block-format weights
+(`QuantLinear`) and attention runs on the CPU backend in float32, a step whose
+rows each have a few query tokens (decodes, short speculative verifications)
+runs each layer whole in Rust (`CpuDecoderLayer`, `ferrox_cpu::decoder_layer`):
+the same kernels the layer calls one at a time, without the twenty-odd tensor
+operations per layer that cost more than the arithmetic at one token a step.
+Other steps (prefill, large batches) take the module-by-module path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ferrox._native import CpuDecoderLayer
+from ferrox.layers.attention.base import AttentionMetadata
+from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBackend
+from ferrox.layers.cpu_kernels import kernel_threads
+from ferrox.layers.quant_linear import DEQUANTIZE_ABOVE_ROWS, QuantLinear
+
+if TYPE_CHECKING:
+    from ferrox.models.llama import DecoderLayer, KvCache
+
+
+def _linear(layer: torch.nn.Module) -> tuple:
+    assert isinstance(layer, QuantLinear)
+    bias = None if layer.bias is None else layer.bias.detach().numpy()
+    return layer.weight.detach().numpy(), bias, layer.fmt
+
+
+class FusedCpuDecode:
+    def __init__(self, layers: list[DecoderLayer]) -> None:
+        self.layers = [self._native(layer) for layer in layers]
+        rotary = layers[0].self_attn.rotary
+        self.cos = rotary.cos_cache.numpy()
+        self.sin = rotary.sin_cache.numpy()
+        self.num_threads = kernel_threads()
+
+    @staticmethod
+    def supports(layers: list[DecoderLayer]) -> bool:
+        def fits(layer: DecoderLayer) -> bool:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            return (
+                all(isinstance(m, QuantLinear) for m in linears)
+                and isinstance(attn.attn, CpuAttentionBackend)
+                and attn.q_norm is None
+                and all(n.weight.dtype == torch.float32 for n in norms)
+                and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+            )
+
+        return bool(layers) and all(fits(layer) for layer in layers)
+
+    @staticmethod
+    def _native(layer: DecoderLayer) -> CpuDecoderLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return CpuDecoderLayer(
+            layer.input_layernorm.weight.detach().numpy(),
+            layer.post_attention_layernorm.weight.detach().numpy(),
+            layer.input_layernorm.eps,
+            _linear(attn.qkv_proj),
+            _linear(attn.o_proj),
+            _linear(mlp.gate_up_proj),
+            _linear(mlp.down_proj),
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.attn.scale,
+        )
+
+    def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Rows of few query tokens, and few enough tokens that the module
+        path would run the block kernel too (not dequantize and GEMM)."""
+        return meta.max_query_len <= SHORT_QUERY_LEN and num_tokens <= DEQUANTIZE_ABOVE_ROWS
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the embeddings
+        positions: torch.Tensor,
+        kv_caches: list[KvCache],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's MLP output, the residual stream before it)."""
+        # The first layer's input is the embeddings: as a residual stream
+        # plus a zero delta, every layer has the same form.
+        residual = x.contiguous()
+        x = torch.zeros_like(residual)
+        block_table = (
+            meta.block_table_cpu if meta.block_table_cpu is not None else meta.block_table.numpy()
+        )
+        step = (
+            positions.numpy(),
+            self.cos,
+            self.sin,
+            meta.slot_mapping.numpy(),
+            block_table,
+            meta.query_start_loc_cpu,
+            meta.seq_lens_cpu,
+            self.num_threads,
+        )
+        res, out = residual.numpy(), x.numpy()
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            layer.forward(res, out, k_cache.numpy(), v_cache.numpy(), *step)
+        return x, residual

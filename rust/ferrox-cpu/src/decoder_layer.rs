@@ -1,0 +1,212 @@
+//! One Llama-family decoder layer for rows of a few query tokens (decode
+//! steps), over block-quantized weights, in a single call: residual add +
+//! RMSNorm, the q/k/v projection, rotary embedding, the KV cache write, paged
+//! attention, the output projection, the second add + RMSNorm, the gated MLP.
+//!
+//! Each step is the same kernel the model runner calls one at a time
+//! (`add_rms_norm`, `quant_matmul`, `rotary_in_place`, `paged_attention`);
+//! fused, a layer costs one call from Python instead of about twenty tensor
+//! operations, which at one token per step cost more than the arithmetic.
+
+use crate::elementwise::{add_rms_norm, rotary_in_place};
+use crate::paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
+use crate::quant_matmul::{quant_matmul, QuantFormat, QuantMatmulArgs};
+
+/// A linear layer's block-format weight ([N, row bytes]) and optional bias.
+pub struct BlockLinear<'a> {
+    pub w: &'a [u8],
+    pub bias: Option<&'a [f32]>,
+    pub fmt: QuantFormat,
+    pub out_features: usize,
+}
+
+/// The layer's parameters and shapes.
+pub struct DecoderLayerWeights<'a> {
+    pub input_norm: &'a [f32],          // [hidden]
+    pub post_attention_norm: &'a [f32], // [hidden]
+    pub eps: f32,
+    pub qkv: BlockLinear<'a>,     // hidden -> (H + 2 Hkv) D
+    pub o: BlockLinear<'a>,       // H D -> hidden
+    pub gate_up: BlockLinear<'a>, // hidden -> 2 I (gate, then up)
+    pub down: BlockLinear<'a>,    // I -> hidden
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+/// One step's tokens and the KV cache they read and write.
+pub struct DecoderLayerStep<'a> {
+    pub positions: &'a [i64],       // [T]
+    pub cos: &'a [f32],             // [max position, D / 2]
+    pub sin: &'a [f32],             // [max position, D / 2]
+    pub slot_mapping: &'a [i64],    // [T]: cache slot of each token's K and V
+    pub block_table: &'a [i32],     // [B, W]
+    pub query_start_loc: &'a [i32], // [B + 1]
+    pub seq_lens: &'a [i32],        // [B]
+    pub block_size: usize,
+    pub num_threads: usize,
+}
+
+fn linear(
+    layer: &BlockLinear<'_>,
+    x: &[f32],
+    k: usize,
+    threads: usize,
+) -> Result<Vec<f32>, ShapeError> {
+    let m = x.len() / k;
+    let mut out = vec![0.0; m * layer.out_features];
+    let args = QuantMatmulArgs {
+        x,
+        w: layer.w,
+        bias: layer.bias,
+        m,
+        k,
+        n: layer.out_features,
+        fmt: layer.fmt,
+        num_threads: threads,
+    };
+    quant_matmul(&args, &mut out).map_err(|e| ShapeError(e.to_string()))?;
+    Ok(out)
+}
+
+fn silu_and_mul(gate_up: &[f32], inter: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(gate_up.len() / 2);
+    for row in gate_up.chunks_exact(2 * inter) {
+        let (gate, up) = row.split_at(inter);
+        out.extend(
+            gate.iter()
+                .zip(up)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
+        );
+    }
+    out
+}
+
+/// Runs the layer. `residual` ([T, hidden]) is the stream before the
+/// previous layer's MLP output `x` ([T, hidden]); on return `residual` holds
+/// the stream after attention and `x` this layer's MLP output, as the
+/// unfused layer returns them. The tokens' keys and values are written into
+/// the caches ([N, BS, Hkv, D]) before attention reads them.
+pub fn decoder_layer(
+    weights: &DecoderLayerWeights<'_>,
+    step: &DecoderLayerStep<'_>,
+    residual: &mut [f32],
+    x: &mut [f32],
+    k_cache: &mut [f32],
+    v_cache: &mut [f32],
+) -> Result<(), ShapeError> {
+    let hidden = weights.input_norm.len();
+    let (h, hkv, d) = (weights.num_heads, weights.num_kv_heads, weights.head_dim);
+    let tokens = step.positions.len();
+    let row_len = (h + 2 * hkv) * d;
+    let inter = weights.gate_up.out_features / 2;
+    let checks = [
+        (
+            residual.len() == tokens * hidden && x.len() == residual.len(),
+            "residual and x must be [T, hidden]",
+        ),
+        (
+            step.slot_mapping.len() == tokens,
+            "slot_mapping must have one slot per token",
+        ),
+        (
+            weights.post_attention_norm.len() == hidden,
+            "the norms differ in size",
+        ),
+        (
+            weights.qkv.out_features == row_len,
+            "qkv has the wrong number of outputs",
+        ),
+        (
+            weights.o.out_features == hidden && weights.down.out_features == hidden,
+            "o / down must output hidden",
+        ),
+        (
+            weights.gate_up.out_features % 2 == 0,
+            "gate_up must have an even number of outputs",
+        ),
+        (
+            k_cache.len() == v_cache.len() && k_cache.len() % (hkv * d) == 0,
+            "caches are not [N, BS, Hkv, D]",
+        ),
+    ];
+    if let Some((_, what)) = checks.iter().find(|(ok, _)| !ok) {
+        return Err(ShapeError(format!("decoder layer: {what}")));
+    }
+    let slots = k_cache.len() / (hkv * d);
+    if let Some(&s) = step
+        .slot_mapping
+        .iter()
+        .find(|&&s| s < 0 || s as usize >= slots)
+    {
+        return Err(ShapeError(format!(
+            "decoder layer: slot {s} outside the cache"
+        )));
+    }
+    let threads = step.num_threads;
+    let mut normed = vec![0.0; residual.len()];
+    add_rms_norm(
+        residual,
+        Some(x),
+        weights.input_norm,
+        weights.eps,
+        &mut normed,
+        threads,
+    )?;
+
+    let mut qkv = linear(&weights.qkv, &normed, hidden, threads)?;
+    let rotary = h + hkv; // queries, then keys
+    rotary_in_place(
+        &mut qkv,
+        row_len,
+        rotary,
+        d,
+        step.positions,
+        step.cos,
+        step.sin,
+        threads,
+    )?;
+    let kv_width = hkv * d;
+    let mut q = Vec::with_capacity(tokens * h * d);
+    for (row, &slot) in qkv.chunks_exact(row_len).zip(step.slot_mapping) {
+        let at = slot as usize * kv_width;
+        k_cache[at..at + kv_width].copy_from_slice(&row[h * d..(h + hkv) * d]);
+        v_cache[at..at + kv_width].copy_from_slice(&row[(h + hkv) * d..]);
+        q.extend_from_slice(&row[..h * d]);
+    }
+
+    let rows: Vec<i32> = (0..step.seq_lens.len() as i32).collect();
+    let mut attn = vec![0.0; q.len()];
+    let args = PagedAttentionArgs {
+        q: &q,
+        k_cache,
+        v_cache,
+        block_table: step.block_table,
+        query_start_loc: step.query_start_loc,
+        seq_lens: step.seq_lens,
+        rows: &rows,
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: step.block_size,
+        scale: weights.scale,
+        num_threads: threads,
+    };
+    paged_attention(&args, &mut attn)?;
+    let o = linear(&weights.o, &attn, h * d, threads)?;
+
+    add_rms_norm(
+        residual,
+        Some(&o),
+        weights.post_attention_norm,
+        weights.eps,
+        &mut normed,
+        threads,
+    )?;
+    let gate_up = linear(&weights.gate_up, &normed, hidden, threads)?;
+    let act = silu_and_mul(&gate_up, inter);
+    let mlp = linear(&weights.down, &act, inter, threads)?;
+    x.copy_from_slice(&mlp);
+    Ok(())
+}

@@ -1,0 +1,203 @@
+//! `CpuDecoderLayer`: a decoder layer's block-format weights, held once, and
+//! its fused decode-step forward (`ferrox_cpu::decoder_layer`).
+
+use ferrox_cpu::{decoder_layer, BlockLinear, DecoderLayerStep, DecoderLayerWeights, QuantFormat};
+use numpy::{
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
+    PyReadwriteArrayDyn, PyUntypedArrayMethods,
+};
+use pyo3::prelude::*;
+
+use crate::errors::invalid_argument;
+use crate::kernels::quant_format;
+
+type LinearSpec<'py> = (
+    Bound<'py, PyArray2<u8>>,
+    Option<Bound<'py, PyArray1<f32>>>,
+    String,
+);
+
+struct Linear {
+    w: Py<PyArray2<u8>>,
+    bias: Option<Py<PyArray1<f32>>>,
+    fmt: QuantFormat,
+    out_features: usize,
+}
+
+impl Linear {
+    fn new(spec: LinearSpec<'_>) -> PyResult<Self> {
+        let (w, bias, fmt) = spec;
+        let out_features = w.shape()[0];
+        if bias.as_ref().is_some_and(|b| b.len() != out_features) {
+            return Err(invalid_argument(
+                "a bias must have one value per output".into(),
+            ));
+        }
+        Ok(Self {
+            w: w.unbind(),
+            bias: bias.map(Bound::unbind),
+            fmt: quant_format(&fmt)?,
+            out_features,
+        })
+    }
+}
+
+fn slice<'a, T: numpy::Element>(array: &'a PyReadonlyArray1<'_, T>) -> PyResult<&'a [T]> {
+    array
+        .as_slice()
+        .map_err(|_| invalid_argument("arrays must be C-contiguous".into()))
+}
+
+fn slice2<'a, T: numpy::Element>(array: &'a PyReadonlyArray2<'_, T>) -> PyResult<&'a [T]> {
+    array
+        .as_slice()
+        .map_err(|_| invalid_argument("arrays must be C-contiguous".into()))
+}
+
+/// A Llama-family decoder layer over block-format weights (q/k/v, o,
+/// gate/up, down), run whole for decode steps.
+#[pyclass(module = "ferrox._native", frozen)]
+pub struct CpuDecoderLayer {
+    input_norm: Py<PyArray1<f32>>,
+    post_attention_norm: Py<PyArray1<f32>>,
+    eps: f32,
+    qkv: Linear,
+    o: Linear,
+    gate_up: Linear,
+    down: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+#[pymethods]
+impl CpuDecoderLayer {
+    /// Each linear layer is (weight uint8 [N, row bytes], bias or None, format).
+    #[new]
+    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        input_norm: Bound<'_, PyArray1<f32>>,
+        post_attention_norm: Bound<'_, PyArray1<f32>>,
+        eps: f32,
+        qkv: LinearSpec<'_>,
+        o: LinearSpec<'_>,
+        gate_up: LinearSpec<'_>,
+        down: LinearSpec<'_>,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) -> PyResult<Self> {
+        if num_heads == 0 || num_kv_heads == 0 || head_dim == 0 || num_heads % num_kv_heads != 0 {
+            return Err(invalid_argument(format!(
+                "bad attention shape: {num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}"
+            )));
+        }
+        Ok(Self {
+            input_norm: input_norm.unbind(),
+            post_attention_norm: post_attention_norm.unbind(),
+            eps,
+            qkv: Linear::new(qkv)?,
+            o: Linear::new(o)?,
+            gate_up: Linear::new(gate_up)?,
+            down: Linear::new(down)?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        })
+    }
+
+    /// The layer on a step of short rows: `residual` and `x` ([T, hidden])
+    /// are updated in place (the stream after attention, the MLP output);
+    /// the tokens' K and V go into the caches ([N, BS, Hkv, D]) at
+    /// `slot_mapping`.
+    #[pyo3(signature = (residual, x, k_cache, v_cache, positions, cos, sin, slot_mapping, block_table, query_start_loc, seq_lens, num_threads))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        mut residual: PyReadwriteArray2<'_, f32>,
+        mut x: PyReadwriteArray2<'_, f32>,
+        mut k_cache: PyReadwriteArrayDyn<'_, f32>,
+        mut v_cache: PyReadwriteArrayDyn<'_, f32>,
+        positions: PyReadonlyArray1<'_, i64>,
+        cos: PyReadonlyArray2<'_, f32>,
+        sin: PyReadonlyArray2<'_, f32>,
+        slot_mapping: PyReadonlyArray1<'_, i64>,
+        block_table: PyReadonlyArray2<'_, i32>,
+        query_start_loc: PyReadonlyArray1<'_, i32>,
+        seq_lens: PyReadonlyArray1<'_, i32>,
+        num_threads: usize,
+    ) -> PyResult<()> {
+        let kv_shape = k_cache.shape().to_vec();
+        if kv_shape.len() != 4
+            || v_cache.shape() != kv_shape.as_slice()
+            || kv_shape[2] != self.num_kv_heads
+            || kv_shape[3] != self.head_dim
+        {
+            return Err(invalid_argument(format!(
+                "the caches must both be [N, BS, {}, {}], got {kv_shape:?}",
+                self.num_kv_heads, self.head_dim
+            )));
+        }
+        let weights = (
+            self.input_norm.bind(py).readonly(),
+            self.post_attention_norm.bind(py).readonly(),
+        );
+        let linears = [&self.qkv, &self.o, &self.gate_up, &self.down].map(|l| {
+            (
+                l.w.bind(py).readonly(),
+                l.bias.as_ref().map(|b| b.bind(py).readonly()),
+            )
+        });
+        let mut blocks = Vec::with_capacity(4);
+        for (layer, (w, bias)) in [&self.qkv, &self.o, &self.gate_up, &self.down]
+            .iter()
+            .zip(&linears)
+        {
+            blocks.push(BlockLinear {
+                w: slice2(w)?,
+                bias: bias.as_ref().map(slice).transpose()?,
+                fmt: layer.fmt,
+                out_features: layer.out_features,
+            });
+        }
+        let [qkv, o, gate_up, down]: [BlockLinear<'_>; 4] = blocks
+            .try_into()
+            .map_err(|_| invalid_argument("four linear layers".into()))?;
+        let layer = DecoderLayerWeights {
+            input_norm: slice(&weights.0)?,
+            post_attention_norm: slice(&weights.1)?,
+            eps: self.eps,
+            qkv,
+            o,
+            gate_up,
+            down,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            scale: self.scale,
+        };
+        let step = DecoderLayerStep {
+            positions: slice(&positions)?,
+            cos: slice2(&cos)?,
+            sin: slice2(&sin)?,
+            slot_mapping: slice(&slot_mapping)?,
+            block_table: slice2(&block_table)?,
+            query_start_loc: slice(&query_start_loc)?,
+            seq_lens: slice(&seq_lens)?,
+            block_size: kv_shape[1],
+            num_threads,
+        };
+        let mutable = |what: &str| invalid_argument(format!("{what} must be C-contiguous"));
+        let residual = residual.as_slice_mut().map_err(|_| mutable("residual"))?;
+        let x = x.as_slice_mut().map_err(|_| mutable("x"))?;
+        let k_cache = k_cache.as_slice_mut().map_err(|_| mutable("k_cache"))?;
+        let v_cache = v_cache.as_slice_mut().map_err(|_| mutable("v_cache"))?;
+        py.detach(|| decoder_layer(&layer, &step, residual, x, k_cache, v_cache))
+            .map_err(|e| invalid_argument(e.to_string()))
+    }
+}
