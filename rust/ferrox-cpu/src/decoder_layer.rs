@@ -210,3 +210,73 @@ pub fn decoder_layer(
     x.copy_from_slice(&mlp);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A layer with hidden 32, 2 heads of 16 (1 KV head), MLP 32, in Q8_0
+    /// blocks of zeros: shapes only.
+    fn run_with(slot: i64, qkv_outputs: usize) -> Result<(), ShapeError> {
+        let (hidden, d, inter) = (32, 16, 32);
+        let fmt = QuantFormat::Q8_0;
+        let zeros = |rows: usize, k: usize| vec![0u8; rows * fmt.row_bytes(k)];
+        let (wqkv, wo, wgu, wd) = (
+            zeros(qkv_outputs, hidden),
+            zeros(hidden, 2 * d),
+            zeros(2 * inter, hidden),
+            zeros(hidden, inter),
+        );
+        let linear = |w: &'static [u8], n| BlockLinear {
+            w,
+            bias: None,
+            fmt,
+            out_features: n,
+        };
+        let leak = |v: Vec<u8>| -> &'static [u8] { Box::leak(v.into_boxed_slice()) };
+        let norm = vec![1.0; hidden];
+        let weights = DecoderLayerWeights {
+            input_norm: &norm,
+            post_attention_norm: &norm,
+            eps: 1e-6,
+            qkv: linear(leak(wqkv), qkv_outputs),
+            o: linear(leak(wo), hidden),
+            gate_up: linear(leak(wgu), 2 * inter),
+            down: linear(leak(wd), hidden),
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: d,
+            scale: 0.25,
+        };
+        let (cos, sin) = (vec![1.0; 8 * d / 2], vec![0.0; 8 * d / 2]);
+        let step = DecoderLayerStep {
+            positions: &[0],
+            cos: &cos,
+            sin: &sin,
+            slot_mapping: &[slot],
+            block_table: &[0],
+            query_start_loc: &[0, 1],
+            seq_lens: &[1],
+            block_size: 4,
+            num_threads: 1,
+        };
+        let (mut residual, mut x) = (vec![1.0; hidden], vec![0.5; hidden]);
+        let (mut k, mut v) = (vec![0.0; 4 * d], vec![0.0; 4 * d]);
+        decoder_layer(&weights, &step, &mut residual, &mut x, &mut k, &mut v)?;
+        // Zero weights: attention adds nothing, the MLP outputs zeros.
+        assert!(residual.iter().all(|&r| r == 1.5) && x.iter().all(|&v| v == 0.0));
+        Ok(())
+    }
+
+    #[test]
+    fn runs_and_rejects_bad_shapes() {
+        run_with(3, 4 * 16).unwrap();
+        let err = run_with(4, 4 * 16).unwrap_err();
+        assert!(err.0.contains("slot 4 outside the cache"), "{err:?}");
+        let err = run_with(0, 3 * 16).unwrap_err();
+        assert!(
+            err.0.contains("qkv has the wrong number of outputs"),
+            "{err:?}"
+        );
+    }
+}

@@ -6,6 +6,9 @@ use std::arch::x86_64::*;
 
 use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK};
 
+/// How many weight rows ahead of the current tile to prefetch.
+const PREFETCH_ROWS: usize = 16;
+
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
     let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -67,7 +70,21 @@ unsafe fn tile<const MR: usize, const Q4: bool>(
     let mut acc1 = [_mm256_setzero_ps(); MR];
     let mut off0 = [0f32; MR];
     let mut off1 = [0f32; MR];
+    // The weights stream from memory once per call: ask for the rows
+    // PREFETCH_ROWS ahead while this tile computes (the hardware prefetcher
+    // alone leaves the kernel waiting on memory). Prefetches never fault;
+    // past the last row they are wasted, and the address is never read.
+    let ahead = args
+        .w
+        .as_ptr()
+        .wrapping_add((col + PREFETCH_ROWS) * row_bytes);
     for b in 0..blocks {
+        if i0 == 0 {
+            // (once per column pair, not again for each group of rows)
+            let at = ahead.wrapping_add(b * block_bytes);
+            _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(row_bytes) as *const i8);
+        }
         let (wa, da, ma) = unpack::<Q4>(w0.add(b * block_bytes));
         let (wb, db, mb) = unpack::<Q4>(w1.add(b * block_bytes));
         for r in 0..MR {
