@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from ferrox import LLM, SamplingParams
 from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
+from ferrox.layers import quant_linear
 from ferrox.layers.quant_linear import (
     DEQUANTIZE_ABOVE_ROWS,
     QuantEmbedding,
@@ -71,7 +72,12 @@ def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
     "rows", [1, 2, 3, 4, 5, 9, DEQUANTIZE_ABOVE_ROWS, DEQUANTIZE_ABOVE_ROWS + 1]
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_quant_linear_matches_float_linear(fmt: str, rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("chunk_rows", [None, 10])
+def test_quant_linear_matches_float_linear(
+    fmt: str, rows: int, bias: bool, chunk_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if chunk_rows is not None:  # dequantized 10 weight rows at a time (47 = 4 x 10 + 7)
+        monkeypatch.setattr(quant_linear, "DEQUANTIZE_CHUNK_ELEMENTS", 160 * chunk_rows)
     gen = torch.Generator().manual_seed(rows)
     dense = torch.nn.Linear(160, 47, bias=bias)  # an odd number of outputs
     with torch.no_grad():

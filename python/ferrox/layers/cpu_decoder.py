@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrox._native import CpuDecoderLayer
+from ferrox.layers import quant_linear
 from ferrox.layers.attention.base import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBackend
 from ferrox.layers.cpu_kernels import kernel_threads
-from ferrox.layers.quant_linear import DEQUANTIZE_ABOVE_ROWS, QuantLinear
+from ferrox.layers.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
     from ferrox.models.llama import DecoderLayer, KvCache
@@ -75,7 +76,10 @@ class FusedCpuDecode:
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Rows of few query tokens, and few enough tokens that the module
         path would run the block kernel too (not dequantize and GEMM)."""
-        return meta.max_query_len <= SHORT_QUERY_LEN and num_tokens <= DEQUANTIZE_ABOVE_ROWS
+        return (
+            meta.max_query_len <= SHORT_QUERY_LEN
+            and num_tokens <= quant_linear.DEQUANTIZE_ABOVE_ROWS
+        )
 
     def run(
         self,

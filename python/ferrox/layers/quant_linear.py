@@ -25,11 +25,11 @@ from ferrox.layers.cpu_kernels import kernel_threads
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 # Above this many rows a call dequantizes the weight into a reused scratch
-# buffer and runs a float GEMM (benches/cpu_linear.py measures the
-# crossover), for weights of at most this many elements; larger ones (an LM
-# head, which only ever sees the sampled rows) always use the kernel.
+# buffer and runs a float GEMM (benches/quant_linear.py measures the
+# crossover); weights larger than the chunk (an LM head) go through it a
+# slice of rows at a time, so that the scratch stays in cache.
 DEQUANTIZE_ABOVE_ROWS = 64
-DEQUANTIZE_MAX_ELEMENTS = 8 << 20
+DEQUANTIZE_CHUNK_ELEMENTS = 2 << 20
 
 _scratch = torch.empty(0)
 
@@ -56,13 +56,18 @@ def row_bytes(fmt: str, in_features: int) -> int:
 
 
 def dequantize(
-    weight: torch.Tensor, fmt: str, in_features: int, out: torch.Tensor | None = None
+    weight: torch.Tensor,
+    fmt: str,
+    in_features: int,
+    out: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> torch.Tensor:
     """A block-format weight [N, row bytes] as float32 [N, in_features]."""
     if out is None:
         out = torch.empty(weight.shape[0], in_features, dtype=torch.float32)
     rows = np.arange(weight.shape[0], dtype=np.int64)
-    dequantize_rows_cpu(out.numpy(), weight.numpy(), fmt, rows, kernel_threads())
+    threads = kernel_threads() if num_threads is None else num_threads
+    dequantize_rows_cpu(out.numpy(), weight.numpy(), fmt, rows, threads)
     return out
 
 
@@ -122,14 +127,8 @@ class QuantLinear(nn.Module):
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
         rows = x2.shape[0]
-        if rows > DEQUANTIZE_ABOVE_ROWS and self.out_features * self.in_features <= (
-            DEQUANTIZE_MAX_ELEMENTS
-        ):
-            scratch = _scratch_buffer(self.out_features * self.in_features)
-            weight = dequantize(
-                self.weight, self.fmt, self.in_features, scratch.view(self.out_features, -1)
-            )
-            out = F.linear(x2, weight, self.bias)
+        if rows > DEQUANTIZE_ABOVE_ROWS:
+            out = self._dequantized_matmul(x2)
         else:
             # The weight and bias never change after loading: their numpy
             # views are made once (a tied head shares the embedding's bytes).
@@ -139,6 +138,28 @@ class QuantLinear(nn.Module):
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
             quant_matmul_cpu(out.numpy(), x2.numpy(), *self._views, self.fmt, kernel_threads())
         return out.view(*shape[:-1], self.out_features)
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T through float32: W dequantized a slice of rows at a time
+        into a reused scratch that stays in cache, each slice's GEMM
+        written into its columns of the output."""
+        n, k = self.out_features, self.in_features
+        step = max(1, DEQUANTIZE_CHUNK_ELEMENTS // k)
+        if step >= n:
+            # On one thread: the kernel pool's workers would still be
+            # spinning when torch's threads start the GEMM.
+            weight = dequantize(self.weight, self.fmt, k, _scratch_buffer(n * k).view(n, k), 1)
+            return F.linear(x, weight, self.bias)
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        scratch = _scratch_buffer(step * k)
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            rows = end - start
+            chunk = scratch[: rows * k].view(rows, k)
+            dequantize(self.weight[start:end], self.fmt, k, chunk, 1)
+            bias = None if self.bias is None else self.bias[start:end]
+            out[:, start:end] = F.linear(x, chunk, bias)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
