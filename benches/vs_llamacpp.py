@@ -1,0 +1,353 @@
+"""ferrox and llama.cpp side by side on the bundled GGUF, same threads, one run.
+
+    python benches/vs_llamacpp.py                  # the whole table
+    python benches/vs_llamacpp.py --setup-only     # build the peer and stop
+
+The peer is llama.cpp at the version vendored by llama-cpp-python (pinned
+below). The first run installs llama-cpp-python into this environment (pip
+compiles llama.cpp; pip's wheel cache keeps the result) and builds the
+`llama-server` binary from the same vendored source into the ferrox cache
+folder; later runs reuse both. Building needs a C++ compiler; cmake and ninja
+come from pip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from side_by_side import free_port, start, stop
+
+LLAMA_CPP_PYTHON = "0.3.36"
+
+
+def peer_dir() -> Path:
+    from ferrox.loader.default import cache_dir
+
+    out = cache_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+
+
+def llama_cpp_module() -> Any:
+    """The peer's Python binding; installed by this script, not by ferrox's extras."""
+    return importlib.import_module("llama_cpp")
+
+
+def ensure_python_binding() -> None:
+    installed = importlib.util.find_spec("llama_cpp") is not None
+    if installed and llama_cpp_module().__version__ == LLAMA_CPP_PYTHON:
+        return
+    print(f"installing llama-cpp-python {LLAMA_CPP_PYTHON} (compiles llama.cpp once)", flush=True)
+    pip("install", "-q", "cmake", "ninja", "scikit-build-core")
+    pip("install", "-q", "--no-deps", f"llama-cpp-python=={LLAMA_CPP_PYTHON}")
+    pip("install", "-q", "diskcache", "jinja2", "numpy", "typing-extensions")
+
+
+def ensure_server() -> Path:
+    """`llama-server` built from the source llama-cpp-python vendors."""
+    root = peer_dir()
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    pip("install", "-q", "cmake", "ninja", "scikit-build-core")
+    sdist = next(root.glob("llama_cpp_python-*.tar.gz"), None)
+    if sdist is None:
+        pip(
+            "download", "-q", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+            "-d", str(root), f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+        )  # fmt: skip
+        sdist = next(root.glob("llama_cpp_python-*.tar.gz"))
+    src = root / "src"
+    if not src.exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(src, filter="data")
+    vendored = next(src.glob("*/vendor/llama.cpp"))
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    build = root / "build"
+    subprocess.run(
+        [
+            "cmake", "-S", str(vendored), "-B", str(build), "-G", "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+        ],
+        check=True, env=env,
+    )  # fmt: skip
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count())],
+        check=True, env=env,
+    )  # fmt: skip
+    return binary
+
+
+# ---- single stream, in process -------------------------------------------------------------
+
+
+def prompt_ids(tokenizer: Any, length: int) -> list[int]:
+    """A fixed English prompt of `length` tokens (text repeated and cut)."""
+    text = (
+        "The history of the Roman Empire spans many centuries, from the founding of the city "
+        "to the fall of Constantinople. Its roads, laws and languages shaped Europe. "
+    )
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += tokenizer.encode(text, add_special_tokens=False)
+    return ids[:length]
+
+
+class FerroxEngine:
+    name = "ferrox"
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        from ferrox import LLM
+
+        self.llm = LLM(**options)
+
+    def generate(self, ids: list[int], max_tokens: int) -> int:
+        from ferrox import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return len(out[0].outputs[0].token_ids)
+
+
+class LlamaCppEngine:
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
+        self.llm = llama_cpp_module().Llama(
+            model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+            n_batch=512, verbose=False,
+        )  # fmt: skip
+        self.eos = self.llm.token_eos()
+
+    def generate(self, ids: list[int], max_tokens: int) -> int:
+        self.llm.reset()  # no reuse of the previous call's KV cache
+        out = self.llm.create_completion(
+            ids, max_tokens=max_tokens, temperature=0.0, top_k=1,
+            logit_bias={self.eos: -1e9},
+        )  # fmt: skip
+        return int(out["usage"]["completion_tokens"])
+
+
+def single_stream(engines: list[Any], ids: list[int], new: int, repeats: int) -> dict[str, Any]:
+    """Prefill tok/s (a 1-token generation) and decode tok/s (the extra
+    `new` tokens of a longer one), alternating engines, `repeats` times."""
+    figures: dict[str, dict[str, list[float]]] = {
+        e.name: {"prefill": [], "decode": []} for e in engines
+    }
+    for e in engines:  # warm-up
+        e.generate(ids, 4)
+    for _ in range(repeats):
+        for e in engines:
+            start = time.perf_counter()
+            e.generate(ids, 1)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            made = e.generate(ids, new + 1)
+            whole = time.perf_counter() - start
+            if made != new + 1:
+                raise RuntimeError(f"{e.name} made {made} tokens, not {new + 1}")
+            figures[e.name]["prefill"].append(len(ids) / first)
+            figures[e.name]["decode"].append(new / (whole - first))
+    return figures
+
+
+# ---- servers ------------------------------------------------------------------------------
+
+
+def tree_memory(pid: int) -> dict[str, int]:
+    """Resident bytes of a process and all its descendants: `rss` sums each
+    process's resident set (pages shared between them count once per
+    process), `pss` shares such pages out (each counts once in all)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total = {"rss": 0, "pss": 0, "processes": 0}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+        except OSError:
+            continue
+        total["processes"] += 1
+        for line in rollup:
+            key, _, value = line.partition(":")
+            if key in ("Rss", "Pss"):
+                total[key.lower()] += int(value.split()[0]) * 1024
+    return total
+
+
+def serve_chat(
+    command: list[str], port: int, log: Path, concurrencies: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    from ferrox.bench import serve as bench
+
+    proc = start(command, port, log)
+    try:
+        result: dict[str, Any] = {"idle": tree_memory(proc.pid)}
+        for c in concurrencies:
+            parser = argparse.ArgumentParser()
+            bench.add_arguments(parser)
+            bargs = parser.parse_args(
+                [
+                    "--base-url", f"http://127.0.0.1:{port}", "--dataset-name", "chat",
+                    "--endpoint", "chat", "--max-concurrency", str(c),
+                    "--num-prompts", str(max(2 * c, args.min_requests)),
+                    "--chat-system-prompt-len", str(args.system_len), "--chat-num-turns", "2",
+                    "--chat-user-len", "60", "--chat-output-len-min", str(args.output_len),
+                    "--chat-output-len-max", str(args.output_len), "--ignore-eos",
+                    "--disable-tqdm",
+                ]
+            )  # fmt: skip
+            bench.apply_presets(bargs)
+            tokenizer = bench.load_tokenizer(None)
+            report = asyncio.run(bench.run_once(bargs, tokenizer, float("inf")))
+            if report["failed"]:
+                errors = sorted({e for e in report["errors"] if e})[:3]
+                raise RuntimeError(
+                    f"{command[0]}: {report['failed']} requests failed ({errors}); see {log}"
+                )
+            result[f"c{c}"] = {
+                k: report[k] for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+            }
+        result["loaded"] = tree_memory(proc.pid)
+        return result
+    finally:
+        stop(proc)
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):8.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--setup-only", action="store_true")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--system-len", type=int, default=700, help="chat system prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--min-requests", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument(
+        "--ferrox-option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help='an LLM / serve option for ferrox, e.g. quantization="none"',
+    )
+    parser.add_argument("--skip-servers", action="store_true")
+    parser.add_argument("--logs", type=Path, default=Path("vs-llamacpp-logs"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    ensure_python_binding()
+    server_bin = ensure_server()
+    if args.setup_only:
+        print(f"llama-cpp-python {LLAMA_CPP_PYTHON} and {server_bin} are ready")
+        return
+
+    from ferrox.loader import default_model_path
+    from ferrox.loader.gguf import load_gguf_tokenizer
+
+    gguf = default_model_path()
+    options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.ferrox_option)}
+    tokenizer = load_gguf_tokenizer(gguf)
+    ids = prompt_ids(tokenizer, args.prompt_len)
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "model": gguf.name,
+        "llama_cpp_python": LLAMA_CPP_PYTHON, "ferrox_options": options,
+        "command": " ".join(sys.argv),
+    }  # fmt: skip
+    import torch
+
+    torch.set_num_threads(args.threads)
+    engines = [
+        # No prefix cache: every repeat computes its prompt, as llama.cpp's does.
+        FerroxEngine({"enable_prefix_caching": False, **options}),
+        LlamaCppEngine(gguf, args.threads, args.prompt_len + args.new_tokens + 16),
+    ]
+    result["single"] = single_stream(engines, ids, args.new_tokens, args.repeats)
+    del engines
+    gc.collect()
+
+    if not args.skip_servers:
+        args.logs.mkdir(exist_ok=True)
+        flags = [f"--{k.replace('_', '-')}={v if isinstance(v, str) else json.dumps(v)}"
+                 for k, v in options.items()]  # fmt: skip
+        slots = max(args.concurrency)
+        ctx = slots * (args.system_len + 2 * (60 + args.output_len) + 256)
+        servers = {
+            "ferrox": lambda port: [
+                sys.executable, "-m", "ferrox", "serve", "--port", str(port), *flags,
+            ],
+            "llama-server": lambda port: [
+                str(server_bin), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1",
+                "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots),
+                "-c", str(ctx), "--cont-batching",
+            ],
+        }  # fmt: skip
+        for name, command in servers.items():
+            port = free_port()
+            result[name] = serve_chat(
+                command(port), port, args.logs / f"{name}.log", args.concurrency, args
+            )
+    print_table(result, args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
+    single = result["single"]
+    ours, theirs = single["ferrox"], single["llama.cpp"]
+    print(f"\n{'what':<44}{'ferrox':>22}{'llama.cpp':>22}{'ratio':>8}")
+    for key, label in (("decode", "single-stream decode tok/s"), ("prefill", "prefill tok/s")):
+        ratio = statistics.median(ours[key]) / statistics.median(theirs[key])
+        print(f"{label + f' ({args.prompt_len}-token prompt)':<44}"
+              f"{spread(ours[key]):>22}{spread(theirs[key]):>22}{ratio:>7.2f}x")  # fmt: skip
+    if "ferrox" not in result:
+        return
+    a, b = result["ferrox"], result["llama-server"]
+    for c in args.concurrency:
+        x, y = a[f"c{c}"]["output_throughput"], b[f"c{c}"]["output_throughput"]
+        print(f"{f'chat, {c} stream(s), output tok/s':<44}{x:>22.1f}{y:>22.1f}{x / y:>7.2f}x")
+        x, y = a[f"c{c}"]["median_ttft_ms"], b[f"c{c}"]["median_ttft_ms"]
+        print(f"{f'chat, {c} stream(s), TTFT p50 ms':<44}{x:>22.0f}{y:>22.0f}{x / y:>7.2f}x")
+    for when, label in (("idle", "after start"), ("loaded", "after the chat runs")):
+        for key in ("rss", "pss"):
+            x, y = a[when][key] / 2**20, b[when][key] / 2**20
+            what = f"server {key.upper()} {label}, MB"
+            print(f"{what:<44}{x:>22.0f}{y:>22.0f}{x / y:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
