@@ -172,30 +172,43 @@ class Client:
         return "/v1/completions", {**common, "prompt": prompt}
 
     async def send(self, session: Session, turn: Turn, model: str) -> RequestResult:
+        import httpx
+
         path, body = self.body(session, turn, model)
         start = time.perf_counter()
         times: list[float] = []
         text: list[str] = []
         usage: dict[str, int] | None = None
-        try:
-            async with self.http.stream("POST", path, json=body) as r:
-                if r.status_code != 200:
-                    return RequestResult(
-                        False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                    )
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        return RequestResult(False, error=str(chunk["error"]))
-                    usage = chunk.get("usage") or usage
-                    piece = _chunk_text(chunk)
-                    if piece:
-                        times.append(time.perf_counter())
-                        text.append(piece)
-        except Exception as e:
-            return RequestResult(False, error=f"{type(e).__name__}: {e}")
+        for attempt in (1, 2):
+            answered = False
+            try:
+                async with self.http.stream("POST", path, json=body) as r:
+                    answered = True
+                    if r.status_code != 200:
+                        return RequestResult(
+                            False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                        )
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            return RequestResult(False, error=str(chunk["error"]))
+                        usage = chunk.get("usage") or usage
+                        piece = _chunk_text(chunk)
+                        if piece:
+                            times.append(time.perf_counter())
+                            text.append(piece)
+                break
+            except httpx.RemoteProtocolError as e:
+                # A server may close a kept-alive connection just as the next
+                # request goes out on it (cpp-httplib does after a few
+                # requests): sent again once, on a new connection.
+                if answered or attempt == 2:
+                    return RequestResult(False, error=f"{type(e).__name__}: {e}")
+                start = time.perf_counter()
+            except Exception as e:
+                return RequestResult(False, error=f"{type(e).__name__}: {e}")
         end = time.perf_counter()
         output = "".join(text)
         session.history += [
