@@ -308,7 +308,7 @@ impl VectorOps for Portable {
 
 #[cfg(target_arch = "x86_64")]
 #[path = "paged_attention_avx2.rs"]
-mod avx2;
+pub(crate) mod avx2;
 
 #[inline(always)]
 fn sum(values: &[f32]) -> f32 {

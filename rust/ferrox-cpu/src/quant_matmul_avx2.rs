@@ -4,17 +4,11 @@
 
 use std::arch::x86_64::*;
 
+use crate::paged_attention::avx2::hsum;
 use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK};
 
 /// How many weight rows ahead of the current tile to prefetch.
 const PREFETCH_ROWS: usize = 16;
-
-#[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
-    let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-    _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
-}
 
 /// A block's scale and offset (Q4_1) or scale (Q8_0), and its 32 weights as
 /// bytes (unsigned nibbles for Q4_1, signed for Q8_0).
