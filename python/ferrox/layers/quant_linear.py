@@ -21,6 +21,7 @@ from torch import nn
 from ferrox._native import dequantize_rows_cpu, quant_matmul_cpu
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.cpu_kernels import kernel_threads
+from ferrox.layers.cpu_linear import packed_linear_supported
 
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
@@ -32,6 +33,16 @@ DEQUANTIZE_ABOVE_ROWS = 64
 DEQUANTIZE_CHUNK_ELEMENTS = 2 << 20
 
 _scratch = torch.empty(0)
+_ONEDNN = packed_linear_supported()
+
+
+def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias in float32. oneDNN's linear op on the plain weight
+    is about twice as fast as `F.linear` at prefill sizes on this path, where
+    the weight is new each call and cannot be packed ahead."""
+    if _ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def _scratch_buffer(numel: int) -> torch.Tensor:
@@ -149,7 +160,7 @@ class QuantLinear(nn.Module):
             # On one thread: the kernel pool's workers would still be
             # spinning when torch's threads start the GEMM.
             weight = dequantize(self.weight, self.fmt, k, _scratch_buffer(n * k).view(n, k), 1)
-            return F.linear(x, weight, self.bias)
+            return _float_linear(x, weight, self.bias)
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         scratch = _scratch_buffer(step * k)
         for start in range(0, n, step):
@@ -158,7 +169,7 @@ class QuantLinear(nn.Module):
             chunk = scratch[: rows * k].view(rows, k)
             dequantize(self.weight[start:end], self.fmt, k, chunk, 1)
             bias = None if self.bias is None else self.bias[start:end]
-            out[:, start:end] = F.linear(x, chunk, bias)
+            out[:, start:end] = _float_linear(x, chunk, bias)
         return out
 
     def extra_repr(self) -> str:
