@@ -8,7 +8,7 @@ For each way of holding the linear weights (`quantization=`):
   q8_0  dequantized, then requantized to 8-bit blocks
   q4_1  dequantized, then requantized to 4-bit blocks
 it prints the perplexity of a fixed text (prompt logprobs, in steps of at
-most 64 tokens, so that the block kernels compute them), and, on chat
+most 32 tokens, so that the block kernels compute them), and, on chat
 prompts decoded greedily, how many tokens agree with `none` before the
 first difference (greedy decoding follows the argmax, so one near tie sends
 the rest of the answer elsewhere: this counts, it does not judge).
@@ -65,7 +65,7 @@ ANSWER_TOKENS = 48
 
 def measure(mode: str, model: str) -> dict:
     start = time.perf_counter()
-    # At most 64 tokens a step: every step runs the block kernels (larger
+    # At most 32 tokens a step: every step runs the block kernels (larger
     # batches dequantize to float32 and would not measure them).
     llm = LLM(
         model,

@@ -229,20 +229,18 @@ def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], round_inputs: bool
             hook.remove()
 
 
-def _assert_same_greedy(got: Greedy, expected: Greedy, later: float = 1e-3) -> None:
-    """Same tokens; the first logprob within 1e-3, later ones within `later`."""
+def _assert_same_greedy(got: Greedy, expected: Greedy, tolerance: float = 1e-3) -> None:
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
         assert tokens == want_tokens
-        assert logprobs[0] == pytest.approx(want_logprobs[0], abs=1e-3)
-        assert logprobs == pytest.approx(want_logprobs, abs=later)
+        assert logprobs == pytest.approx(want_logprobs, abs=tolerance)
 
 
 MAX_TOKENS = 6
 # Every step of these runs has at most DEQUANTIZE_ABOVE_ROWS tokens, so each
 # linear layer runs the integer kernel (and rounds its input).
 # Summation order moves an activation across a rounding boundary now and
-# then: one step of int8 in one element, which later tokens inherit through
-# the KV cache. A wrong scale or block moves logprobs by whole units.
+# then: one step of int8 in one element, which the following positions
+# inherit. A wrong scale or block moves logprobs by whole units.
 ROUNDING_DRIFT = 0.03
 
 
@@ -251,7 +249,7 @@ def test_gguf_engine_keeps_blocks_and_tracks_transformers(tmp_path: Path, tied: 
     path = tmp_path / "blocks.gguf"
     _quantized_gguf(path, tied=tied)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 17, 40)]
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 11, 16)]
     # transformers on the file's weights, dequantized by the GGUF reference
     dense = load_gguf(path)
     hf = AutoModelForCausalLM.from_config(dense.config).eval()
@@ -278,7 +276,7 @@ def test_gguf_engine_keeps_blocks_and_tracks_transformers(tmp_path: Path, tied: 
 def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt: str) -> None:
     path = tiny_models["llama-gqa-tied"]  # hidden 96
     gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (4, 30)]
+    prompts = [torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (4, 28)]
     llm, got = _run(path, prompts, quantization=fmt)
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]

@@ -29,7 +29,7 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 # buffer and runs a float GEMM (benches/quant_linear.py measures the
 # crossover); weights larger than the chunk (an LM head) go through it a
 # slice of rows at a time, so that the scratch stays in cache.
-DEQUANTIZE_ABOVE_ROWS = 64
+DEQUANTIZE_ABOVE_ROWS = 32
 DEQUANTIZE_CHUNK_ELEMENTS = 2 << 20
 
 _scratch = torch.empty(0)
