@@ -169,7 +169,9 @@ class QuantLinear(nn.Module):
             chunk = scratch[: rows * k].view(rows, k)
             dequantize(self.weight[start:end], self.fmt, k, chunk, 1)
             bias = None if self.bias is None else self.bias[start:end]
-            out[:, start:end] = _float_linear(x, chunk, bias)
+            # (F.linear here: oneDNN's op on a new weight slice every call
+            # runs several times slower, benches/quant_linear.py's LM head)
+            out[:, start:end] = F.linear(x, chunk, bias)
         return out
 
     def extra_repr(self) -> str:
