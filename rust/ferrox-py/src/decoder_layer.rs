@@ -9,7 +9,7 @@ use numpy::{
 use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
-use crate::kernels::quant_format;
+use crate::kernels::{contiguous, quant_format};
 
 type LinearSpec<'py> = (
     Bound<'py, PyArray2<u8>>,
@@ -40,18 +40,6 @@ impl Linear {
             out_features,
         })
     }
-}
-
-fn slice<'a, T: numpy::Element>(array: &'a PyReadonlyArray1<'_, T>) -> PyResult<&'a [T]> {
-    array
-        .as_slice()
-        .map_err(|_| invalid_argument("arrays must be C-contiguous".into()))
-}
-
-fn slice2<'a, T: numpy::Element>(array: &'a PyReadonlyArray2<'_, T>) -> PyResult<&'a [T]> {
-    array
-        .as_slice()
-        .map_err(|_| invalid_argument("arrays must be C-contiguous".into()))
 }
 
 /// A Llama-family decoder layer over block-format weights (q/k/v, o,
@@ -159,8 +147,11 @@ impl CpuDecoderLayer {
             .zip(&linears)
         {
             blocks.push(BlockLinear {
-                w: slice2(w)?,
-                bias: bias.as_ref().map(slice).transpose()?,
+                w: contiguous(w.as_slice())?,
+                bias: bias
+                    .as_ref()
+                    .map(|b| contiguous(b.as_slice()))
+                    .transpose()?,
                 fmt: layer.fmt,
                 out_features: layer.out_features,
             });
@@ -169,8 +160,8 @@ impl CpuDecoderLayer {
             .try_into()
             .map_err(|_| invalid_argument("four linear layers".into()))?;
         let layer = DecoderLayerWeights {
-            input_norm: slice(&weights.0)?,
-            post_attention_norm: slice(&weights.1)?,
+            input_norm: contiguous(weights.0.as_slice())?,
+            post_attention_norm: contiguous(weights.1.as_slice())?,
             eps: self.eps,
             qkv,
             o,
@@ -182,13 +173,13 @@ impl CpuDecoderLayer {
             scale: self.scale,
         };
         let step = DecoderLayerStep {
-            positions: slice(&positions)?,
-            cos: slice2(&cos)?,
-            sin: slice2(&sin)?,
-            slot_mapping: slice(&slot_mapping)?,
-            block_table: slice2(&block_table)?,
-            query_start_loc: slice(&query_start_loc)?,
-            seq_lens: slice(&seq_lens)?,
+            positions: contiguous(positions.as_slice())?,
+            cos: contiguous(cos.as_slice())?,
+            sin: contiguous(sin.as_slice())?,
+            slot_mapping: contiguous(slot_mapping.as_slice())?,
+            block_table: contiguous(block_table.as_slice())?,
+            query_start_loc: contiguous(query_start_loc.as_slice())?,
+            seq_lens: contiguous(seq_lens.as_slice())?,
             block_size: kv_shape[1],
             num_threads,
         };

@@ -21,7 +21,7 @@ fn dims<const N: usize>(shape: &[usize], what: &str) -> PyResult<[usize; N]> {
     })
 }
 
-fn contiguous<T, E>(slice: Result<&[T], E>) -> PyResult<&[T]> {
+pub(crate) fn contiguous<T, E>(slice: Result<&[T], E>) -> PyResult<&[T]> {
     slice.map_err(|_| invalid_argument("arrays must be C-contiguous".into()))
 }
 
