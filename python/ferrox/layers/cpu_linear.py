@@ -47,6 +47,16 @@ class PackedLinear(nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
 
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) for every plain `nn.Linear` in `model`."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+
+
 def pack_linear_layers(model: nn.Module) -> int:
     """Replaces every `nn.Linear` of a float32 CPU model with a PackedLinear;
     returns how many (0 where torch lacks the ops)."""
@@ -54,11 +64,8 @@ def pack_linear_layers(model: nn.Module) -> int:
         return 0
     targets = [
         (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-        and child.weight.device.type == "cpu"
-        and child.weight.dtype == torch.float32
+        for parent, name, child in linear_layers(model)
+        if child.weight.device.type == "cpu" and child.weight.dtype == torch.float32
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError, ModelLoadError
 from ferrox.layers.attention import get_attention_backend
-from ferrox.layers.cpu_linear import pack_linear_layers
+from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
 from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
 from ferrox.loader.gguf import load_gguf, load_gguf_tokenizer
@@ -122,6 +122,12 @@ def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
     return None
 
 
+def _module_of(name: str) -> str:
+    """The model module (our name) a checkpoint weight loads into."""
+    target, _ = merged_target(name)
+    return target.removeprefix("model.").removesuffix(".weight")
+
+
 def block_plan(state: dict[str, torch.Tensor | BlockTensor], tied: bool) -> dict[str, str]:
     """Model modules (our names) that keep block-format weights, and their
     format: those whose every tensor part is in one block format. The merged
@@ -131,9 +137,7 @@ def block_plan(state: dict[str, torch.Tensor | BlockTensor], tied: bool) -> dict
     for name, t in state.items():
         if not name.endswith(".weight"):
             continue
-        target, _ = merged_target(name)
-        module = target.removeprefix("model.").removesuffix(".weight")
-        parts.setdefault(module, set()).add(t.fmt if isinstance(t, BlockTensor) else None)
+        parts.setdefault(_module_of(name), set()).add(t.fmt if isinstance(t, BlockTensor) else None)
     plan: dict[str, str] = {}
     for module, formats in parts.items():
         (fmt,) = formats if len(formats) == 1 else (None,)
@@ -150,9 +154,7 @@ def _with_plan(
     """Block tensors of planned modules as their bytes; the others dense."""
     for name, t in state.items():
         if isinstance(t, BlockTensor):
-            target, _ = merged_target(name)
-            module = target.removeprefix("model.").removesuffix(".weight")
-            if module in plan:
+            if _module_of(name) in plan:
                 yield name, t.data
             else:
                 yield name, dequantize(t.data, t.fmt, t.in_features).to(dtype)
@@ -162,12 +164,7 @@ def _with_plan(
 
 def quantize_linear_layers(model: torch.nn.Module, fmt: str) -> int:
     """Replaces every float `nn.Linear` with a QuantLinear in `fmt`."""
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is torch.nn.Linear
-    ]
+    targets = linear_layers(model)
     for parent, name, child in targets:
         setattr(parent, name, QuantLinear.from_linear(child, fmt))
     return len(targets)
