@@ -11,6 +11,10 @@ use pyo3::prelude::*;
 use crate::errors::invalid_argument;
 use crate::kernels::{contiguous, quant_format};
 
+type LinearArrays<'py> = (
+    PyReadonlyArray2<'py, u8>,
+    Option<PyReadonlyArray1<'py, f32>>,
+);
 type LinearSpec<'py> = (
     Bound<'py, PyArray2<u8>>,
     Option<Bound<'py, PyArray1<f32>>>,
@@ -38,6 +42,27 @@ impl Linear {
             bias: bias.map(Bound::unbind),
             fmt: quant_format(&fmt)?,
             out_features,
+        })
+    }
+
+    /// Read views of the weight and bias for one call.
+    fn borrow<'py>(&self, py: Python<'py>) -> LinearArrays<'py> {
+        (
+            self.w.bind(py).readonly(),
+            self.bias.as_ref().map(|b| b.bind(py).readonly()),
+        )
+    }
+
+    fn view<'a>(&self, arrays: &'a LinearArrays<'_>) -> PyResult<BlockLinear<'a>> {
+        let (w, bias) = arrays;
+        Ok(BlockLinear {
+            w: contiguous(w.as_slice())?,
+            bias: bias
+                .as_ref()
+                .map(|b| contiguous(b.as_slice()))
+                .transpose()?,
+            fmt: self.fmt,
+            out_features: self.out_features,
         })
     }
 }
@@ -131,42 +156,20 @@ impl CpuDecoderLayer {
                 self.num_kv_heads, self.head_dim
             )));
         }
-        let weights = (
+        let (input_norm, post_attention_norm) = (
             self.input_norm.bind(py).readonly(),
             self.post_attention_norm.bind(py).readonly(),
         );
-        let linears = [&self.qkv, &self.o, &self.gate_up, &self.down].map(|l| {
-            (
-                l.w.bind(py).readonly(),
-                l.bias.as_ref().map(|b| b.bind(py).readonly()),
-            )
-        });
-        let mut blocks = Vec::with_capacity(4);
-        for (layer, (w, bias)) in [&self.qkv, &self.o, &self.gate_up, &self.down]
-            .iter()
-            .zip(&linears)
-        {
-            blocks.push(BlockLinear {
-                w: contiguous(w.as_slice())?,
-                bias: bias
-                    .as_ref()
-                    .map(|b| contiguous(b.as_slice()))
-                    .transpose()?,
-                fmt: layer.fmt,
-                out_features: layer.out_features,
-            });
-        }
-        let [qkv, o, gate_up, down]: [BlockLinear<'_>; 4] = blocks
-            .try_into()
-            .map_err(|_| invalid_argument("four linear layers".into()))?;
+        let [qkv, o, gate_up, down] =
+            [&self.qkv, &self.o, &self.gate_up, &self.down].map(|l| l.borrow(py));
         let layer = DecoderLayerWeights {
-            input_norm: contiguous(weights.0.as_slice())?,
-            post_attention_norm: contiguous(weights.1.as_slice())?,
+            input_norm: contiguous(input_norm.as_slice())?,
+            post_attention_norm: contiguous(post_attention_norm.as_slice())?,
             eps: self.eps,
-            qkv,
-            o,
-            gate_up,
-            down,
+            qkv: self.qkv.view(&qkv)?,
+            o: self.o.view(&o)?,
+            gate_up: self.gate_up.view(&gate_up)?,
+            down: self.down.view(&down)?,
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
