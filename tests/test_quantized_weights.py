@@ -364,6 +364,14 @@ def test_quantization_options_are_checked(tiny_models: dict[str, Path], tmp_path
         LLM(str(path), quantization="q8_0", dtype="bfloat16")
     with pytest.raises(InvalidArgumentError, match="multiples of 32"):
         LLM(str(tiny_models["llama-mha-untied"]), quantization="q4_1")  # hidden 80
+    # The file's blocks run on the CPU in float32 only: asked for elsewhere,
+    # refused rather than silently dequantized.
+    gguf_path = tmp_path / "blocks.gguf"
+    _quantized_gguf(gguf_path)
+    with pytest.raises(InvalidArgumentError, match="float32"):
+        LLM(str(gguf_path), quantization="gguf", dtype="bfloat16")
+    with pytest.raises(InvalidArgumentError, match="needs a GGUF model file"):
+        LLM(str(gguf_path), quantization="gguf", load_format="dummy")
 
 
 # ---- the default model ----------------------------------------------------------------------

@@ -17,9 +17,9 @@ HELP = {
     "load_format": "auto | safetensors | gguf | dummy (random weights, for benchmarks)",
     "dtype": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16",
     "quantization": "how linear weights are held: by default a GGUF file's Q4_0 / Q4_1 / Q8_0 "
-    "blocks are kept and run by the CPU block kernels, other weights load in --dtype; gguf: the "
-    "same, for a GGUF file; q8_0 | q4_1: quantize every linear layer at load (CPU); none: "
-    "dequantize to --dtype",
+    "blocks are kept and run by the CPU block kernels (CPU, float32), other weights load in "
+    "--dtype; gguf: keep a GGUF file's blocks, refused where they cannot run; q8_0 | q4_1: "
+    "quantize every linear layer at load (CPU, float32); none: dequantize to --dtype",
     "device": "auto (CUDA when available) | cpu | cuda",
     "seed": "random seed of the engine",
     "max_model_len": "context length (default: the model's)",

@@ -110,16 +110,14 @@ def _runs_block_kernels(config: EngineConfig) -> bool:
 def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
     """The block format to quantize float weights into at load, if any."""
     q = config.quantization
-    if q == "gguf" and fmt not in ("gguf", "dummy"):
-        raise InvalidArgumentError("quantization='gguf' needs a GGUF model file")
-    if q in ("q8_0", "q4_1"):
-        if not _runs_block_kernels(config):
-            raise InvalidArgumentError(
-                f"quantization={q!r} runs on the CPU in float32 (device cpu, dtype float32); "
-                f"got device {config.torch_device.type}, dtype {config.torch_dtype}"
-            )
-        return q
-    return None
+    if q == "gguf" and fmt != "gguf":
+        raise InvalidArgumentError("quantization='gguf' needs a GGUF model file loaded from it")
+    if q in ("gguf", "q8_0", "q4_1") and not _runs_block_kernels(config):
+        raise InvalidArgumentError(
+            f"quantization={q!r} runs on the CPU in float32 (device cpu, dtype float32); "
+            f"got device {config.torch_device.type}, dtype {config.torch_dtype}"
+        )
+    return q if q in ("q8_0", "q4_1") else None
 
 
 def _module_of(name: str) -> str:
