@@ -174,10 +174,22 @@ def single_stream(engines: list[Any], ids: list[int], new: int, repeats: int) ->
 # ---- servers ------------------------------------------------------------------------------
 
 
-def tree_memory(pid: int) -> dict[str, int]:
+def _role(pid: int) -> str:
+    """What a process of a server's tree is, from its command line."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "gone"
+    if "resource_tracker" in command:
+        return "resource tracker"
+    return "engine" if "spawn_main" in command else "server"
+
+
+def tree_memory(pid: int) -> dict[str, Any]:
     """Resident bytes of a process and all its descendants: `rss` sums each
     process's resident set (pages shared between them count once per
-    process), `pss` shares such pages out (each counts once in all)."""
+    process), `pss` shares such pages out (each counts once in all);
+    `pss_by_role` splits the PSS by process (server, engine, ...)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -185,7 +197,7 @@ def tree_memory(pid: int) -> dict[str, int]:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    total = {"rss": 0, "pss": 0, "processes": 0}
+    total: dict[str, Any] = {"rss": 0, "pss": 0, "processes": 0, "pss_by_role": {}}
     todo = [pid]
     while todo:
         p = todo.pop()
@@ -199,6 +211,10 @@ def tree_memory(pid: int) -> dict[str, int]:
             key, _, value = line.partition(":")
             if key in ("Rss", "Pss"):
                 total[key.lower()] += int(value.split()[0]) * 1024
+            if key == "Pss":
+                role = _role(p)
+                by_role = total["pss_by_role"]
+                by_role[role] = by_role.get(role, 0) + int(value.split()[0]) * 1024
     return total
 
 
@@ -347,6 +363,9 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
             x, y = a[when][key] / 2**20, b[when][key] / 2**20
             what = f"server {key.upper()} {label}, MB"
             print(f"{what:<44}{x:>22.0f}{y:>22.0f}{x / y:>7.2f}x")
+        for name, tree in (("ferrox", a), ("llama.cpp", b)):
+            roles = ", ".join(f"{r} {v / 2**20:.0f}" for r, v in tree[when]["pss_by_role"].items())
+            print(f"  {name} PSS by process {label}, MB: {roles}")
 
 
 if __name__ == "__main__":
