@@ -50,7 +50,7 @@ def make_model(folder: Path) -> Path:
     from transformers import LlamaConfig
 
     from ferrox.loader.default import default_model_path
-    from ferrox.loader.gguf import load_gguf_tokenizer
+    from ferrox.loader.gguf_reader import load_gguf_tokenizer
 
     config = LlamaConfig(
         vocab_size=VOCAB,

@@ -292,7 +292,7 @@ def main() -> None:
         return
 
     from ferrox.loader import default_model_path
-    from ferrox.loader.gguf import load_gguf_tokenizer
+    from ferrox.loader.gguf_reader import load_gguf_tokenizer
 
     gguf = default_model_path()
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.ferrox_option)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -24,6 +25,24 @@ def server(model_dir: Path) -> Iterator[Server]:
     s = Server(model_dir, "--max-body-bytes", str(64 * 1024))
     yield s
     s.stop()
+
+
+def _torch_libraries(process: psutil.Process) -> set[str]:
+    return {
+        m.path for m in process.memory_maps() if os.path.basename(m.path).startswith("libtorch")
+    }
+
+
+def test_frontend_process_never_loads_torch(server: Server) -> None:
+    """The frontend tokenizes, renders chat templates, detokenizes and routes;
+    the model (and torch) live in the engine process alone."""
+    out = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert out.choices[0].message.content is not None
+    engines = engine_processes(server)
+    assert engines and all(_torch_libraries(p) for p in engines)  # the check sees torch there
+    assert _torch_libraries(psutil.Process(server.proc.pid)) == set()
 
 
 def test_completions_and_usage(server: Server, model_dir: Path) -> None:

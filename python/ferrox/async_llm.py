@@ -21,7 +21,7 @@ from ferrox.engine.protocol import Ready, SequenceDelta
 from ferrox.errors import DuplicateRequestError, EngineDeadError, InvalidArgumentError
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S, AsyncEngineClient
 from ferrox.frontend.request_run import RequestRun
-from ferrox.loader.model_loader import load_tokenizer
+from ferrox.loader.tokenizer import load_tokenizer
 from ferrox.outputs import RequestOutput
 from ferrox.sampling_params import SamplingParams
 

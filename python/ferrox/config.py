@@ -1,27 +1,34 @@
 """EngineConfig: every engine option in one frozen, validated dataclass.
 
 Option names follow vLLM's where the concept is the same. `"auto"` values are
-resolved by `EngineConfig.create`, so a config in use is always concrete.
+validated by `EngineConfig.create` without importing torch (a frontend process
+that runs no model never loads it); the torch device and dtype they name are
+resolved where the engine runs, on first use of `torch_device` / `torch_dtype`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+import functools
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ferrox.errors import InvalidArgumentError
 from ferrox.speculative import SpeculativeConfig
 
+if TYPE_CHECKING:
+    import torch
+
+# dtype names and the torch dtype each stands for
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # How linear weights are held (see loader/model_loader.py): None keeps a GGUF
 # file's 4- and 8-bit blocks as stored (CPU) and loads other checkpoints in
@@ -62,9 +69,20 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     max_logprobs: int = 20
     profiler_dir: str | None = None  # enables start_profile / stop_profile
-    # Resolved by `create`:
-    torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
-    torch_device: torch.device = field(default=torch.device("cpu"), repr=False)
+
+    @functools.cached_property
+    def torch_device(self) -> torch.device:
+        """The device `device` names ("auto": CUDA when available); imports torch."""
+        return _resolve_device(self.device)
+
+    @functools.cached_property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype `dtype` names ("auto": bfloat16 on CUDA, float32 on CPU)."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return getattr(torch, _DTYPES[self.dtype])  # type: ignore[no-any-return]
 
     @property
     def max_admitted_requests(self) -> int | None:
@@ -75,9 +93,7 @@ class EngineConfig:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [
-            f.name for f in dataclasses.fields(cls) if f.name not in ("torch_dtype", "torch_device")
-        ]
+        return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:
@@ -91,9 +107,7 @@ class EngineConfig:
             config, speculative_config=SpeculativeConfig.parse(config.speculative_config)
         )
         config.validate()
-        device = _resolve_device(config.device)
-        dtype = _resolve_dtype(config.dtype, device)
-        return dataclasses.replace(config, torch_device=device, torch_dtype=dtype)
+        return config
 
     def validate(self) -> None:
         positive = {
@@ -138,6 +152,16 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
+        if not isinstance(self.device, str) or not (
+            self.device == "auto" or _DEVICE.fullmatch(self.device)
+        ):
+            raise InvalidArgumentError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in _DTYPES):
+            raise InvalidArgumentError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
         if self.max_logprobs < 0:
             raise InvalidArgumentError("max_logprobs must be >= 0")
         if not isinstance(self.seed, int):
@@ -157,25 +181,11 @@ class EngineConfig:
 
 
 def _resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise InvalidArgumentError(f"device {name!r} is not a valid torch device: {e}") from e
+    device = torch.device(name)  # `validate` has checked the name
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError("device 'cuda' was asked for, but CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+        raise InvalidArgumentError(f"device {name!r} was asked for, but CUDA is not available")
     return device
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = _DTYPES.get(name)
-    if dtype is None:
-        raise InvalidArgumentError(
-            f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}"
-        )
-    return dtype

@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ferrox import LLM, SamplingParams
 from ferrox.cli_options import add_engine_arguments, engine_options
-from ferrox.engine.core import EngineCore
+from ferrox.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrox.engine.core import EngineCore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +53,8 @@ def measure(
 
 
 def main(args: argparse.Namespace) -> int:
+    from ferrox.llm import LLM  # the engine (and torch) only when this command runs
+
     llm = LLM(**engine_options(args))
     runs = [
         measure(llm.engine, args.batch_size, args.input_len, args.output_len, seed)

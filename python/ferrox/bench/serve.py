@@ -122,7 +122,7 @@ def apply_presets(args: argparse.Namespace) -> None:
 
 def load_tokenizer(path: str | None) -> Any:
     from ferrox.config import EngineConfig
-    from ferrox.loader.model_loader import load_tokenizer as load
+    from ferrox.loader.tokenizer import load_tokenizer as load
 
     return load(EngineConfig.create(model=path))
 

@@ -58,6 +58,8 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                     num_kv_blocks=engine.runner.num_kv_blocks,
                     block_size=engine.config.block_size,
                     load_seconds=engine.loaded.load_seconds,
+                    device=str(engine.config.torch_device),
+                    dtype=str(engine.config.torch_dtype).removeprefix("torch."),
                 )
             )
         )

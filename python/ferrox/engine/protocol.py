@@ -150,6 +150,8 @@ class Ready(msgspec.Struct, tag="ready"):
     num_kv_blocks: int
     block_size: int
     load_seconds: float
+    device: str  # the torch device and dtype the model runs in: "cpu", "float32"
+    dtype: str
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

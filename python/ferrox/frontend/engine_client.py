@@ -31,12 +31,20 @@ import zmq
 import zmq.asyncio
 
 from ferrox.engine import protocol as p
-from ferrox.engine.core_process import run_engine_core
 from ferrox.errors import EngineDeadError, ModelLoadError, ServerBusyError
 from ferrox.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrox.client")
 DEFAULT_STALL_TIMEOUT_S = 60.0
+
+
+def _engine_process(options: dict[str, Any], input_address: str, output_address: str) -> None:
+    """The engine process's entry point. The engine (torch, the model code) is
+    imported there only: the frontend process never loads it."""
+    from ferrox.engine.core_process import run_engine_core
+
+    run_engine_core(options, input_address, output_address)
+
 
 StreamItem = p.SequenceDelta | p.PromptLogprobs | p.RequestFailed | Exception
 
@@ -88,7 +96,7 @@ class AsyncEngineClient:
         self._from_engine.bind(output_address)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
-            target=run_engine_core,
+            target=_engine_process,
             args=(self.engine_options, input_address, output_address),
             name="ferrox-engine-core",
             daemon=True,

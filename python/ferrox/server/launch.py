@@ -289,13 +289,14 @@ def serve(args: argparse.Namespace) -> int:
             block_size=info.block_size,
             num_blocks=info.num_kv_blocks,
             prefix_caching=config.enable_prefix_caching,
-            dtype=str(config.torch_dtype).removeprefix("torch."),
+            dtype=info.dtype,
         )
         if server is not None:
             server.loop = asyncio.get_running_loop()
         print(
             f"ferrox: serving {names[0]!r} ({info.model}) at http://{args.host}:{args.port} "
-            f"(max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks of "
+            f"(on {info.device} in {info.dtype}, max_model_len {info.max_model_len}, "
+            f"{info.num_kv_blocks} KV blocks of "
             f"{info.block_size} tokens, loaded in {info.load_seconds:.1f} s)",
             flush=True,
         )
