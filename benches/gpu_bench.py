@@ -8,6 +8,9 @@ written after every part and on any error, so a late failure loses nothing.
     input embedding table, plus the context's KV cache, over the device's
     copy bandwidth measured here).
 (c) CUDA graphs on against off: decode step time at batch 1 and 64.
+(d) The Triton dequantize-GEMM (q4_1, q8_0 blocks; kernels/quant_matmul.py)
+    against torch's bf16 matmul on the same shapes (Llama-3-8B projections),
+    1, 16 and 256 rows: median ms and the ratio.
 (b) 256 requests of 512 random prompt tokens and 256 output tokens: ferrox
     against transformers `generate` (static batches, bf16, SDPA attention)
     on the same device; the ferrox engine is freed before transformers'
@@ -171,6 +174,45 @@ def part_c(llm: LLM, out: dict[str, Any], args: argparse.Namespace, deadline: fl
               f"({off / on:.2f}x)", flush=True)  # fmt: skip
 
 
+def cuda_ms(fn: Any, repeats: int = 20) -> float:
+    """Median milliseconds of `fn()` on the GPU, by CUDA events."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def part_d(out: dict[str, Any], args: argparse.Namespace, deadline: float) -> None:
+    if args.dry_run:
+        out["d"] = {"skipped": "needs a GPU"}
+        return
+    from ferrox.kernels.quant_matmul import dequant_matmul, split_blocks
+    from ferrox.layers.quant_linear import quantize
+
+    out["d"] = {}
+    for n, k in ((4096, 4096), (14336, 4096)):
+        weight = torch.randn(n, k) * 0.02
+        dense = weight.to("cuda", torch.bfloat16)
+        for fmt in ("q4_1", "q8_0"):
+            split = split_blocks(quantize(weight, fmt).cuda(), fmt, k)
+            for m in (1, 16, 256):
+                if time.monotonic() > deadline:
+                    return
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ours = cuda_ms(lambda x=x, split=split: dequant_matmul(x, split))
+                torch_ms = cuda_ms(lambda x=x, w=dense: torch.nn.functional.linear(x, w))
+                key = f"{fmt}_{n}x{k}_m{m}"
+                out["d"][key] = {"triton_ms": ours, "bf16_ms": torch_ms, "speedup": torch_ms / ours}
+                print(f"(d) {key}: dequant-GEMM {ours:.3f} ms, bf16 {torch_ms:.3f} ms "
+                      f"({torch_ms / ours:.2f}x)", flush=True)  # fmt: skip
+
+
 def workload(n: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, prompt_len).tolist() for _ in range(n)]
@@ -264,6 +306,8 @@ def run(args: argparse.Namespace, out: dict[str, Any], save: Any) -> None:
         part_a(llm, out, args)
         save()
         part_c(llm, out, args, deadline)
+        save()
+        part_d(out, args, deadline)
         save()
         prompts = workload(args.num_requests, args.prompt_len, int(config_dict["vocab_size"]))
         if time.monotonic() > deadline - args.part_b_seconds:

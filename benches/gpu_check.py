@@ -258,6 +258,12 @@ def _bench_lines(path: Path) -> list[str]:
             f"  (c) {key}: graphs {c['graphs_ms']:.2f} ms, eager {c['eager_ms']:.2f} ms "
             f"({c['speedup']:.2f}x)"
         )
+    for key, d in (bench.get("d") or {}).items():
+        if isinstance(d, dict):
+            lines.append(
+                f"  (d) {key}: dequant-GEMM {d['triton_ms']:.3f} ms, bf16 {d['bf16_ms']:.3f} ms "
+                f"({d['speedup']:.2f}x)"
+            )
     b = bench.get("b") or {}
     if "ferrox_tok_s" in b:
         lines.append(f"  (b) ferrox {b['ferrox_tok_s']:.0f} output tok/s")

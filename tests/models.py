@@ -125,6 +125,21 @@ def hf_model(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def hf_model_with_rounded_weights(path: Path, fmt: str) -> torch.nn.Module:
+    """transformers with every linear weight rounded to the block format
+    `fmt` and back (a tied head gets its own rounded copy; the embedding
+    stays float): what ferrox's quantization=fmt computes with."""
+    from ferrox.layers.quant_linear import dequantize, quantize
+
+    hf = hf_model(path)
+    with torch.no_grad():
+        for module in list(hf.modules()):
+            if isinstance(module, torch.nn.Linear):
+                rounded = dequantize(quantize(module.weight, fmt), fmt, module.in_features)
+                module.weight = torch.nn.Parameter(rounded, requires_grad=False)
+    return hf
+
+
 @torch.inference_mode()
 def hf_greedy(
     model: torch.nn.Module, prompt: list[int], max_tokens: int

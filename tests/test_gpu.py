@@ -96,6 +96,55 @@ def test_smollm2_fp32_and_bf16(smollm2_path: Path) -> None:
         assert sum(a == b for a, b in zip(g, e, strict=True)) >= MAX_TOKENS // 2
 
 
+def test_smollm2_gguf_blocks_through_the_triton_kernel(smollm2_path: Path) -> None:
+    """quantization="gguf": the 4- and 8-bit blocks stay in GPU memory and every
+    linear layer runs the Triton dequantize-GEMM (in CUDA graphs). In float32
+    its output is the dequantized model's; bfloat16 rounds, as above."""
+    from ferrox.kernels.quant_matmul import SplitBlocks
+    from ferrox.layers.quant_linear import QuantLinear
+    from ferrox.loader import load_gguf
+
+    tokenizer = load_gguf(smollm2_path).tokenizer
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):")]
+    runs = {}
+    for quantization in ("none", "gguf"):
+        llm = engine(smollm2_path, dtype="float32", quantization=quantization)
+        blocks = [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantLinear)]
+        assert bool(blocks) == (quantization == "gguf")
+        assert all(isinstance(m._split, SplitBlocks) for m in blocks)
+        runs[quantization] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)
+        ]
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert runs["gguf"] == runs["none"]
+    bf16 = engine(smollm2_path, dtype="bfloat16", quantization="gguf")
+    got = [o.outputs[0].token_ids for o in bf16.generate(prompts, greedy(), use_tqdm=False)]
+    for g, e in zip(got, runs["none"], strict=True):
+        assert g[:3] == e[:3]
+
+
+def test_quantize_at_load_on_gpu(tiny_models: dict[str, Path]) -> None:
+    """quantization="q8_0" / "q4_1" of a float checkpoint on the GPU: the
+    greedy tokens and logprobs of transformers with every linear weight
+    rounded the same way (the Triton kernel keeps the activations in float32)."""
+    path = tiny_models["llama-gqa-tied"]
+    prompts = batch(models.VOCAB_SIZE)[:4]
+    for fmt in ("q8_0", "q4_1"):
+        gpu = engine(path, dtype="float32", quantization=fmt)
+        outs = gpu.generate(prompts, greedy(logprobs=1), use_tqdm=False)
+        del gpu
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf = models.hf_model_with_rounded_weights(path, fmt)
+        for prompt, out in zip(prompts, outs, strict=True):
+            tokens, logprobs = models.hf_greedy(hf, prompt, MAX_TOKENS)
+            assert out.outputs[0].token_ids == tokens
+            got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+            assert got == pytest.approx(logprobs, abs=1e-3)
+
+
 def test_cuda_graphs_replay_matches_eager(tiny_models: dict[str, Path]) -> None:
     path = str(tiny_models["llama-gqa-tied"])
     prompts = (

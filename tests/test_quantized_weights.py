@@ -282,14 +282,7 @@ def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     # qkv, o, gate_up and down in every layer, and the LM head
     assert len(layers) == 4 * len(model.layers) + 1
-    # transformers with every linear weight rounded the same way (the tied
-    # head gets its own rounded copy; the embedding stays float)
-    hf = models.hf_model(path)
-    with torch.no_grad():
-        for module in list(hf.modules()):
-            if isinstance(module, torch.nn.Linear):
-                rounded = dequantize(quantize(module.weight, fmt), fmt, module.in_features)
-                module.weight = torch.nn.Parameter(rounded, requires_grad=False)
+    hf = models.hf_model_with_rounded_weights(path, fmt)
     _assert_same_greedy(got, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 
 

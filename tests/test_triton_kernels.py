@@ -33,6 +33,11 @@ if IN_PROCESS and not ON_GPU:
 
 from ferrox.kernels.kv_store import store_kv  # noqa: E402
 from ferrox.kernels.paged_attention import num_kv_splits_for, paged_attention  # noqa: E402
+from ferrox.kernels.quant_matmul import (  # noqa: E402
+    dequant_matmul,
+    dequantize_split,
+    split_blocks,
+)
 
 if _saved_interpret is None:
     os.environ.pop("TRITON_INTERPRET", None)
@@ -292,6 +297,108 @@ def test_registry_picks_cpu_for_cpu_and_triton_by_name(monkeypatch: pytest.Monke
     with pytest.raises(InvalidArgumentError):
         get_attention_backend("triton", cpu)
     assert num_kv_splits_for(2, 8, 100_000, cpu) == 1
+
+
+def check_quant_matmul(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    """The kernel against x @ W^T in float32 over the weight as the CPU's
+    native dequantizer reads the same blocks (inputs rounded to `dtype`)."""
+    from ferrox.layers.quant_linear import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    blocks = quantize(torch.randn(n, k, generator=gen), fmt)
+    weight = dequantize(blocks, fmt, k)
+    split = split_blocks(blocks.to(DEVICE), fmt, k)
+    assert torch.equal(dequantize_split(split).cpu(), weight)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    out = dequant_matmul(x.to(DEVICE), split, None if b is None else b.to(DEVICE))
+    assert out.dtype == dtype and out.shape == (m, n)
+    expected = x.float() @ weight.to(dtype).float().T
+    if b is not None:
+        expected += b.float()
+    tol = {F32: 1e-4, F16: 2e-2, BF16: 6e-2}[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "bias"),
+    [
+        (1, 40, 64, F32, False),  # one decode row; N not a tile multiple
+        (5, 96, 96, F32, True),  # K an odd number of 32-wide groups
+        (17, 33, 160, BF16, False),
+        (40, 70, 128, F32, True),  # rows over one tile
+    ],
+)
+def test_dequant_matmul(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    check_quant_matmul(fmt, m, n, k, dtype, bias)
+
+
+def test_dequant_matmul_keeps_leading_dims_and_checks_width() -> None:
+    from ferrox.layers.quant_linear import quantize
+
+    split = split_blocks(quantize(torch.randn(8, 64), "q8_0").to(DEVICE), "q8_0", 64)
+    x = torch.randn(2, 3, 64, device=DEVICE)
+    assert dequant_matmul(x, split).shape == (2, 3, 8)
+    assert dequant_matmul(x[:0], split).shape == (0, 3, 8)
+    with pytest.raises(ValueError, match="features"):
+        dequant_matmul(torch.randn(2, 32, device=DEVICE), split)
+
+
+def test_block_layers_split_for_triton() -> None:
+    """QuantLinear / QuantEmbedding after `split_block_layers` (the GPU's
+    load step) against the same layers on the CPU's native kernels; a tied
+    head shares its embedding's split, and the blocks are released."""
+    from torch import nn
+
+    from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize, quantize
+    from ferrox.loader.model_loader import split_block_layers
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = quantize(torch.randn(50, 64, generator=gen), "q4_1")
+    model = nn.Module()
+    model.embed = QuantEmbedding(50, 64, "q4_1")
+    model.embed.weight.data = blocks
+    model.head = QuantLinear(64, 50, False, "q4_1")
+    model.head.weight = model.embed.weight  # tied
+    model.proj = QuantLinear.from_linear(nn.Linear(64, 96), "q8_0")
+    ids = torch.tensor([[0, 7, 49], [3, 3, 11]])
+    x = torch.randn(4, 64, generator=gen)
+    native = (model.embed(ids), model.head(x), model.proj(x))
+    assert split_block_layers(model, torch.float32) == 3
+    assert model.head._split is model.embed._split
+    assert all(m.weight.numel() == 0 for m in (model.embed, model.head, model.proj))
+    torch.testing.assert_close(model.embed(ids), native[0], rtol=0, atol=0)
+    assert torch.equal(native[0][0, 1], dequantize(blocks, "q4_1", 64)[7])
+    # the native kernel rounds x to int8 per 32 values; the Triton one does not
+    for layer, expected in ((model.head, native[1]), (model.proj, native[2])):
+        torch.testing.assert_close(layer(x), expected, rtol=0.05, atol=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+class TestQuantMatmulFullSizeOnGpu:
+    """Llama-8B-like projections at decode and prefill sizes."""
+
+    @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+    @pytest.mark.parametrize("m", [1, 16, 300])
+    @pytest.mark.parametrize("dtype", [BF16, F16])
+    def test_projection(self, fmt: str, m: int, dtype: torch.dtype) -> None:
+        check_quant_matmul(fmt, m, 4096, 4096, dtype, bias=m == 16)
+
+    def test_in_a_cuda_graph(self) -> None:
+        from ferrox.layers.quant_linear import quantize
+
+        split = split_blocks(quantize(torch.randn(1024, 2048), "q4_1").to(DEVICE), "q4_1", 2048)
+        x = torch.randn(8, 2048, device=DEVICE, dtype=BF16)
+        out = dequant_matmul(x, split)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = dequant_matmul(x, split)
+        x.copy_(torch.randn(8, 2048, device=DEVICE, dtype=BF16))
+        graph.replay()
+        torch.testing.assert_close(captured, dequant_matmul(x, split))
+        assert not torch.equal(captured, out)
 
 
 @pytest.mark.gpu

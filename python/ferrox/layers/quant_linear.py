@@ -9,9 +9,15 @@ weight once, so reading a quarter of float32's bytes is most of the win.
 Large batches (prefill) dequantize the weight once per call into a float32
 scratch and use the float matmul: there the arithmetic dominates, and
 oneDNN's float GEMM beats an integer dot product per row.
+
+On a GPU the blocks are split once at load (`split_for_triton`) and every
+call runs the Triton dequantize-GEMM (`kernels/quant_matmul.py`) in the
+model's dtype.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +28,9 @@ from ferrox._native import dequantize_rows_cpu, quant_matmul_cpu
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.cpu_kernels import kernel_threads
 from ferrox.layers.cpu_linear import packed_linear_supported
+
+if TYPE_CHECKING:
+    from ferrox.kernels.quant_matmul import SplitBlocks
 
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
@@ -90,7 +99,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     The rounding uses the float16 scale and offset as stored."""
     n, k = weight.shape
     row_bytes(fmt, k)
-    w = weight.detach().to(torch.float32).numpy().reshape(n, k // BLOCK, BLOCK)
+    w = weight.detach().to(device="cpu", dtype=torch.float32).numpy().reshape(n, k // BLOCK, BLOCK)
     out = np.empty((n, k // BLOCK, BLOCK_BYTES[fmt]), dtype=np.uint8)
     with np.errstate(divide="ignore", invalid="ignore"):
         if fmt == "q8_0":
@@ -123,16 +132,30 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._views: tuple[np.ndarray, np.ndarray | None] | None = None
+        self._split: SplitBlocks | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> QuantLinear:
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt)
-        layer.weight.data = quantize(linear.weight, fmt)
+        device = linear.weight.device
+        layer.weight.data = quantize(linear.weight, fmt).to(device)
         if linear.bias is not None and layer.bias is not None:
-            layer.bias.data = linear.bias.detach().to(torch.float32).clone()
+            bias = linear.bias.detach().clone()
+            layer.bias.data = bias.to(torch.float32) if device.type == "cpu" else bias
         return layer
 
+    def split_for_triton(self, shared: dict[int, SplitBlocks]) -> None:
+        """On a GPU, once loaded: splits the blocks for the Triton kernel (a
+        tied LM head and its embedding share one split through `shared`) and
+        drops them."""
+        self._split = _split_weight(self.weight, self.fmt, self.in_features, shared)
+        self.weight = _released(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._split is not None:
+            from ferrox.kernels.quant_matmul import dequant_matmul
+
+            return dequant_matmul(x, self._split, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
@@ -189,9 +212,39 @@ class QuantEmbedding(nn.Module):
         self.fmt = fmt
         shape = (num_embeddings, row_bytes(fmt, embedding_dim))
         self.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+        self._split: SplitBlocks | None = None
+        self._dtype = torch.float32
+
+    def split_for_triton(self, shared: dict[int, SplitBlocks], dtype: torch.dtype) -> None:
+        """As `QuantLinear.split_for_triton`; rows come out in `dtype`."""
+        self._split = _split_weight(self.weight, self.fmt, self.embedding_dim, shared)
+        self._dtype = dtype
+        self.weight = _released(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64)
+        if self._split is not None:
+            from ferrox.kernels.quant_matmul import dequantize_split
+
+            rows = dequantize_split(self._split, flat).to(self._dtype)
+            return rows.view(*ids.shape, self.embedding_dim)
         out = torch.empty(flat.shape[0], self.embedding_dim, dtype=torch.float32)
         dequantize_rows_cpu(out.numpy(), self.weight.numpy(), self.fmt, flat.numpy(), 1)
         return out.view(*ids.shape, self.embedding_dim)
+
+
+def _split_weight(
+    weight: torch.Tensor, fmt: str, in_features: int, shared: dict[int, SplitBlocks]
+) -> SplitBlocks:
+    from ferrox.kernels.quant_matmul import split_blocks
+
+    key = weight.data_ptr()
+    if key not in shared:
+        shared[key] = split_blocks(weight.detach(), fmt, in_features)
+    return shared[key]
+
+
+def _released(weight: torch.Tensor) -> nn.Parameter:
+    """An empty stand-in for blocks no longer read (their memory is freed
+    once no module holds them)."""
+    return nn.Parameter(weight.new_empty(0), requires_grad=False)

@@ -20,7 +20,7 @@ from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
 from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
-from ferrox.loader.gguf import load_gguf, load_gguf_tokenizer
+from ferrox.loader.gguf import load_gguf
 from ferrox.loader.gguf_dequant import BlockTensor
 from ferrox.loader.hub import resolve_model_path
 from ferrox.models.llama import LlamaForCausalLM, merged_target
@@ -47,8 +47,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = None
     plan: dict[str, str] = {}
     if fmt == "gguf" or (fmt == "dummy" and path.suffix == ".gguf"):
-        keep_blocks = (
-            fmt == "gguf" and config.quantization in (None, "gguf") and _runs_block_kernels(config)
+        # The default keeps the blocks where they have been measured to pay:
+        # the CPU's native kernels. On a GPU, quantization="gguf" asks for them.
+        kernels = _block_kernels(config)
+        keep_blocks = fmt == "gguf" and (
+            (config.quantization is None and kernels == "native")
+            or (config.quantization == "gguf" and kernels is not None)
         )
         gguf = load_gguf(path, dtype=config.torch_dtype, keep_blocks=keep_blocks)
         hf_config, tokenizer = gguf.config, gguf.tokenizer
@@ -80,6 +84,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model.eval()
     if quantize_to is not None:
         quantize_linear_layers(model, quantize_to)
+    if _block_kernels(config) == "triton":
+        split_block_layers(model, config.torch_dtype)
     if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32:
         pack_linear_layers(model)  # weights in oneDNN's layout (see cpu_linear.py)
     model.prepare_fused_decode()
@@ -93,18 +99,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     )
 
 
-def load_tokenizer(config: EngineConfig) -> Any | None:
-    """The tokenizer alone (for a frontend process that runs no model)."""
-    if config.tokenizer is not None:
-        return _load_tokenizer(resolve_model_path(config.tokenizer), config.load_format)
-    path = resolve_model_path(config.model)
-    if path.suffix == ".gguf":
-        return load_gguf_tokenizer(path)
-    return _load_tokenizer(path, config.load_format)
-
-
-def _runs_block_kernels(config: EngineConfig) -> bool:
-    return config.torch_device.type == "cpu" and config.torch_dtype == torch.float32
+def _block_kernels(config: EngineConfig) -> str | None:
+    """What runs block-format weights: "native" (the CPU kernels, float32),
+    "triton" (a GPU, any float dtype), or None."""
+    if config.torch_device.type == "cuda":
+        return "triton"
+    if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32:
+        return "native"
+    return None
 
 
 def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
@@ -112,9 +114,9 @@ def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
     q = config.quantization
     if q == "gguf" and fmt != "gguf":
         raise InvalidArgumentError("quantization='gguf' needs a GGUF model file loaded from it")
-    if q in ("gguf", "q8_0", "q4_1") and not _runs_block_kernels(config):
+    if q in ("gguf", "q8_0", "q4_1") and _block_kernels(config) is None:
         raise InvalidArgumentError(
-            f"quantization={q!r} runs on the CPU in float32 (device cpu, dtype float32); "
+            f"quantization={q!r} runs on a GPU or on the CPU in float32; "
             f"got device {config.torch_device.type}, dtype {config.torch_dtype}"
         )
     return q if q in ("q8_0", "q4_1") else None
@@ -166,6 +168,19 @@ def quantize_linear_layers(model: torch.nn.Module, fmt: str) -> int:
     for parent, name, child in targets:
         setattr(parent, name, QuantLinear.from_linear(child, fmt))
     return len(targets)
+
+
+def split_block_layers(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """On a GPU: splits every block-format layer's weight for the Triton
+    kernel (see layers/quant_linear.py)."""
+    shared: dict[int, Any] = {}
+    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    for module in layers:
+        if isinstance(module, QuantEmbedding):
+            module.split_for_triton(shared, dtype)
+        else:
+            module.split_for_triton(shared)
+    return len(layers)
 
 
 def _use_blocks(model: torch.nn.Module, plan: dict[str, str]) -> None:
