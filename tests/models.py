@@ -89,11 +89,13 @@ def train_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def build_tiny_model(path: Path, name: str) -> Path:
-    config_cls, options = TINY_SPECS[name]
+def build_tiny_model(path: Path, name: str, **overrides: Any) -> Path:
+    """TINY_SPECS[name] (its config options replaced by `overrides`), saved
+    with a tokenizer."""
+    config_cls, spec = TINY_SPECS[name]
+    options: dict[str, Any] = {"vocab_size": VOCAB_SIZE, **spec, **overrides}
     tokenizer = train_tokenizer()
     config = config_cls(
-        vocab_size=VOCAB_SIZE,
         intermediate_size=128,
         num_hidden_layers=2,
         max_position_embeddings=256,

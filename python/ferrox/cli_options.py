@@ -16,6 +16,7 @@ HELP = {
     "tokenizer": "tokenizer directory, when it differs from the model's",
     "load_format": "auto | safetensors | gguf | dummy (random weights, for benchmarks)",
     "dtype": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16",
+    "tensor_parallel_size": "ranks (processes; GPUs on CUDA) the model is split over",
     "quantization": "how linear weights are held: by default a GGUF file's Q4_0 / Q4_1 / Q8_0 "
     "blocks are kept and run by the CPU block kernels (CPU, float32), other weights load in "
     "--dtype; gguf: keep a GGUF file's blocks, refused where they cannot run; q8_0 | q4_1: "
@@ -64,6 +65,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name not in EngineConfig.field_names():
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = (flag, "-tp") if f.name == "tensor_parallel_size" else (flag,)
         # speculative_config: JSON text, parsed by EngineConfig.create.
         kind = str if f.name == "speculative_config" else _base_type(f.type)
         help_text = f"{HELP.get(f.name, '')} (default: {f.default})"
@@ -72,7 +74,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
         else:
-            group.add_argument(flag, type=kind, default=f.default, help=help_text)
+            group.add_argument(*flags, type=kind, default=f.default, help=help_text)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -68,6 +68,9 @@ class EngineConfig:
     # turns it into a SpeculativeConfig.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     max_logprobs: int = 20
+    # Ranks a model is split over (see distributed.py); rank r of a CUDA
+    # engine runs on GPU r.
+    tensor_parallel_size: int = 1
     profiler_dir: str | None = None  # enables start_profile / stop_profile
 
     @functools.cached_property
@@ -162,6 +165,24 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise InvalidArgumentError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if tp > 1:
+            if self.speculative_config is not None:
+                raise InvalidArgumentError(
+                    "speculative decoding does not run with tensor_parallel_size > 1 yet"
+                )
+            if self.quantization in ("gguf", "q8_0", "q4_1"):
+                raise InvalidArgumentError(
+                    f"quantization={self.quantization!r} does not run with "
+                    "tensor_parallel_size > 1 yet (block-format weights are not sharded)"
+                )
+            if isinstance(self.device, str) and self.device.startswith("cuda:"):
+                raise InvalidArgumentError(
+                    "with tensor_parallel_size > 1 give device 'cuda' or 'auto': "
+                    "rank r runs on GPU r"
+                )
         if self.max_logprobs < 0:
             raise InvalidArgumentError("max_logprobs must be >= 0")
         if not isinstance(self.seed, int):

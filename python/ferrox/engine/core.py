@@ -26,6 +26,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from ferrox import distributed
 from ferrox._native import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -44,6 +45,7 @@ from ferrox.engine.speculation import StepCostModel, load_draft_model, sampling_
 from ferrox.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
+    EngineDeadError,
     IntegrityError,
     InvalidArgumentError,
     RequestFailedError,
@@ -78,12 +80,22 @@ def _stand_in() -> SequenceState:
 
 def is_fatal(exc: BaseException) -> bool:
     """Whether an error in a step may have corrupted state that other
-    requests share: a broken scheduler invariant, exhausted host memory, or
-    an error of the GPU (a failed kernel leaves the device context unusable)."""
-    if isinstance(exc, (IntegrityError, MemoryError)):
+    requests share: a broken scheduler invariant, exhausted host memory, an
+    error of the GPU (a failed kernel leaves the device context unusable), or
+    a lost tensor-parallel worker."""
+    if isinstance(exc, (IntegrityError, MemoryError, EngineDeadError)):
         return True
     name = type(exc).__name__
-    return name == "AcceleratorError" or "CUDA error" in str(exc) or "device-side" in str(exc)
+    if name == "AcceleratorError" or "CUDA error" in str(exc) or "device-side" in str(exc):
+        return True
+    if distributed.state().size == 1:
+        return False
+    # Under tensor parallelism a failed collective leaves the ranks out of
+    # step, and a lost worker takes its shard with it.
+    collective = isinstance(exc, torch.distributed.DistError) or any(
+        s in str(exc) for s in ("gloo", "NCCL", "Connection closed")
+    )
+    return collective or distributed.lost_worker(wait=0.0) is not None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
@@ -104,6 +116,21 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise InvalidArgumentError("a tensor-parallel engine loads its own shards")
+            options = {name: getattr(config, name) for name in EngineConfig.field_names()}
+            distributed.start(config.tensor_parallel_size, options, config.torch_device)
+            atexit.register(distributed.stop)
+        try:
+            self._init(config, loaded)
+        except BaseException:
+            if distributed.state().size > 1:
+                atexit.unregister(distributed.stop)
+                distributed.stop()
+            raise
+
+    def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         loaded = loaded or load_model(config)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -350,6 +377,9 @@ class EngineCore:
         """Stops a profile still running (torch crashes at process exit
         under a running profiler); its trace is discarded."""
         atexit.unregister(self.close)
+        if distributed.state().size > 1:
+            atexit.unregister(distributed.stop)
+            distributed.stop()
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.stop()

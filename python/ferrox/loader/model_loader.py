@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,24 +50,31 @@ def load_model(config: EngineConfig) -> LoadedModel:
         # The default keeps the blocks where they have been measured to pay:
         # the CPU's native kernels. On a GPU, quantization="gguf" asks for them.
         kernels = _block_kernels(config)
-        keep_blocks = fmt == "gguf" and (
-            (config.quantization is None and kernels == "native")
-            or (config.quantization == "gguf" and kernels is not None)
+        keep_blocks = (
+            fmt == "gguf"
+            and config.tensor_parallel_size == 1
+            and (
+                (config.quantization is None and kernels == "native")
+                or (config.quantization == "gguf" and kernels is not None)
+            )
         )
         gguf = load_gguf(path, dtype=config.torch_dtype, keep_blocks=keep_blocks)
         hf_config, tokenizer = gguf.config, gguf.tokenizer
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         plan = block_plan(gguf.state_dict, tied)
-        weights: Iterator[tuple[str, torch.Tensor]] | None = _with_plan(
-            gguf.state_dict, plan, config.torch_dtype
-        )
+        state = gguf.state_dict
     else:
         hf_config = _read_config(path)
-        weights = _safetensors_weights(path) if fmt == "safetensors" else None
     if config.tokenizer is not None or tokenizer is None:
         source = resolve_model_path(config.tokenizer) if config.tokenizer else path
         tokenizer = _load_tokenizer(source, fmt)
     model = build_model(hf_config, config, plan)
+    weights: Iterator[tuple[str, torch.Tensor]] | None = None
+    if fmt == "gguf":
+        # (under tensor parallelism the file is read whole, then sliced)
+        weights = _sharded(model, _with_plan(state, plan, config.torch_dtype))
+    elif fmt == "safetensors":
+        weights = _safetensors_weights(path, model.shard_of)
     if weights is None:
         init_dummy_weights(model, config.seed)
     else:
@@ -256,7 +263,20 @@ def _read_config(path: Path) -> PretrainedConfig:
         raise ModelLoadError(f"cannot read the model config in {str(directory)!r}: {e}") from e
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _sharded(
+    model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole tensors narrowed to this rank's slices (tensor parallelism)."""
+    for name, tensor in weights:
+        spec = model.shard_of(name, tuple(tensor.shape))
+        yield name, tensor if spec is None else tensor.narrow(*spec)
+
+
+def _safetensors_weights(
+    path: Path, shard_of: Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, or only this rank's slice of it (read from the file as
+    a slice: a rank never loads the whole tensor)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -270,7 +290,13 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                lazy = f.get_slice(name)
+                spec = shard_of(name, tuple(lazy.get_shape()))
+                if spec is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    dim, start, length = spec
+                    yield name, lazy[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 def _load_tokenizer(path: Path, fmt: str) -> Any | None:

@@ -4,6 +4,13 @@ Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on q and k).
 Q, K and V share one projection and so do the MLP's gate and up, so a layer
 runs three matmuls instead of five; `load_weights` fills the merged weights
 from Hugging Face's separate tensors.
+
+Under tensor parallelism (distributed.py) every module is built at its
+rank's size: the merged q/k/v and gate/up projections are column-parallel
+(this rank's heads and intermediate columns), o_proj and down_proj
+row-parallel (their partial sums all-reduced, the bias added by rank 0
+only), the embedding and LM head vocab-parallel. `shard_of` says which slice
+of each checkpoint tensor a rank loads.
 """
 
 from collections.abc import Iterable, Mapping
@@ -12,6 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ferrox import distributed
 from ferrox.errors import ModelLoadError
 from ferrox.layers.activation import silu_and_mul
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
@@ -38,8 +46,11 @@ class DecoderAttention(nn.Module):
     ) -> None:
         super().__init__()
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shard = distributed.attention_shard(config.num_attention_heads, num_kv_heads)
+        self.shard = shard
+        self.num_heads = shard.num_heads  # this rank's
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim_of(config)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -64,19 +75,20 @@ class DecoderAttention(nn.Module):
         self.rotary.rotate_(positions, qk, h + hkv)  # queries and keys, in place
         q, k = qk[:, :h], qk[:, h : h + hkv]
         o = self.attn.forward(q, k, v, kv[0], kv[1], meta)  # [T, H, D]
-        return self.o_proj(o.reshape(t, -1))
+        return distributed.all_reduce(self.o_proj(o.reshape(t, -1)))
 
 
 class GatedMlp(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        _, inter = distributed.even_shard(config.intermediate_size, "intermediate size")
+        self.intermediate_size = inter  # this rank's
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return distributed.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -118,33 +130,34 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.head_dim = head_dim_of(config)
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or (
-            config.num_attention_heads
-        )
+        self.vocab_size = int(config.vocab_size)
+        self.vocab_start, self.vocab_rows = distributed.vocab_shard(self.vocab_size)
         rotary = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, rope_parameters(config)
         )
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(self.vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, backend, qkv_bias, self.qk_norm)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab_rows, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # The rotary tables are shared by every layer; keep them out of the
         # per-layer modules' parameter lists.
         self.rotary = rotary
+        self.num_kv_heads = self.decoder_layers()[0].self_attn.num_kv_heads  # this rank's
         self.fused_decode: FusedCpuDecode | None = None
 
     def prepare_fused_decode(self) -> bool:
         """Once the weights are loaded: run decode steps one native call per
         layer where the layers allow it (block weights, CPU attention)."""
         layers = self.decoder_layers()
-        self.fused_decode = FusedCpuDecode(layers) if FusedCpuDecode.supports(layers) else None
+        fits = distributed.state().size == 1 and FusedCpuDecode.supports(layers)
+        self.fused_decode = FusedCpuDecode(layers) if fits else None
         return self.fused_decode is not None
 
     def forward(
@@ -154,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KvCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.fused_decode is not None and self.fused_decode.applies(x.shape[0], meta):
             x, stream = self.fused_decode.run(x, positions, kv_caches, meta)
             return self.norm.add_forward(stream, x)[0]
@@ -163,9 +176,44 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, kv, meta)
         return self.norm.add_forward(residual, x)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if distributed.state().size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start  # this rank's rows; others add zeros
+        inside = (local >= 0) & (local < self.vocab_rows)
+        x = self.embed_tokens(torch.where(inside, local, 0))
+        return distributed.all_reduce(x * inside[:, None].to(x.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> [S, vocab] float32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if distributed.state().size > 1:
+            logits = distributed.all_gather_last(logits)[:, : self.vocab_size]
+        return logits.float()
+
+    def shard_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """The (dim, start, length) slice of checkpoint tensor `name` this
+        rank loads, or None for the whole tensor."""
+        size = distributed.state().size
+        if size == 1:
+            return None
+        shard = self.decoder_layers()[0].self_attn.shard
+        d = self.head_dim
+        if ".self_attn.q_proj." in name:
+            return 0, shard.q_first * d, shard.num_heads * d
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            return 0, shard.kv_first * d, shard.num_kv_heads * d
+        if ".self_attn.o_proj.weight" in name:
+            return 1, shard.q_first * d, shard.num_heads * d
+        inter = self.decoder_layers()[0].mlp.intermediate_size
+        if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+            return 0, distributed.state().rank * inter, inter
+        if ".mlp.down_proj.weight" in name:
+            return 1, distributed.state().rank * inter, inter
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = min(self.vocab_rows, max(0, shape[0] - self.vocab_start))
+            return 0, self.vocab_start, rows
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face-named tensors into the (merged) parameters."""
@@ -181,8 +229,14 @@ class LlamaForCausalLM(nn.Module):
             if key not in params:
                 raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint")
             param = params[key]
+            tp = distributed.state()
+            if tp.rank > 0 and name.endswith((".o_proj.bias", ".down_proj.bias")):
+                tensor = torch.zeros_like(tensor)  # row-parallel: rank 0 adds the bias
             with torch.no_grad():
                 dst = self._slice_for(param, target, part)
+                if tp.size > 1 and key in ("embed_tokens.weight", "lm_head.weight"):
+                    dst.zero_()  # the last rank's rows beyond the vocabulary stay zero
+                    dst = dst.narrow(0, 0, min(tensor.shape[0], dst.shape[0]))
                 if dst.shape != tensor.shape:
                     raise ModelLoadError(
                         f"tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -203,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
             sizes = attn.split_sizes
             index = "qkv".index(part)
         else:
-            sizes = [int(self.config.intermediate_size)] * 2
+            sizes = [self.decoder_layers()[0].mlp.intermediate_size] * 2
             index = ("gate", "up").index(part)
         start = sum(sizes[:index])
         return param.narrow(0, start, sizes[index])

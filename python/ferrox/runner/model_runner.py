@@ -10,8 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ferrox import distributed
 from ferrox._native import BatchPlan
 from ferrox.config import CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_TOKENS, EngineConfig
+from ferrox.distributed import StepPlan
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
@@ -149,6 +151,10 @@ class ModelRunner:
                 tokens = max(CPU_KV_CACHE_TOKENS, self.max_model_len)
                 budget = min(tokens // cfg.block_size * per_block, CPU_KV_CACHE_MAX_BYTES)
             num_blocks = budget // per_block
+        if distributed.state().size > 1:  # every rank holds every block (of its heads)
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
         needed = -(-self.max_model_len // cfg.block_size)
         if num_blocks < needed:
             raise InvalidArgumentError(
@@ -243,7 +249,7 @@ class ModelRunner:
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
 
-    def build_metadata(self, plan: BatchPlan) -> AttentionMetadata:
+    def build_metadata(self, plan: BatchPlan | StepPlan) -> AttentionMetadata:
         qsl = plan.query_start_loc
         seq_lens = plan.seq_lens
         num_sched = plan.num_scheduled_tokens
@@ -274,6 +280,33 @@ class ModelRunner:
         token) for prefill chunks whose prompt logprobs are wanted: each of
         their positions gets logits; `next token` is the prompt token after
         the chunk (-1 when the chunk ends the prompt)."""
+        try:
+            if distributed.state().size > 1:
+                distributed.send_step(plan, prompt_logprob_rows)
+            logits, hidden = self._forward(plan, prompt_logprob_rows)
+            out = self.sampler(logits, sampling)
+            prompt = [
+                self._prompt_logprobs(hidden, plan, row, k, nxt)
+                for row, k, nxt in (prompt_logprob_rows or [])
+                if hidden is not None
+            ]
+        except RuntimeError as exc:
+            distributed.raise_if_worker_lost(exc)
+            raise
+        return RunnerOutput(
+            sampled=out.sampled.cpu().numpy(),
+            sampled_logprobs=_np(out.sampled_logprobs),
+            sampled_ranks=_np(out.sampled_ranks),
+            top_ids=_np(out.top_ids),
+            top_logprobs=_np(out.top_logprobs),
+            prompt_logprobs=prompt,
+        )
+
+    def _forward(
+        self, plan: BatchPlan | StepPlan, prompt_logprob_rows: list[tuple[int, int, int]] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled rows' logits [S, V], and the hidden states [T, hidden]
+        (None from a CUDA graph)."""
         meta = self.build_metadata(plan)
         input_ids = self._tensor(plan.input_ids, "ids")
         positions = self._tensor(plan.positions, "positions")
@@ -283,25 +316,19 @@ class ModelRunner:
             logits = graphs.run(
                 input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_table
             )
-            hidden = None
-        else:
-            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
-            logits_indices = self._tensor(plan.logits_indices, "logits")
-            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
-        out = self.sampler(logits, sampling)
-        prompt = [
-            self._prompt_logprobs(hidden, plan, row, k, nxt)
-            for row, k, nxt in (prompt_logprob_rows or [])
-            if hidden is not None
-        ]
-        return RunnerOutput(
-            sampled=out.sampled.cpu().numpy(),
-            sampled_logprobs=_np(out.sampled_logprobs),
-            sampled_ranks=_np(out.sampled_ranks),
-            top_ids=_np(out.top_ids),
-            top_logprobs=_np(out.top_logprobs),
-            prompt_logprobs=prompt,
-        )
+            return logits, None
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
+        logits_indices = self._tensor(plan.logits_indices, "logits")
+        return self.model.compute_logits(hidden[logits_indices]), hidden  # [S, V]
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan, prompt_logprob_rows: list[tuple[int, int, int]]) -> None:
+        """A tensor-parallel worker's step: the forward pass and every
+        collective rank 0's `execute` runs, in the same order; rank 0 samples."""
+        _, hidden = self._forward(plan, prompt_logprob_rows)
+        for row, _, next_token in prompt_logprob_rows:
+            if hidden is not None:
+                self._prompt_logits(hidden, plan, row, next_token)
 
     def _graph_fits(
         self, meta: AttentionMetadata, prompt_logprob_rows: list[tuple[int, int, int]] | None
@@ -314,24 +341,35 @@ class ModelRunner:
             and meta.block_table.shape[1] <= self.graphs.width
         )
 
+    def _prompt_logits(
+        self, hidden: torch.Tensor, plan: BatchPlan | StepPlan, row: int, next_token: int
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Logits of a prefill chunk's positions that predict prompt tokens,
+        and those tokens."""
+        targets = _prompt_targets(plan, row, next_token)
+        start = int(plan.query_start_loc[row])
+        return self.model.compute_logits(hidden[start : start + len(targets)]), targets
+
     def _prompt_logprobs(
         self, hidden: torch.Tensor, plan: BatchPlan, row: int, k: int, next_token: int
     ) -> PromptChunkLogprobs:
-        qsl = plan.query_start_loc
-        start, end = int(qsl[row]), int(qsl[row + 1])
-        # Position p predicts the token at p + 1: the chunk's own next tokens,
-        # then the prompt token after the chunk, if any.
-        chunk = plan.input_ids[start:end]
-        targets = chunk[1:] if next_token < 0 else np.append(chunk[1:], next_token)
-        n = len(targets)
+        logits, targets = self._prompt_logits(hidden, plan, row, next_token)
         next_ids = torch.from_numpy(np.ascontiguousarray(targets)).to(self.device)
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[start : start + n]), dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1)
         token_lp = logprobs.gather(1, next_ids[:, None]).squeeze(1)  # [n]
         ranks = (logprobs > token_lp[:, None]).sum(dim=-1) + 1
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
         return PromptChunkLogprobs(
             row, token_lp.cpu().numpy(), ranks.cpu().numpy(), _np(top_ids), _np(top_lp)
         )
+
+
+def _prompt_targets(plan: BatchPlan | StepPlan, row: int, next_token: int) -> np.ndarray:
+    """Position p predicts the token at p + 1: the chunk's own next tokens,
+    then the prompt token after the chunk, if any."""
+    qsl = plan.query_start_loc
+    chunk = plan.input_ids[int(qsl[row]) : int(qsl[row + 1])]
+    return chunk[1:] if next_token < 0 else np.append(chunk[1:], next_token)
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:

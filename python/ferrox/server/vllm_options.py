@@ -15,8 +15,6 @@ from ferrox.server.output_constraints import GRAMMAR_BACKENDS
 
 # vLLM flags a launch command often carries that ferrox cannot honour, and why.
 UNSUPPORTED_VLLM_FLAGS = {
-    "--tensor-parallel-size": "ferrox runs a model on one device (no tensor parallelism yet)",
-    "-tp": "ferrox runs a model on one device (no tensor parallelism yet)",
     "--pipeline-parallel-size": "ferrox has no pipeline parallelism",
     "--data-parallel-size": "ferrox serves one engine per server (no data parallelism yet)",
     "--kv-cache-dtype": "the KV cache has the model's dtype",
