@@ -90,11 +90,17 @@ class Server:
         return httpx.post(self.url + path, json=body, headers=self.headers, timeout=60, **kw)  # type: ignore[arg-type]
 
     def metric(self, name: str) -> float:
+        """The metric's value, summed over its samples (engine metrics have
+        one per replica)."""
         text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(f"ferrox:{name}{{") or line.startswith(f"ferrox:{name} "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f"ferrox:{name}{{") or line.startswith(f"ferrox:{name} ")
+        ]
+        if not values:
+            raise KeyError(name)
+        return sum(values)
 
     def wait_idle(self, timeout: float = 30) -> None:
         """Until no request runs and every KV block is free or cached."""

@@ -81,13 +81,14 @@ def test_bench_serve_chat_turns_resend_history(bench_server: Server, model_dir: 
     args = parse(
         "--base-url", bench_server.url, "--api-key", API_KEY, "--tokenizer", str(model_dir),
         "--dataset-name", "chat", "--num-prompts", "4", "--chat-num-turns", "2",
-        "--chat-system-prompt-len", "16", "--chat-user-len", "4",
+        "--chat-system-prompt-len", "64", "--chat-user-len", "4",
         "--chat-output-len-min", "3", "--chat-output-len-max", "5", "--request-rate", "inf",
         "--disable-tqdm",
     )  # fmt: skip
     report = asyncio.run(serve.run_once(args, serve.load_tokenizer(args.tokenizer), float("inf")))
     assert report["completed"] == 4
-    # Second turns carry the first turn and its answer: longer prompts.
+    # Second turns carry the system prompt, the first turn and its answer.
+    assert min(report["input_lens"]) > 64
     assert max(report["input_lens"]) > min(report["input_lens"])
 
 

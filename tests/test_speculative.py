@@ -278,10 +278,11 @@ def test_metrics_and_request_counts(tiny: Path) -> None:
         spec_accepted_lengths=s.spec_accepted_lengths,
         spec_accepted_per_position=s.spec_accepted_per_position,
     )
-    text = Metrics("m", lambda: stats).render().decode()
-    assert f'ferrox:spec_decode_num_drafts_total{{model_name="m"}} {s.spec_num_drafts}.0' in text
+    text = Metrics("m", lambda: [stats]).render().decode()
+    labels = 'model_name="m",replica="0"'
+    assert f"ferrox:spec_decode_num_drafts_total{{{labels}}} {s.spec_num_drafts}.0" in text
     assert "ferrox:spec_decode_num_accepted_tokens_per_pos_total" in text
-    count = f'ferrox:spec_decode_acceptance_length_count{{model_name="m"}} {s.spec_num_drafts}.0'
+    count = f"ferrox:spec_decode_acceptance_length_count{{{labels}}} {s.spec_num_drafts}.0"
     assert count in text
     assert sum(s.spec_accepted_lengths) == s.spec_num_drafts
     assert sum(s.spec_accepted_per_position) == s.spec_num_accepted_tokens

@@ -20,6 +20,7 @@ from ferrox.config import EngineConfig
 from ferrox.engine.protocol import Ready, SequenceDelta
 from ferrox.errors import DuplicateRequestError, EngineDeadError, InvalidArgumentError
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S, AsyncEngineClient
+from ferrox.frontend.replicas import ReplicaPool, replica_pool
 from ferrox.frontend.request_run import RequestRun
 from ferrox.loader.tokenizer import load_tokenizer
 from ferrox.outputs import RequestOutput
@@ -40,14 +41,28 @@ class AsyncLLM:
         model: str | None = None,
         *,
         engine_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+        data_parallel_size: int = 1,
+        routing: str = "prefix",
         **engine_options: Any,
     ) -> None:
         """`engine_stall_timeout`: seconds without a message from the engine
-        process after which `client.is_stalled` is set."""
+        process after which `client.is_stalled` is set. `data_parallel_size`
+        > 1: that many engine replicas, placed by Ray (frontend/replicas.py),
+        each request routed by `routing` ("prefix" or "round_robin")."""
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
+            raise InvalidArgumentError(
+                f"data_parallel_size must be an int, got {data_parallel_size!r}"
+            )
+        if data_parallel_size < 1:
+            raise InvalidArgumentError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.config = EngineConfig.create(model=model, **engine_options)
         self.tokenizer = load_tokenizer(self.config)
         options = {name: getattr(self.config, name) for name in EngineConfig.field_names()}
-        self.client = AsyncEngineClient(options, stall_timeout=engine_stall_timeout)
+        self.client: AsyncEngineClient | ReplicaPool
+        if data_parallel_size == 1:
+            self.client = AsyncEngineClient(options, stall_timeout=engine_stall_timeout)
+        else:
+            self.client = replica_pool(options, data_parallel_size, routing, engine_stall_timeout)
         self.info: Ready | None = None
         self._runs: dict[str, RequestRun] = {}
         self._starting: asyncio.Lock | None = None
@@ -93,8 +108,8 @@ class AsyncLLM:
         text, ids = self._tokenize(prompt)
         params = sampling_params or SamplingParams()
         run = RequestRun(
-            self.client, self.tokenizer, request_id, ids, params, priority=priority,
-            log_request=False,
+            self.client.pick(ids), self.tokenizer, request_id, ids, params, priority=priority,
+            log_request=False, failover=self.client.pick,
         )  # fmt: skip
         run.state.prompt = text
         self._runs[request_id] = run

@@ -6,7 +6,8 @@ history). Single-request workloads have one-turn sessions.
 
 - random:        independent prompts of input_len * [1 - r, 1 + r] tokens
 - shared-prefix: groups sharing a system prompt, each with its own question
-- chat:          a 2,000-token system prompt shared by every user; multi-turn
+- chat:          a 2,000-token system prompt shared by every user (or several,
+                 --chat-num-system-prompts, taken in turn); multi-turn
                  conversations that resend the history; 50-300 output tokens
 - agent:         ~8,000-token contexts that grow by a tool result per step
                  and are resent each step
@@ -98,6 +99,12 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-prefix-question-len", type=int, default=128)
     g.add_argument("--shared-prefix-output-len", type=int, default=256)
     g.add_argument("--chat-system-prompt-len", type=int, default=2000)
+    g.add_argument(
+        "--chat-num-system-prompts",
+        type=int,
+        default=1,
+        help="distinct system prompts, conversations taking them in turn",
+    )
     g.add_argument("--chat-num-turns", type=int, default=3, help="turns per conversation")
     g.add_argument("--chat-user-len", type=int, default=100, help="tokens per user message")
     g.add_argument("--chat-output-len-min", type=int, default=50)
@@ -146,7 +153,9 @@ def build_sessions(args: argparse.Namespace, tokenizer: Any) -> list[Session]:
             for i in range(n)
         ]
     if name == "chat":
-        system = s.text(args.chat_system_prompt_len)
+        systems = [
+            s.text(args.chat_system_prompt_len) for _ in range(max(1, args.chat_num_system_prompts))
+        ]
         sessions = []
         for i in range(-(-n // args.chat_num_turns)):
             turns = min(args.chat_num_turns, n - i * args.chat_num_turns)
@@ -156,7 +165,7 @@ def build_sessions(args: argparse.Namespace, tokenizer: Any) -> list[Session]:
                         Turn(
                             s.text(args.chat_user_len),
                             s.between(args.chat_output_len_min, args.chat_output_len_max),
-                            system if t == 0 else None,
+                            systems[i % len(systems)] if t == 0 else None,
                         )
                         for t in range(turns)
                     ]

@@ -211,6 +211,9 @@ class Client:
                 return RequestResult(False, error=f"{type(e).__name__}: {e}")
         end = time.perf_counter()
         output = "".join(text)
+        if turn.system is not None and not session.history:
+            # the system prompt stays at the head of every later turn
+            session.history.append({"role": "system", "content": turn.system})
         session.history += [
             {"role": "user", "content": turn.user},
             {"role": "assistant", "content": output},

@@ -46,6 +46,52 @@ def _engine_process(options: dict[str, Any], input_address: str, output_address:
     run_engine_core(options, input_address, output_address)
 
 
+class LocalEngineProcess:
+    """The engine-core process on this machine (a spawned child), reached
+    over ipc:// sockets in a private temporary directory."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ferrox-ipc-")
+        self._process: Any = None
+
+    def bind(self, to_engine: zmq.Socket, from_engine: zmq.Socket) -> tuple[str, str]:
+        """Binds the client's sockets; the addresses the engine connects to."""
+        input_address = f"ipc://{self._dir}/input"
+        output_address = f"ipc://{self._dir}/output"
+        to_engine.bind(input_address)
+        from_engine.bind(output_address)
+        return input_address, output_address
+
+    def start(self, options: dict[str, Any], input_address: str, output_address: str) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(
+            target=_engine_process,
+            args=(options, input_address, output_address),
+            name="ferrox-engine-core",
+            daemon=True,
+        )
+        self._process.start()
+
+    def is_alive(self) -> bool:
+        return self._process is not None and bool(self._process.is_alive())
+
+    def exit_description(self) -> str:
+        return f"the engine process exited with code {self._process.exitcode}"
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def join(self, timeout: float) -> None:
+        self._process.join(timeout=timeout)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else int(self._process.pid)
+
+
 StreamItem = p.SequenceDelta | p.PromptLogprobs | p.RequestFailed | Exception
 
 
@@ -66,9 +112,16 @@ class RequestStream:
 
 class AsyncEngineClient:
     def __init__(
-        self, engine_options: dict[str, Any], *, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
+        self,
+        engine_options: dict[str, Any],
+        *,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+        process: Any = None,
     ) -> None:
+        """`process`: where the engine runs (LocalEngineProcess by default;
+        see frontend/replicas.py for a Ray actor)."""
         self.engine_options = engine_options
+        self.process = process if process is not None else LocalEngineProcess()
         self.stall_timeout = stall_timeout
         self.last_message_at = time.monotonic()
         self.is_stalled = False
@@ -81,27 +134,15 @@ class AsyncEngineClient:
         self.on_dead: Callable[[str], None] | None = None
         self.on_step: Callable[[int], None] | None = None  # tokens of each engine step
         self._tasks: list[asyncio.Task[None]] = []
-        self._dir = tempfile.mkdtemp(prefix="ferrox-ipc-")
         self._ctx = zmq.asyncio.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
         self._from_engine = self._ctx.socket(zmq.PULL)
         self._to_engine.setsockopt(zmq.SNDHWM, p.INPUT_HWM)
         self._from_engine.setsockopt(zmq.RCVHWM, p.OUTPUT_HWM)
-        self._process: Any = None
 
     async def start(self, timeout: float = 900.0) -> p.Ready:
-        input_address = f"ipc://{self._dir}/input"
-        output_address = f"ipc://{self._dir}/output"
-        self._to_engine.bind(input_address)
-        self._from_engine.bind(output_address)
-        spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(
-            target=_engine_process,
-            args=(self.engine_options, input_address, output_address),
-            name="ferrox-engine-core",
-            daemon=True,
-        )
-        self._process.start()
+        addresses = self.process.bind(self._to_engine, self._from_engine)
+        self.process.start(self.engine_options, *addresses)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if await self._from_engine.poll(200):
@@ -116,10 +157,8 @@ class AsyncEngineClient:
                     return msg
                 if isinstance(msg, p.EngineDead):
                     raise ModelLoadError(f"the engine failed to start: {msg.message}")
-            if not self._process.is_alive():
-                raise ModelLoadError(
-                    f"the engine process exited with code {self._process.exitcode} while loading"
-                )
+            if not self.process.is_alive():
+                raise ModelLoadError(f"{self.process.exit_description()} while loading")
         raise ModelLoadError(f"the engine did not start within {timeout:.0f} s")
 
     # ---- requests ---------------------------------------------------------
@@ -206,7 +245,7 @@ class AsyncEngineClient:
                 stream.put(item, msg.sent_at)
 
     async def _watch_process(self) -> None:
-        while self._process.is_alive():
+        while self.process.is_alive():
             await asyncio.sleep(0.2)
             silent = time.monotonic() - self.last_message_at
             if not self.is_stalled and silent > self.stall_timeout:
@@ -219,7 +258,7 @@ class AsyncEngineClient:
                     len(self.streams),
                 )
         if not self.is_dead:
-            self._mark_dead(f"the engine process exited with code {self._process.exitcode}")
+            self._mark_dead(self.process.exit_description())
 
     def reset_prefix_cache(self) -> None:
         self._control(p.ResetPrefixCache())
@@ -257,20 +296,29 @@ class AsyncEngineClient:
     async def shutdown(self, timeout: float = 10.0) -> None:
         for task in self._tasks:
             task.cancel()
-        if self._process is not None and self._process.is_alive():
+        if self.process.is_alive():
             with contextlib.suppress(zmq.ZMQError, ServerBusyError):
                 self._send(p.Shutdown())
             deadline = time.monotonic() + timeout
-            while self._process.is_alive() and time.monotonic() < deadline:
+            while self.process.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if self._process.is_alive():
-                self._process.kill()
-            self._process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join(timeout=5)
         self._to_engine.close(linger=0)
         self._from_engine.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self.process.cleanup()
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+        return self.process.pid
+
+    # ---- the interface a pool of replicas shares (frontend/replicas.py) ----
+
+    def pick(self, prompt_token_ids: list[int]) -> AsyncEngineClient:
+        """The client a request goes to: this one."""
+        return self
+
+    def replica_stats(self) -> list[p.EngineStats]:
+        return [self.stats]

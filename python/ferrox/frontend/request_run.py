@@ -7,11 +7,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ferrox.engine import protocol as p
-from ferrox.errors import RequestTimeoutError, error_class
+from ferrox.errors import EngineDeadError, RequestTimeoutError, error_class
 from ferrox.frontend.engine_client import AsyncEngineClient, RequestStream, StreamItem
 from ferrox.frontend.output_processor import RequestState, SequenceOutput, SequenceUpdate
 from ferrox.outputs import PositionLogprobs
@@ -37,11 +37,15 @@ class RequestRun:
         max_log_len: int | None = None,
         stream: bool = True,
         deadline: float | None = None,
+        failover: Callable[[list[int]], AsyncEngineClient] | None = None,
     ) -> None:
         """`stream`: the caller reads each update's text (else only the final
         text). `deadline`: the `time.monotonic()` by which the request must
-        finish; past it, it is aborted with `RequestTimeoutError`."""
+        finish; past it, it is aborted with `RequestTimeoutError`.
+        `failover`: another engine for the prompt (a replica pool's `pick`),
+        for a request whose engine died before it produced anything."""
         self.client = client
+        self.failover = failover
         self.deadline = deadline
         self.state = RequestState(
             request_id, None, prompt_token_ids, params, tokenizer, stream=stream
@@ -89,9 +93,16 @@ class RequestRun:
         stream = self.client.add_request(
             self.request_id, self.prompt_token_ids, self.params, priority=self.priority
         )
+        started = False
         try:
             while not self.is_finished:
                 item, sent_at = await self._next(stream)
+                if isinstance(item, EngineDeadError) and not started:
+                    moved = self._fail_over()
+                    if moved is not None:
+                        stream = moved
+                        continue
+                started = True
                 update = self._apply(item)
                 if update is not None:
                     yield update
@@ -104,6 +115,22 @@ class RequestRun:
                 self.client.release(self.request_id)
             else:
                 self.client.abort(self.request_id)
+
+    def _fail_over(self) -> RequestStream | None:
+        """The request sent again to another engine, if there is one."""
+        if self.failover is None:
+            return None
+        try:
+            other = self.failover(self.prompt_token_ids)
+        except EngineDeadError:
+            return None
+        if other is self.client:
+            return None
+        logger.warning("%s: its engine replica died before it started; moved", self.request_id)
+        self.client = other
+        return other.add_request(
+            self.request_id, self.prompt_token_ids, self.params, priority=self.priority
+        )
 
     async def _next(self, stream: RequestStream) -> tuple[StreamItem, float]:
         if self.deadline is None:

@@ -22,6 +22,7 @@ from ferrox.async_llm import AsyncLLM
 from ferrox.cli_options import add_engine_arguments, engine_options
 from ferrox.errors import ServerBusyError
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S
+from ferrox.frontend.replicas import ROUTING_POLICIES
 from ferrox.loader.hub import is_hub_id
 from ferrox.server.app import CorsOptions, build_app
 from ferrox.server.metrics import Metrics
@@ -35,6 +36,7 @@ from ferrox.server.vllm_options import (
     json_list,
     non_negative_int,
     positive_float,
+    positive_int,
     tool_parser_option,
 )
 
@@ -198,6 +200,22 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="log the prompt and output token ids of every finished request",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group = parser.add_argument_group("data parallelism")
+    group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=positive_int,
+        default=1,
+        help="engine replicas, placed by Ray (a local Ray unless RAY_ADDRESS names a cluster); "
+        "each request goes to one (default: 1, no Ray)",
+    )
+    group.add_argument(
+        "--data-parallel-routing",
+        choices=list(ROUTING_POLICIES),
+        default="prefix",
+        help="prefix: the replica that holds the longest prefix of the prompt, unless it is "
+        "much busier than the least busy one; round_robin: in turn (default: prefix)",
+    )
     add_chat_output_arguments(
         parser.add_argument_group("tool calling, reasoning, structured outputs")
     )
@@ -226,7 +244,12 @@ def serve(args: argparse.Namespace) -> int:
     options = engine_options(args)
     tool_parser = tool_parser_option(args)
     # The engine process starts with the server (lifespan below).
-    engine = AsyncLLM(engine_stall_timeout=args.engine_stall_timeout, **options)
+    engine = AsyncLLM(
+        engine_stall_timeout=args.engine_stall_timeout,
+        data_parallel_size=args.data_parallel_size,
+        routing=args.data_parallel_routing,
+        **options,
+    )
     config, tokenizer = engine.config, engine.tokenizer
     if tokenizer is None:
         raise SystemExit("ferrox serve needs a model with a tokenizer")
@@ -253,7 +276,7 @@ def serve(args: argparse.Namespace) -> int:
             max_logit_bias=args.max_logit_bias,
             max_stop_token_ids=args.max_stop_token_ids,
         ),
-        metrics=Metrics(names[0], lambda: client.stats),
+        metrics=Metrics(names[0], client.replica_stats),
         log_token_ids=args.log_token_ids,
         log_requests=not args.disable_log_requests,
         sampling_defaults=sampling_defaults,

@@ -32,22 +32,34 @@ _N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats], model: str) -> None:
+    """The engine-side figures of every replica (one sample per replica,
+    labelled `replica`; one engine is replica "0")."""
+
+    def __init__(self, stats: Callable[[], list[EngineStats]], model: str) -> None:
         self.stats = stats
         self.model = model
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats()
-        labels = ["model_name"]
+        families: dict[str, Metric] = {}
+        for replica, s in enumerate(self.stats()):
+            for family in self._collect_one(s, str(replica)):
+                if family.name in families:
+                    families[family.name].samples += family.samples
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+    def _collect_one(self, s: EngineStats, replica: str) -> Iterator[Metric]:
+        labels = ["model_name", "replica"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"ferrox:{name}", doc, labels=labels)
-            g.add_metric([self.model], value)
+            g.add_metric([self.model, replica], value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             c = CounterMetricFamily(f"ferrox:{name}", doc, labels=labels)
-            c.add_metric([self.model], value)
+            c.add_metric([self.model, replica], value)
             return c
 
         total = max(s.num_total_blocks, 1)
@@ -80,7 +92,7 @@ class _EngineCollector:
         )
         yield counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
-        yield from self._speculation(s, counter)
+        yield from self._speculation(s, counter, replica)
         yield counter(
             "scheduler_integrity_failures",
             "Idle-time scheduler integrity checks that failed (a bug in ferrox).",
@@ -88,7 +100,10 @@ class _EngineCollector:
         )
 
     def _speculation(
-        self, s: EngineStats, counter: Callable[[str, str, float], CounterMetricFamily]
+        self,
+        s: EngineStats,
+        counter: Callable[[str, str, float], CounterMetricFamily],
+        replica: str,
     ) -> Iterator[Metric]:
         """Speculative decoding (vLLM's spec_decode_* names)."""
         yield counter(
@@ -107,11 +122,11 @@ class _EngineCollector:
         per_pos = CounterMetricFamily(
             "ferrox:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position.",
-            labels=["model_name", "position"],
+            labels=["model_name", "replica", "position"],
         )
         for i, n in enumerate(s.spec_accepted_per_position):
             if n or i == 0:
-                per_pos.add_metric([self.model, str(i)], n)
+                per_pos.add_metric([self.model, replica, str(i)], n)
         yield per_pos
         # Tokens a verification yields: the accepted drafts and the one after.
         buckets, total, cumulative = [], 0.0, 0
@@ -122,14 +137,15 @@ class _EngineCollector:
         hist = HistogramMetricFamily(
             "ferrox:spec_decode_acceptance_length",
             "Tokens each verification yielded (accepted drafts + 1).",
-            labels=["model_name"],
+            labels=["model_name", "replica"],
         )
-        hist.add_metric([self.model], [*buckets, ("+Inf", cumulative)], total)
+        hist.add_metric([self.model, replica], [*buckets, ("+Inf", cumulative)], total)
         yield hist
 
 
 class Metrics:
-    def __init__(self, model: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model: str, stats: Callable[[], list[EngineStats]]) -> None:
+        """`stats`: the latest engine stats of each replica."""
         self.registry = CollectorRegistry()
         self.model = model
         self.registry.register(_EngineCollector(stats, model))  # type: ignore[arg-type]

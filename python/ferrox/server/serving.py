@@ -27,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from ferrox.errors import ServerBusyError
 from ferrox.frontend.engine_client import AsyncEngineClient
 from ferrox.frontend.output_processor import SequenceUpdate
+from ferrox.frontend.replicas import ReplicaPool
 from ferrox.frontend.request_run import RequestRun, merge, run_to_end
 from ferrox.outputs import PositionLogprobs
 from ferrox.server import openai_protocol as op
@@ -59,7 +60,7 @@ def _sse(chunk: msgspec.Struct) -> bytes:
 
 @dataclass
 class ServingContext:
-    client: AsyncEngineClient
+    client: AsyncEngineClient | ReplicaPool
     tokenizer: Any
     model_names: list[str]
     max_model_len: int
@@ -181,7 +182,8 @@ class OpenAIServing:
         )
         timeout = self.ctx.request_timeout
         return RequestRun(
-            client=self.ctx.client,
+            client=self.ctx.client.pick(prompt_ids),  # the replica it goes to
+            failover=self.ctx.client.pick,
             tokenizer=self.ctx.tokenizer,
             request_id=request_id,
             prompt_token_ids=prompt_ids,

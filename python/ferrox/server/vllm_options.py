@@ -16,7 +16,6 @@ from ferrox.server.output_constraints import GRAMMAR_BACKENDS
 # vLLM flags a launch command often carries that ferrox cannot honour, and why.
 UNSUPPORTED_VLLM_FLAGS = {
     "--pipeline-parallel-size": "ferrox has no pipeline parallelism",
-    "--data-parallel-size": "ferrox serves one engine per server (no data parallelism yet)",
     "--kv-cache-dtype": "the KV cache has the model's dtype",
     "--trust-remote-code": "ferrox runs no code from model repositories",
     "--enable-lora": "ferrox has no LoRA adapters",
@@ -63,6 +62,14 @@ def non_negative_int(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
