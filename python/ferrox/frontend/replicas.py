@@ -86,9 +86,16 @@ class RayEngineProcess:
         self._pid: int | None = None
 
     def bind(self, to_engine: zmq.Socket, from_engine: zmq.Socket) -> tuple[str, str]:
-        host = _ray().util.get_node_ip_address()
-        input_port = to_engine.bind_to_random_port("tcp://*")
-        output_port = from_engine.bind_to_random_port("tcp://*")
+        """On loopback when the Ray cluster is this machine alone, else on
+        this node's cluster address (the engine sockets carry no
+        authentication: keep the cluster network private)."""
+        ray = _ray()
+        host = ray.util.get_node_ip_address()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if all(n.get("NodeManagerAddress") == host for n in nodes):
+            host = "127.0.0.1"
+        input_port = to_engine.bind_to_random_port(f"tcp://{host}")
+        output_port = from_engine.bind_to_random_port(f"tcp://{host}")
         return f"tcp://{host}:{input_port}", f"tcp://{host}:{output_port}"
 
     def start(self, options: dict[str, Any], input_address: str, output_address: str) -> None:
