@@ -195,8 +195,8 @@ def _join(rank: int, size: int, init: str, device: torch.device, timeout: float)
 
 
 def join_as_worker(rank: int, size: int, init: str, device: torch.device) -> None:
+    _watch_parent()  # from the start: rank 0 may die before the group forms
     _join(rank, size, init, device, timeout=WORKER_START_TIMEOUT_S)
-    _watch_parent()
 
 
 def stop() -> None:

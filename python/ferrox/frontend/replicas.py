@@ -328,10 +328,6 @@ class ReplicaPool:
             merged.update(client.streams)
         return merged
 
-    @property
-    def stats(self) -> p.EngineStats:
-        return self.clients[0].stats
-
     def replica_stats(self) -> list[p.EngineStats]:
         return [c.stats for c in self.clients]
 
