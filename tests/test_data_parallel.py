@@ -81,6 +81,22 @@ def test_round_robin_and_dead_replicas() -> None:
         prefix.pick(_prompt(0, 2))
 
 
+def test_bad_data_parallel_options_are_refused(tiny_models: dict[str, Path]) -> None:
+    from ferrox import AsyncLLM
+    from ferrox.errors import InvalidArgumentError
+    from ferrox.server.launch import build_parser
+
+    path = str(tiny_models["llama-gqa-tied"])
+    for size in (0, -1, True, 1.5):
+        with pytest.raises(InvalidArgumentError, match="data_parallel_size"):
+            AsyncLLM(path, data_parallel_size=size)
+    with pytest.raises(InvalidArgumentError, match="routing"):
+        AsyncLLM(path, data_parallel_size=2, routing="random")
+    for argv in (["--data-parallel-size", "0"], ["--data-parallel-routing", "random"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+
+
 def test_block_hashes_chain_whole_blocks() -> None:
     a = block_hashes(list(range(40)))
     assert len(a) == 40 // ROUTE_BLOCK_TOKENS
