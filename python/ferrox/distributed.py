@@ -16,9 +16,11 @@ its shard sizes (`attention_shard`, `vocab_shard`).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -154,7 +156,8 @@ def vocab_shard(vocab_size: int) -> tuple[int, int]:
 
 
 def start(size: int, options: dict[str, Any], device: torch.device) -> None:
-    """On rank 0 (the engine process): starts the workers and joins the group."""
+    """On rank 0 (the engine process): starts the workers and joins the group
+    (`stop` undoes it, at the latest when the process exits)."""
     if _state.size > 1:
         raise InvalidArgumentError("this process already runs a tensor-parallel engine")
     store_dir = tempfile.mkdtemp(prefix="ferrox-tp-")
@@ -170,6 +173,7 @@ def start(size: int, options: dict[str, Any], device: torch.device) -> None:
         workers.append(proc)
     _state.workers = workers
     _state.store_dir = store_dir
+    atexit.register(stop)
     try:
         _join(0, size, init, device, timeout=WORKER_START_TIMEOUT_S)
     except Exception:
@@ -200,8 +204,12 @@ def join_as_worker(rank: int, size: int, init: str, device: torch.device) -> Non
 
 
 def stop() -> None:
-    """Rank 0: tells the workers to exit, waits for them, leaves the group."""
+    """Rank 0: tells the workers to exit, waits for them, leaves the group
+    (nothing to do without workers)."""
+    atexit.unregister(stop)
     workers, _state.workers = _state.workers, []
+    if not workers:  # no tensor-parallel engine here (a group of the caller's stays)
+        return
     if dist.is_initialized() and _state.rank == 0:
         try:
             _broadcast_header(np.array([_STOP] + [0] * (_HEADER_LEN - 1), dtype=np.int64))
@@ -221,13 +229,11 @@ def _leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     if _state.store_dir is not None:
-        import shutil
-
         shutil.rmtree(_state.store_dir, ignore_errors=True)
     _state.rank, _state.size, _state.control, _state.store_dir = 0, 1, None, None
 
 
-def lost_worker(wait: float = 1.0) -> int | None:
+def _lost_worker(wait: float = 1.0) -> int | None:
     """Rank 0, after a collective failed: the rank of a worker that has
     exited (waiting up to `wait` seconds for one that is exiting), or None."""
     deadline = time.monotonic() + wait
@@ -245,7 +251,7 @@ def raise_if_worker_lost(exc: BaseException) -> None:
     that has exited, if one has."""
     if _state.size == 1:
         return
-    rank = lost_worker(wait=1.0)
+    rank = _lost_worker(wait=1.0)
     if rank is not None:
         status = _state.workers[rank - 1].returncode
         raise EngineDeadError(

@@ -91,11 +91,10 @@ def is_fatal(exc: BaseException) -> bool:
     if distributed.state().size == 1:
         return False
     # Under tensor parallelism a failed collective leaves the ranks out of
-    # step, and a lost worker takes its shard with it.
-    collective = isinstance(exc, torch.distributed.DistError) or any(
+    # step (a lost worker is an EngineDeadError already: ModelRunner.execute).
+    return isinstance(exc, torch.distributed.DistError) or any(
         s in str(exc) for s in ("gloo", "NCCL", "Connection closed")
     )
-    return collective or distributed.lost_worker(wait=0.0) is not None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
@@ -121,13 +120,10 @@ class EngineCore:
                 raise InvalidArgumentError("a tensor-parallel engine loads its own shards")
             options = {name: getattr(config, name) for name in EngineConfig.field_names()}
             distributed.start(config.tensor_parallel_size, options, config.torch_device)
-            atexit.register(distributed.stop)
         try:
             self._init(config, loaded)
         except BaseException:
-            if distributed.state().size > 1:
-                atexit.unregister(distributed.stop)
-                distributed.stop()
+            distributed.stop()
             raise
 
     def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
@@ -377,9 +373,7 @@ class EngineCore:
         """Stops a profile still running (torch crashes at process exit
         under a running profiler); its trace is discarded."""
         atexit.unregister(self.close)
-        if distributed.state().size > 1:
-            atexit.unregister(distributed.stop)
-            distributed.stop()
+        distributed.stop()
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.stop()

@@ -326,9 +326,10 @@ class ModelRunner:
         """A tensor-parallel worker's step: the forward pass and every
         collective rank 0's `execute` runs, in the same order; rank 0 samples."""
         _, hidden = self._forward(plan, prompt_logprob_rows)
+        if hidden is None:  # a CUDA graph: no prompt-logprob rows
+            return
         for row, _, next_token in prompt_logprob_rows:
-            if hidden is not None:
-                self._prompt_logits(hidden, plan, row, next_token)
+            self._prompt_logits(hidden, plan, row, next_token)
 
     def _graph_fits(
         self, meta: AttentionMetadata, prompt_logprob_rows: list[tuple[int, int, int]] | None
