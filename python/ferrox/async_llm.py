@@ -49,12 +49,9 @@ class AsyncLLM:
         process after which `client.is_stalled` is set. `data_parallel_size`
         > 1: that many engine replicas, placed by Ray (frontend/replicas.py),
         each request routed by `routing` ("prefix" or "round_robin")."""
-        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
-            raise InvalidArgumentError(
-                f"data_parallel_size must be an int, got {data_parallel_size!r}"
-            )
-        if data_parallel_size < 1:
-            raise InvalidArgumentError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        dp = data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise InvalidArgumentError(f"data_parallel_size must be an int >= 1, got {dp!r}")
         self.config = EngineConfig.create(model=model, **engine_options)
         self.tokenizer = load_tokenizer(self.config)
         options = {name: getattr(self.config, name) for name in EngineConfig.field_names()}

@@ -38,9 +38,10 @@ logger = logging.getLogger("ferrox.client")
 DEFAULT_STALL_TIMEOUT_S = 60.0
 
 
-def _engine_process(options: dict[str, Any], input_address: str, output_address: str) -> None:
-    """The engine process's entry point. The engine (torch, the model code) is
-    imported there only: the frontend process never loads it."""
+def engine_process_main(options: dict[str, Any], input_address: str, output_address: str) -> None:
+    """The engine process's entry point (a local child or a Ray actor). The
+    engine (torch, the model code) is imported there only: the frontend
+    process never loads it."""
     from ferrox.engine.core_process import run_engine_core
 
     run_engine_core(options, input_address, output_address)
@@ -65,7 +66,7 @@ class LocalEngineProcess:
     def start(self, options: dict[str, Any], input_address: str, output_address: str) -> None:
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
-            target=_engine_process,
+            target=engine_process_main,
             args=(options, input_address, output_address),
             name="ferrox-engine-core",
             daemon=True,

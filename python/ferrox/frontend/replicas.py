@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -30,7 +31,7 @@ import zmq
 
 from ferrox.engine import protocol as p
 from ferrox.errors import EngineDeadError, InvalidArgumentError, MissingDependencyError
-from ferrox.frontend.engine_client import AsyncEngineClient
+from ferrox.frontend.engine_client import AsyncEngineClient, engine_process_main
 
 logger = logging.getLogger("ferrox.replicas")
 
@@ -58,21 +59,20 @@ def _ray() -> Any:
     return ray
 
 
-def _replica_actor_class() -> Any:
-    ray = _ray()
+def check_routing(routing: str) -> None:
+    if routing not in ROUTING_POLICIES:
+        raise InvalidArgumentError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
 
+
+@functools.cache
+def _replica_actor_class() -> Any:
     class EngineReplica:
         """Runs the engine-core loop, connected to the frontend's sockets."""
 
         def run(self, options: dict[str, Any], input_address: str, output_address: str) -> None:
-            from ferrox.engine.core_process import run_engine_core
+            engine_process_main(options, input_address, output_address)
 
-            run_engine_core(options, input_address, output_address)
-
-        def pid(self) -> int:
-            return os.getpid()
-
-    return ray.remote(EngineReplica)
+    return _ray().remote(EngineReplica)
 
 
 class RayEngineProcess:
@@ -83,7 +83,6 @@ class RayEngineProcess:
         self.name = name
         self._actor: Any = None
         self._run: Any = None
-        self._pid: int | None = None
 
     def bind(self, to_engine: zmq.Socket, from_engine: zmq.Socket) -> tuple[str, str]:
         """On loopback when the Ray cluster is this machine alone, else on
@@ -131,10 +130,7 @@ class RayEngineProcess:
 
     @property
     def pid(self) -> int | None:
-        if self._pid is None and self._actor is not None:
-            with contextlib.suppress(Exception):
-                self._pid = int(_ray().get(self._actor.pid.remote(), timeout=10))
-        return self._pid
+        return None  # on whichever node Ray placed it
 
 
 class _PrefixIndex:
@@ -181,14 +177,12 @@ class ReplicaPool:
     def __init__(
         self, make_client: Callable[[int], AsyncEngineClient], size: int, routing: str = "prefix"
     ) -> None:
-        if routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
+        check_routing(routing)
         self.make_client = make_client
         self.routing = routing
         self.clients = [make_client(i) for i in range(size)]
         self.indexes = [_PrefixIndex() for _ in range(size)]
         self.restarting: set[int] = set()
-        self.restarts = 0
         self._next = 0
         self._refuse_new = False
         self._closed = False
@@ -238,7 +232,6 @@ class ReplicaPool:
             self.clients[i] = client
             self._watch(i, client)
             self.restarting.discard(i)
-            self.restarts += 1
             logger.info("replica %d is back", i)
             return
         self.restarting.discard(i)
@@ -359,8 +352,7 @@ def replica_pool(
     started here unless this process is already connected; RAY_ADDRESS
     names a cluster to join). A replica asks Ray for the GPUs its
     tensor-parallel size needs on CUDA, for one CPU otherwise."""
-    if routing not in ROUTING_POLICIES:
-        raise InvalidArgumentError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
+    check_routing(routing)
     ray = _ray()
     if not ray.is_initialized():
         ray.init(
