@@ -155,6 +155,19 @@ def served_model(model_dir: Path) -> Path:
     return model_dir
 
 
+def test_more_replicas_than_the_cluster_holds_are_refused(served_model: Path) -> None:
+    import ray
+
+    from ferrox import AsyncLLM
+    from ferrox.errors import InvalidArgumentError
+
+    try:
+        with pytest.raises(InvalidArgumentError, match="data_parallel_size=1000000 needs"):
+            AsyncLLM(str(served_model), data_parallel_size=10**6)
+    finally:
+        ray.shutdown()
+
+
 def test_prefix_routing_beats_round_robin(served_model: Path) -> None:
     hit_rates = {}
     for routing in ("round_robin", "prefix"):

@@ -113,6 +113,8 @@ def test_two_ranks_match_one(tp_models: dict[str, Path], name: str) -> None:
 def test_sizes_the_model_cannot_split_are_refused(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(InvalidArgumentError, match="must divide the model's 3 attention heads"):
         LLM(str(tiny_models["qwen2"]), tensor_parallel_size=2)
+    with pytest.raises(InvalidArgumentError, match="exceeds the"):  # before any worker starts
+        LLM(str(tiny_models["qwen2"]), tensor_parallel_size=10**6)
     with pytest.raises(InvalidArgumentError, match="tensor_parallel_size must be"):
         LLM(str(tiny_models["qwen2"]), tensor_parallel_size=0)
     with pytest.raises(InvalidArgumentError, match="speculative decoding"):

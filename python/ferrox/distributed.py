@@ -160,6 +160,15 @@ def start(size: int, options: dict[str, Any], device: torch.device) -> None:
     (`stop` undoes it, at the latest when the process exits)."""
     if _state.size > 1:
         raise InvalidArgumentError("this process already runs a tensor-parallel engine")
+    if device.type == "cuda":
+        available, what = torch.cuda.device_count(), "GPUs"
+    else:
+        available, what = os.cpu_count() or 1, "CPU cores"
+    if size > available:
+        raise InvalidArgumentError(
+            f"tensor_parallel_size={size} exceeds the {available} {what} of this machine "
+            "(one rank each)"
+        )
     store_dir = tempfile.mkdtemp(prefix="ferrox-tp-")
     init = f"file://{store_dir}/rendezvous"
     payload = json.dumps(options)

@@ -365,6 +365,13 @@ def replica_pool(
     gpus = ray.cluster_resources().get("GPU", 0) > 0 and device in ("auto", "cuda")
     tp = int(options.get("tensor_parallel_size") or 1)
     resources: dict[str, float] = {"num_gpus": tp} if gpus else {"num_cpus": 1}
+    kind, need = ("GPU", tp) if gpus else ("CPU", 1)
+    available = int(ray.cluster_resources().get(kind, 0))
+    if size * need > available:
+        raise InvalidArgumentError(
+            f"data_parallel_size={size} needs {size * need} {kind}s (x{need} each); the Ray "
+            f"cluster has {available}"
+        )
 
     def make(i: int) -> AsyncEngineClient:
         return AsyncEngineClient(
