@@ -5,6 +5,7 @@
 For each way of holding the linear weights (`quantization=`):
   none  the GGUF file dequantized to float32 (matches transformers)
   gguf  the file's own blocks (Q4_1, Q8_0 embedding), the default
+  gguf, float16 KV  the same with `kv_cache_dtype="float16"`
   q8_0  dequantized, then requantized to 8-bit blocks
   q4_1  dequantized, then requantized to 4-bit blocks
 it prints the perplexity of a fixed text (prompt logprobs, in steps of at
@@ -28,7 +29,14 @@ from ferrox import LLM, SamplingParams
 from ferrox.layers.quant_linear import DEQUANTIZE_ABOVE_ROWS
 from ferrox.loader import default_model_path
 
-MODES = ["none", "gguf", "q8_0", "q4_1"]
+# (label, quantization, kv_cache_dtype)
+MODES = [
+    ("none", "none", "auto"),
+    ("gguf", "gguf", "auto"),
+    ("gguf, float16 KV", "gguf", "float16"),
+    ("q8_0", "q8_0", "auto"),
+    ("q4_1", "q4_1", "auto"),
+]
 TEXT = (
     "The river town woke slowly. Before the sun cleared the hills, the baker had lit his "
     "ovens and the ferryman was already coiling wet rope on the landing. Children ran along "
@@ -63,13 +71,14 @@ QUESTIONS = [
 ANSWER_TOKENS = 48
 
 
-def measure(mode: str, model: str) -> dict:
+def measure(label: str, mode: str, kv_cache_dtype: str, model: str) -> dict:
     start = time.perf_counter()
     # At most 32 tokens a step: every step runs the block kernels (larger
     # batches dequantize to float32 and would not measure them).
     llm = LLM(
         model,
         quantization=mode,
+        kv_cache_dtype=kv_cache_dtype,
         max_num_seqs=len(QUESTIONS),
         enable_prefix_caching=False,
         max_num_batched_tokens=DEQUANTIZE_ABOVE_ROWS,
@@ -93,7 +102,7 @@ def measure(mode: str, model: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
     answers = [o.outputs[0].token_ids for o in llm.generate(chats, params, use_tqdm=False)]
     return {
-        "mode": mode,
+        "mode": label,
         "load_s": round(load_s, 2),
         "text_tokens": len(ids),
         "perplexity": math.exp(statistics.fmean(nll)),
@@ -119,7 +128,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = parser.parse_args()
     model = args.model or str(default_model_path())
-    results = [measure(mode, model) for mode in MODES]
+    results = [measure(*mode, model) for mode in MODES]
     reference = results[0]["answers"]
     print(f"{model}: perplexity of a {results[0]['text_tokens']}-token text; greedy chat answers")
     print(f"({len(QUESTIONS)} prompts, {ANSWER_TOKENS} tokens) against `none`\n")
@@ -138,7 +147,7 @@ def main() -> None:
         )
     print()
     for r in results:
-        print(f"{r['mode']:>5}: {r['first_answer']!r}")
+        print(f"{r['mode']:>16}: {r['first_answer']!r}")
     if args.json:
         for r in results:
             del r["answers"]

@@ -39,14 +39,14 @@ def assert_idle(llm: LLM) -> None:
 @pytest.fixture
 def poisoned_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     """Building the sampling state fails for any step with a poisoned row."""
-    real = engine_core.SamplingBatch.build
+    real = engine_core.SamplingBatchBuilder.build
 
-    def build(seqs: list[Any], *args: Any, **kw: Any) -> Any:
+    def build(self: Any, seqs: list[Any], *args: Any, **kw: Any) -> Any:
         if any(s.params.seed == POISON_SEED for s in seqs):
             raise RuntimeError("sampling blew up")
-        return real(seqs, *args, **kw)
+        return real(self, seqs, *args, **kw)
 
-    monkeypatch.setattr(engine_core.SamplingBatch, "build", build)
+    monkeypatch.setattr(engine_core.SamplingBatchBuilder, "build", build)
 
 
 def poisoned(max_tokens: int = 6) -> SamplingParams:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from ferrox import LLM, SamplingParams
 from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
-from ferrox.layers import quant_linear
+from ferrox.layers import cpu_linear, quant_linear
 from ferrox.layers.quant_linear import (
     DEQUANTIZE_ABOVE_ROWS,
     QuantEmbedding,
@@ -286,27 +286,40 @@ def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt:
     _assert_same_greedy(got, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 
 
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"), [("q8_0", "auto"), (None, "auto"), ("q8_0", "float16")]
+)
 @pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2"])
 def test_fused_decode_layers_match_the_module_path(
-    tiny_models: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+    tiny_models: dict[str, Path],
+    name: str,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Decode steps run each layer in one native call; the same kernels one
-    module at a time give the same tokens and logprobs (Qwen2: q/k/v bias)."""
+    module at a time give the same tokens and logprobs (Qwen2: q/k/v bias),
+    over blocks and over float32 weights (a small model keeps them as well
+    as their oneDNN packing), with a float32 or a float16 KV cache."""
     gen = torch.Generator().manual_seed(5)
     prompts = [
         torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 9, 20)
     ]
-    llm, fused = _run(tiny_models[name], prompts, quantization="q8_0")
+    llm, fused = _run(
+        tiny_models[name], prompts, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
     model = llm.engine.runner.model
     assert model.fused_decode is not None
     calls: list[int] = []
     monkeypatch.setattr(model.fused_decode, "run", _counted(model.fused_decode.run, calls))
-    _assert_close(_run_again(llm, prompts), fused)
+    again = _run_again(llm, prompts)
+    if kv_cache_dtype == "auto":  # (a float16 cache holds rounded K/V the first prefill had whole)
+        _assert_close(again, fused)
     # Every step: the prompts' full blocks now come from the prefix cache,
     # so even the first step computes at most 16 tokens a row.
     assert len(calls) == MAX_TOKENS
     model.fused_decode = None
-    _assert_close(_run_again(llm, prompts), fused)
+    _assert_close(_run_again(llm, prompts), again)
     assert len(calls) == MAX_TOKENS
 
 
@@ -340,11 +353,17 @@ def _run_again(llm: LLM, prompts: list[list[int]]) -> Greedy:
     ]
 
 
-def test_fused_decode_needs_block_weights(tiny_models: dict[str, Path]) -> None:
-    dense = LLM(str(tiny_models["llama-gqa-tied"]), num_kv_blocks=16)
-    assert dense.engine.runner.model.fused_decode is None
+def test_fused_decode_needs_weights_it_can_read(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tiny_models["llama-gqa-tied"])
+    assert LLM(path, num_kv_blocks=16).engine.runner.model.fused_decode is not None
     qwen3 = LLM(str(tiny_models["qwen3"]), num_kv_blocks=16, quantization="q8_0")  # q/k norms
     assert qwen3.engine.runner.model.fused_decode is None
+    # Weights too large to keep twice live only in oneDNN's layout: the
+    # module path runs them.
+    monkeypatch.setattr(cpu_linear, "SMALL_WEIGHT", 0)
+    assert LLM(path, num_kv_blocks=16).engine.runner.model.fused_decode is None
 
 
 def test_quantization_options_are_checked(tiny_models: dict[str, Path], tmp_path: Path) -> None:

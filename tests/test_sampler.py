@@ -13,6 +13,7 @@ from ferrox.runner.sampling_batch import (
     PenaltyState,
     RandomSampling,
     SamplingBatch,
+    SamplingBatchBuilder,
     SeededRows,
     TopK,
     TopP,
@@ -101,6 +102,34 @@ def test_unused_features_build_nothing() -> None:
     assert again.output_counts[0].tolist() == [0, 0, 0, 0, 2, 0, 0, 2, 0, 0]
     features.add(penalised, -1)
     assert "penalties" not in features and "logprobs" not in features
+
+
+def test_a_batch_of_the_same_rows_reuses_their_parameters() -> None:
+    """A steady decode rebuilds only what changes per step: a seeded row's
+    position moves on, so its next token draws new noise, exactly as a batch
+    built afresh would."""
+    vocab = 40
+    seeded = Seq(SamplingParams(temperature=1.0, seed=3, top_p=0.9), seed=3)
+    seqs = [Seq(SamplingParams(temperature=0.5, top_k=5, logprobs=1)), seeded]
+    builder = SamplingBatchBuilder(vocab, CPU)
+    first = builder.build(seqs)
+    assert first.random is not None and first.random.seeded is not None
+    assert first.random.seeded.positions.tolist() == [0]
+    seeded.output_token_ids.append(9)
+    second = builder.build(seqs)
+    assert second.random is not None and second.random.seeded is not None
+    assert second.random.temperature is first.random.temperature  # reused
+    assert second.random.top_p is first.random.top_p
+    assert second.random.seeded.positions.tolist() == [1]  # refreshed
+    assert second.max_num_logprobs == 1
+    fresh = SamplingBatch.build(seqs, vocab, CPU)
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    assert int(Sampler()(logits, second).sampled[1]) == int(Sampler()(logits, fresh).sampled[1])
+    # Other rows (or the same in another order) build afresh.
+    swapped = builder.build(seqs[::-1])
+    assert swapped.random is not None and swapped.random.seeded is not None
+    assert swapped.random.seeded.rows.tolist() == [0]
+    assert swapped.random.temperature.tolist() == [1.0, 0.5]
 
 
 def test_top_k_alone_matches_the_sorted_filter() -> None:

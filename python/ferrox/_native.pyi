@@ -240,8 +240,8 @@ class Scheduler:
 def paged_attention_cpu(
     out: npt.NDArray[np.float32],
     q: npt.NDArray[np.float32],
-    k_cache: npt.NDArray[np.float32],
-    v_cache: npt.NDArray[np.float32],
+    k_cache: _KvArray,
+    v_cache: _KvArray,
     block_table: npt.NDArray[np.int32],
     query_start_loc: npt.NDArray[np.int32],
     seq_lens: npt.NDArray[np.int32],
@@ -286,21 +286,26 @@ def dequantize_rows_cpu(
     num_threads: int,
 ) -> None: ...
 
-_BlockLinear: TypeAlias = tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32] | None, str]
+# A KV cache: float32, or float16 viewed as int16 (`tensor.view(torch.int16)`).
+_KvArray: TypeAlias = npt.NDArray[np.float32] | npt.NDArray[np.int16]
+
+# (weight bytes, bias, format): "q8_0" / "q4_1" blocks [N, row bytes], or
+# "f32" for a float32 [N, K] weight viewed as uint8 [N, 4 K].
+_LayerLinear: TypeAlias = tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32] | None, str]
 
 @final
 class CpuDecoderLayer:
-    """A decoder layer over block-format weights, run whole for decode steps."""
+    """A decoder layer over block-format or float32 weights, run whole for decode steps."""
 
     def __new__(
         cls,
         input_norm: npt.NDArray[np.float32],
         post_attention_norm: npt.NDArray[np.float32],
         eps: float,
-        qkv: _BlockLinear,
-        o: _BlockLinear,
-        gate_up: _BlockLinear,
-        down: _BlockLinear,
+        qkv: _LayerLinear,
+        o: _LayerLinear,
+        gate_up: _LayerLinear,
+        down: _LayerLinear,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -310,8 +315,8 @@ class CpuDecoderLayer:
         self,
         residual: npt.NDArray[np.float32],
         x: npt.NDArray[np.float32],
-        k_cache: npt.NDArray[np.float32],
-        v_cache: npt.NDArray[np.float32],
+        k_cache: _KvArray,
+        v_cache: _KvArray,
         positions: npt.NDArray[np.int64],
         cos: npt.NDArray[np.float32],
         sin: npt.NDArray[np.float32],

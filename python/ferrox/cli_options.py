@@ -26,6 +26,9 @@ HELP = {
     "seed": "random seed of the engine",
     "max_model_len": "context length (default: the model's)",
     "block_size": "tokens per KV-cache block",
+    "kv_cache_dtype": "auto (the model's dtype) | float16: half the cache memory of a float32 "
+    "model and half the bytes decode attention reads (CPU attention backend; on a GPU only "
+    "for a float16 model)",
     "num_kv_blocks": "fixed KV-cache size in blocks (overrides the memory-based sizing)",
     "kv_cache_memory_bytes": "KV-cache memory budget in bytes",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",

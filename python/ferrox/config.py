@@ -35,9 +35,17 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # `dtype`; "gguf" says the same of a GGUF file explicitly; "q8_0" / "q4_1"
 # quantize every linear layer at load; "none" dequantizes to `dtype`.
 QUANTIZATIONS = (None, "gguf", "q8_0", "q4_1", "none")
+# What the KV cache holds: "auto" the model's dtype; "float16" half of a
+# float32 model's cache memory and of the bytes decode attention reads (the
+# CPU attention kernels widen it as they read).
+KV_CACHE_DTYPES = ("auto", "float16")
 # The CPU KV pool, unless sized explicitly: room for this many tokens or one
-# max_model_len sequence, whichever is more, within CPU_KV_CACHE_MAX_BYTES.
+# max_model_len sequence, whichever is more, and at least
+# CPU_KV_CACHE_MIN_BYTES (a smaller pool saves nothing worth having and makes
+# a small model preempt), within CPU_KV_CACHE_MAX_BYTES. Pages cost memory
+# only once written.
 CPU_KV_CACHE_TOKENS = 16384
+CPU_KV_CACHE_MIN_BYTES = 256 << 20
 CPU_KV_CACHE_MAX_BYTES = 2 << 30
 
 
@@ -52,6 +60,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own limit
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     num_kv_blocks: int | None = None  # fixed pool size, or sized from memory:
     kv_cache_memory_bytes: int | None = None  # ... an explicit budget, or
     gpu_memory_utilization: float = 0.9  # ... this fraction of the GPU
@@ -86,6 +95,15 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, _DTYPES[self.dtype])  # type: ignore[no-any-return]
+
+    @functools.cached_property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (`kv_cache_dtype`; "auto": the model's)."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        return getattr(torch, self.kv_cache_dtype)  # type: ignore[no-any-return]
 
     @property
     def max_admitted_requests(self) -> int | None:
@@ -150,6 +168,10 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"quantization must be one of {QUANTIZATIONS[1:]} (or None), "
                 f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgumentError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidArgumentError(

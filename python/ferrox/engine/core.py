@@ -54,7 +54,7 @@ from ferrox.errors import (
 from ferrox.loader.model_loader import LoadedModel, load_model
 from ferrox.outputs import FinishReason
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
-from ferrox.runner.sampling_batch import FeatureCounts, SamplingBatch
+from ferrox.runner.sampling_batch import FeatureCounts, SamplingBatch, SamplingBatchBuilder
 from ferrox.sampling_params import SamplingParams, check_priority
 from ferrox.structured_outputs import check_grammar
 
@@ -162,6 +162,7 @@ class EngineCore:
         self._num_prompt_logprob_requests = 0
         # Live sequences per sampling feature: unused features cost a step nothing.
         self._features = FeatureCounts()
+        self._batch_builder = SamplingBatchBuilder(self.vocab_size, self.runner.device)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         # The scheduler's counters after the last step (they come with its events).
@@ -515,7 +516,7 @@ class EngineCore:
             # A verified position samples as if its drafts were output (all-
             # greedy batches without features read no row: they need no views).
             rows, prefixes = sampling_rows(plan, seqs)
-        batch = SamplingBatch.build(rows, self.vocab_size, self.runner.device, self._features)
+        batch = self._batch_builder.build(rows, self._features)
         if "grammar" in self._features:
             constrained = [
                 (i, s.grammar, prefixes[i] if prefixes else [])

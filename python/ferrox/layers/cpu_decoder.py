@@ -1,7 +1,9 @@
 """Decode steps on the CPU, one native call per decoder layer.
 
 When every linear layer of a Llama-family model holds block-format weights
-(`QuantLinear`) and attention runs on the CPU backend in float32, a step whose
+(`QuantLinear`) or float32 ones it can read as they are (a plain `nn.Linear`,
+or a `PackedLinear` small enough to keep its plain weight too: a tiny or draft
+model), and attention runs on the CPU backend in float32, a step whose
 rows each have a few query tokens (decodes, short speculative verifications)
 runs each layer whole in Rust (`CpuDecoderLayer`, `ferrox_cpu::decoder_layer`):
 the same kernels the layer calls one at a time, without the twenty-odd tensor
@@ -13,23 +15,46 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ferrox._native import CpuDecoderLayer
 from ferrox.layers import quant_linear
 from ferrox.layers.attention.base import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBackend
-from ferrox.layers.cpu_kernels import kernel_threads
+from ferrox.layers.cpu_kernels import kernel_threads, kv_array
+from ferrox.layers.cpu_linear import PackedLinear
 from ferrox.layers.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
     from ferrox.models.llama import DecoderLayer, KvCache
 
 
+def _float_weight(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The float32 [N, K] weight the fused layer can read, if any."""
+    if isinstance(layer, PackedLinear):
+        weight = layer.plain
+    elif type(layer) is torch.nn.Linear:
+        weight = layer.weight.detach()
+    else:
+        return None
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return weight.contiguous()
+
+
+def _fusable(layer: torch.nn.Module) -> bool:
+    return isinstance(layer, QuantLinear) or _float_weight(layer) is not None
+
+
 def _linear(layer: torch.nn.Module) -> tuple:
-    assert isinstance(layer, QuantLinear)
-    bias = None if layer.bias is None else layer.bias.detach().numpy()
-    return layer.weight.detach().numpy(), bias, layer.fmt
+    bias_tensor: torch.Tensor | None = getattr(layer, "bias", None)
+    bias = None if bias_tensor is None else bias_tensor.detach().numpy()
+    if isinstance(layer, QuantLinear):
+        return layer.weight.detach().numpy(), bias, layer.fmt
+    weight = _float_weight(layer)
+    assert weight is not None
+    return weight.numpy().view(np.uint8), bias, "f32"
 
 
 class FusedCpuDecode:
@@ -47,7 +72,7 @@ class FusedCpuDecode:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             return (
-                all(isinstance(m, QuantLinear) for m in linears)
+                all(_fusable(m) for m in linears)
                 and isinstance(attn.attn, CpuAttentionBackend)
                 and attn.q_norm is None
                 and all(n.weight.dtype == torch.float32 for n in norms)
@@ -108,5 +133,5 @@ class FusedCpuDecode:
         )
         res, out = residual.numpy(), x.numpy()
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            layer.forward(res, out, k_cache.numpy(), v_cache.numpy(), *step)
+            layer.forward(res, out, kv_array(k_cache), kv_array(v_cache), *step)
         return x, residual

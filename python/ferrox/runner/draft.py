@@ -29,12 +29,12 @@ from ferrox.runner.kv_cache import KVCache, bytes_per_block
 
 class DraftRunner:
     def __init__(
-        self, loaded: LoadedModel, block_size: int, dtype: torch.dtype, device: torch.device
+        self, loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype, device: torch.device
     ):
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.block_size = block_size
-        self.dtype = dtype
+        self.kv_dtype = kv_dtype  # its KV cache's, as the target's
         self.device = device
         self.num_layers = int(loaded.hf_config.num_hidden_layers)
         self.kv_cache: KVCache | None = None
@@ -45,7 +45,7 @@ class DraftRunner:
             self.block_size,
             self.model.num_kv_heads,
             self.model.head_dim,
-            self.dtype,
+            self.kv_dtype,
         )
 
     def allocate(self, num_blocks: int) -> None:
@@ -56,7 +56,7 @@ class DraftRunner:
             self.block_size,
             self.model.num_kv_heads,
             self.model.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
 

@@ -12,7 +12,12 @@ import torch
 
 from ferrox import distributed
 from ferrox._native import BatchPlan
-from ferrox.config import CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_TOKENS, EngineConfig
+from ferrox.config import (
+    CPU_KV_CACHE_MAX_BYTES,
+    CPU_KV_CACHE_MIN_BYTES,
+    CPU_KV_CACHE_TOKENS,
+    EngineConfig,
+)
 from ferrox.distributed import StepPlan
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention import AttentionMetadata
@@ -81,6 +86,12 @@ class ModelRunner:
         self.model = loaded.model
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.torch_kv_dtype
+        if self.kv_dtype != self.dtype and self.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r} with a {self.dtype} model runs on the "
+                "CPU only (on a GPU the cache has the model's dtype)"
+            )
         hf = loaded.hf_config
         self.vocab_size = int(hf.vocab_size)
         self.max_model_len = max_model_len
@@ -90,7 +101,7 @@ class ModelRunner:
         self.draft = (
             None
             if draft is None
-            else DraftRunner(draft, config.block_size, self.dtype, self.device)
+            else DraftRunner(draft, config.block_size, self.kv_dtype, self.device)
         )
         num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(
@@ -99,7 +110,7 @@ class ModelRunner:
             config.block_size,
             self.num_kv_heads,
             self.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             zeroed=not self._reads_written_slots_only(),
         )
@@ -134,7 +145,7 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         per_block = bytes_per_block(
-            self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype
+            self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype
         )
         if self.draft is not None:  # both caches hold every block
             per_block += self.draft.bytes_per_block()
@@ -147,9 +158,11 @@ class ModelRunner:
                 budget = self._free_gpu_budget()
             else:
                 # Sized from the model: a 135M model needs hundreds of
-                # megabytes, not gigabytes, for its default context.
+                # megabytes, not gigabytes, for its default context; a tiny
+                # one gets the floor's many more tokens.
                 tokens = max(CPU_KV_CACHE_TOKENS, self.max_model_len)
-                budget = min(tokens // cfg.block_size * per_block, CPU_KV_CACHE_MAX_BYTES)
+                budget = max(tokens // cfg.block_size * per_block, CPU_KV_CACHE_MIN_BYTES)
+                budget = min(budget, CPU_KV_CACHE_MAX_BYTES)
             num_blocks = budget // per_block
         if distributed.state().size > 1:  # every rank holds every block (of its heads)
             agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
@@ -207,7 +220,7 @@ class ModelRunner:
             cfg.block_size,
             self.num_kv_heads,
             self.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

@@ -4,11 +4,13 @@ sampler works on the whole batch at a time.
 The engine counts its live sequences per sampling feature (`FeatureCounts`);
 a feature no live sequence uses costs a step nothing, not even a look at
 each row's parameters. A batch of greedy requests without penalties, bias,
-min_tokens or logprobs is built in O(1).
+min_tokens or logprobs is built in O(1), and a batch of the same sequences
+as the step before reuses what depends on their parameters alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -159,24 +161,78 @@ class SamplingBatch:
         features: FeatureCounts | None = None,
     ) -> SamplingBatch:
         """`features`: what the live sequences use (None: look at every row)."""
+        return SamplingBatchBuilder(vocab_size, device).build(seqs, features)
+
+
+class SamplingBatchBuilder:
+    """Builds each step's SamplingBatch. The parts that depend only on which
+    sequences the batch holds, in which order (temperatures, top-k / top-p /
+    min-p, seeds, logit bias, logprobs: a steady decode's batch is the same
+    from step to step) are reused while the rows are the same objects; the
+    parts that change every step (seeded rows' positions, penalty counts,
+    min_tokens masks) are built every step."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._rows: list[SampledSequence] = []  # held, so their ids stay theirs
+        self._active: set[str] = set()
+        self._random: RandomSampling | None = None
+        self._seeded: list[int] = []  # rows of self._random.seeded, on the host
+        self._bias: SparseLogits | None = None
+        self._max_num_logprobs = -1
+
+    def _col(self, values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _same_rows(self, seqs: Sequence[SampledSequence], active: set[str]) -> bool:
+        return (
+            active == self._active
+            and len(seqs) == len(self._rows)
+            and all(a is b for a, b in zip(seqs, self._rows, strict=True))
+        )
+
+    def build(
+        self, seqs: Sequence[SampledSequence], features: FeatureCounts | None = None
+    ) -> SamplingBatch:
+        """`features`: what the live sequences use (None: look at every row)."""
         active = set(FEATURES) if features is None else {f for f in FEATURES if f in features}
-        batch = cls(num_rows=len(seqs))
+        batch = SamplingBatch(num_rows=len(seqs))
         if not active:
             return batch
-        params = [s.params for s in seqs]
-
-        def col(values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        if "random" in active:
-            batch.random = _random_sampling(seqs, vocab_size, col)
-        if "penalties" in active:
-            batch.penalties = _penalties(seqs, vocab_size, col)
-        if "logit_bias" in active:
-            batch.bias = _sparse(
-                [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()],
-                col,
+        col = self._col
+        if not self._same_rows(seqs, active):
+            self._rows, self._active = list(seqs), active
+            self._random = (
+                _random_sampling(seqs, self.vocab_size, col) if "random" in active else None
             )
+            seeded = self._random.seeded if self._random is not None else None
+            self._seeded = [] if seeded is None else seeded.rows.tolist()
+            params = [s.params for s in seqs]
+            self._bias = None
+            if "logit_bias" in active:
+                self._bias = _sparse(
+                    [
+                        (i, t, v)
+                        for i, p in enumerate(params)
+                        for t, v in (p.logit_bias or {}).items()
+                    ],
+                    col,
+                )
+            self._max_num_logprobs = -1
+            if "logprobs" in active:
+                self._max_num_logprobs = max(
+                    (p.logprobs for p in params if p.logprobs is not None), default=-1
+                )
+        elif self._random is not None and self._random.seeded is not None:
+            positions = col([len(seqs[i].output_token_ids) for i in self._seeded], torch.int64)
+            seeded = dataclasses.replace(self._random.seeded, positions=positions)
+            self._random = dataclasses.replace(self._random, seeded=seeded)
+        batch.random = self._random
+        batch.bias = self._bias
+        batch.max_num_logprobs = self._max_num_logprobs
+        if "penalties" in active:
+            batch.penalties = _penalties(seqs, self.vocab_size, col)
         if "min_tokens" in active:
             batch.blocked = _sparse(
                 [
@@ -186,10 +242,6 @@ class SamplingBatch:
                     for t in s.min_tokens_blocked_ids
                 ],
                 col,
-            )
-        if "logprobs" in active:
-            batch.max_num_logprobs = max(
-                (p.logprobs for p in params if p.logprobs is not None), default=-1
             )
         return batch
 

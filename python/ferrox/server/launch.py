@@ -11,15 +11,18 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
 
 from ferrox.async_llm import AsyncLLM
 from ferrox.cli_options import add_engine_arguments, engine_options
+from ferrox.engine.protocol import Ready
 from ferrox.errors import ServerBusyError
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S
 from ferrox.frontend.replicas import ROUTING_POLICIES
@@ -230,10 +233,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+@dataclass
+class ServerApp:
+    """The OpenAI application over an engine that starts with it (the
+    application's lifespan), before anything serves it: uvicorn here, or a
+    Ray Serve replica (`ferrox.server.ray_serve`)."""
+
+    app: Starlette
+    ctx: ServingContext
+    engine: AsyncLLM
+    names: list[str]
+
+
+def build_server_app(
+    args: argparse.Namespace,
+    on_dead: Callable[[str], None],
+    on_started: Callable[[Ready], None] | None = None,
+) -> ServerApp:
+    """`on_dead(message)` runs once the engine has stopped (its requests
+    already failed); `on_started(info)` once it is ready."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit(
@@ -243,7 +261,7 @@ def serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     options = engine_options(args)
     tool_parser = tool_parser_option(args)
-    # The engine process starts with the server (lifespan below).
+    # The engine process starts with the application (lifespan below).
     engine = AsyncLLM(
         engine_stall_timeout=args.engine_stall_timeout,
         data_parallel_size=args.data_parallel_size,
@@ -260,7 +278,6 @@ def serve(args: argparse.Namespace) -> int:
     if sampling_defaults:
         logger.info("sampling defaults from the generation config: %s", sampling_defaults)
     client = engine.client
-    exit_code = 0
     ctx = ServingContext(
         client=client,
         tokenizer=tokenizer,
@@ -287,19 +304,6 @@ def serve(args: argparse.Namespace) -> int:
         tool_parser=tool_parser,
         reasoning_parser=args.reasoning_parser,
     )
-    server: _Server | None = None
-
-    def on_dead(message: str) -> None:
-        # Fail fast but visibly: /health answers 503 for a moment (in-flight
-        # requests have already been failed), then the server exits non-zero.
-        nonlocal exit_code
-        exit_code = 1
-
-        def stop() -> None:
-            if server is not None:
-                server.should_exit = True
-
-        asyncio.get_running_loop().call_later(DEATH_GRACE_SECONDS, stop)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -314,15 +318,8 @@ def serve(args: argparse.Namespace) -> int:
             prefix_caching=config.enable_prefix_caching,
             dtype=info.dtype,
         )
-        if server is not None:
-            server.loop = asyncio.get_running_loop()
-        print(
-            f"ferrox: serving {names[0]!r} ({info.model}) at http://{args.host}:{args.port} "
-            f"(on {info.device} in {info.dtype}, max_model_len {info.max_model_len}, "
-            f"{info.num_kv_blocks} KV blocks of "
-            f"{info.block_size} tokens, loaded in {info.load_seconds:.1f} s)",
-            flush=True,
-        )
+        if on_started is not None:
+            on_started(info)
         try:
             yield
         finally:
@@ -341,9 +338,43 @@ def serve(args: argparse.Namespace) -> int:
             credentials=args.allow_credentials,
         ),
     )
+    return ServerApp(app=app, ctx=ctx, engine=engine, names=names)
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    exit_code = 0
+    server: _Server | None = None
+
+    def on_dead(message: str) -> None:
+        # Fail fast but visibly: /health answers 503 for a moment (in-flight
+        # requests have already been failed), then the server exits non-zero.
+        nonlocal exit_code
+        exit_code = 1
+
+        def stop() -> None:
+            if server is not None:
+                server.should_exit = True
+
+        asyncio.get_running_loop().call_later(DEATH_GRACE_SECONDS, stop)
+
+    def on_started(info: Ready) -> None:
+        if server is not None:
+            server.loop = asyncio.get_running_loop()
+        print(
+            f"ferrox: serving {parts.names[0]!r} ({info.model}) at http://{args.host}:{args.port} "
+            f"(on {info.device} in {info.dtype}, max_model_len {info.max_model_len}, "
+            f"{info.num_kv_blocks} KV blocks of "
+            f"{info.block_size} tokens, loaded in {info.load_seconds:.1f} s)",
+            flush=True,
+        )
+
+    parts = build_server_app(args, on_dead, on_started)
     server = _Server(
         uvicorn.Config(
-            app,
+            parts.app,
             host=args.host,
             port=args.port,
             loop="uvloop",
@@ -353,7 +384,7 @@ def serve(args: argparse.Namespace) -> int:
             log_level=args.uvicorn_log_level,
             access_log=False,
         ),
-        ctx,
+        parts.ctx,
         args.shutdown_timeout,
     )
     server.run()

@@ -16,7 +16,6 @@ from ferrox.server.output_constraints import GRAMMAR_BACKENDS
 # vLLM flags a launch command often carries that ferrox cannot honour, and why.
 UNSUPPORTED_VLLM_FLAGS = {
     "--pipeline-parallel-size": "ferrox has no pipeline parallelism",
-    "--kv-cache-dtype": "the KV cache has the model's dtype",
     "--trust-remote-code": "ferrox runs no code from model repositories",
     "--enable-lora": "ferrox has no LoRA adapters",
     "--cpu-offload-gb": "ferrox does not offload weights",

@@ -1,22 +1,31 @@
 //! One Llama-family decoder layer for rows of a few query tokens (decode
-//! steps), over block-quantized weights, in a single call: residual add +
+//! steps), over block-quantized or float32 weights, in a single call: residual add +
 //! RMSNorm, the q/k/v projection, rotary embedding, the KV cache write, paged
 //! attention, the output projection, the second add + RMSNorm, the gated MLP.
 //!
 //! Each step is the same kernel the model runner calls one at a time
-//! (`add_rms_norm`, `quant_matmul`, `rotary_in_place`, `paged_attention`);
+//! (`add_rms_norm`, `quant_matmul`, `rotary_in_place`, `paged_attention`;
+//! float32 weights go through `f32_matmul`);
 //! fused, a layer costs one call from Python instead of about twenty tensor
 //! operations, which at one token per step cost more than the arithmetic.
 
 use crate::elementwise::{add_rms_norm, rotary_in_place};
+use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
+use crate::kv_element::KvElement;
 use crate::paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 use crate::quant_matmul::{quant_matmul, QuantFormat, QuantMatmulArgs};
 
-/// A linear layer's block-format weight ([N, row bytes]) and optional bias.
-pub struct BlockLinear<'a> {
-    pub w: &'a [u8],
+/// A linear layer's weight: block-format bytes ([N, row bytes]) or float32
+/// ([N, K]).
+pub enum LinearWeight<'a> {
+    Blocks(&'a [u8], QuantFormat),
+    F32(&'a [f32]),
+}
+
+/// A linear layer's weight and optional bias.
+pub struct LayerLinear<'a> {
+    pub weight: LinearWeight<'a>,
     pub bias: Option<&'a [f32]>,
-    pub fmt: QuantFormat,
     pub out_features: usize,
 }
 
@@ -25,10 +34,10 @@ pub struct DecoderLayerWeights<'a> {
     pub input_norm: &'a [f32],          // [hidden]
     pub post_attention_norm: &'a [f32], // [hidden]
     pub eps: f32,
-    pub qkv: BlockLinear<'a>,     // hidden -> (H + 2 Hkv) D
-    pub o: BlockLinear<'a>,       // H D -> hidden
-    pub gate_up: BlockLinear<'a>, // hidden -> 2 I (gate, then up)
-    pub down: BlockLinear<'a>,    // I -> hidden
+    pub qkv: LayerLinear<'a>,     // hidden -> (H + 2 Hkv) D
+    pub o: LayerLinear<'a>,       // H D -> hidden
+    pub gate_up: LayerLinear<'a>, // hidden -> 2 I (gate, then up)
+    pub down: LayerLinear<'a>,    // I -> hidden
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
@@ -49,24 +58,41 @@ pub struct DecoderLayerStep<'a> {
 }
 
 fn linear(
-    layer: &BlockLinear<'_>,
+    layer: &LayerLinear<'_>,
     x: &[f32],
     k: usize,
     threads: usize,
 ) -> Result<Vec<f32>, ShapeError> {
-    let m = x.len() / k;
-    let mut out = vec![0.0; m * layer.out_features];
-    let args = QuantMatmulArgs {
-        x,
-        w: layer.w,
-        bias: layer.bias,
-        m,
-        k,
-        n: layer.out_features,
-        fmt: layer.fmt,
-        num_threads: threads,
+    let (m, n) = (x.len() / k, layer.out_features);
+    let mut out = vec![0.0; m * n];
+    let done = match layer.weight {
+        LinearWeight::Blocks(w, fmt) => {
+            let args = QuantMatmulArgs {
+                x,
+                w,
+                bias: layer.bias,
+                m,
+                k,
+                n,
+                fmt,
+                num_threads: threads,
+            };
+            quant_matmul(&args, &mut out)
+        }
+        LinearWeight::F32(w) => {
+            let args = F32MatmulArgs {
+                x,
+                w,
+                bias: layer.bias,
+                m,
+                k,
+                n,
+                num_threads: threads,
+            };
+            f32_matmul(&args, &mut out)
+        }
     };
-    quant_matmul(&args, &mut out).map_err(|e| ShapeError(e.to_string()))?;
+    done.map_err(|e| ShapeError(e.to_string()))?;
     Ok(out)
 }
 
@@ -87,14 +113,15 @@ fn silu_and_mul(gate_up: &[f32], inter: usize) -> Vec<f32> {
 /// previous layer's MLP output `x` ([T, hidden]); on return `residual` holds
 /// the stream after attention and `x` this layer's MLP output, as the
 /// unfused layer returns them. The tokens' keys and values are written into
-/// the caches ([N, BS, Hkv, D]) before attention reads them.
-pub fn decoder_layer(
+/// the caches ([N, BS, Hkv, D], float32 or float16) before attention reads
+/// them.
+pub fn decoder_layer<T: KvElement>(
     weights: &DecoderLayerWeights<'_>,
     step: &DecoderLayerStep<'_>,
     residual: &mut [f32],
     x: &mut [f32],
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+    k_cache: &mut [T],
+    v_cache: &mut [T],
 ) -> Result<(), ShapeError> {
     let hidden = weights.input_norm.len();
     let (h, hkv, d) = (weights.num_heads, weights.num_kv_heads, weights.head_dim);
@@ -171,8 +198,13 @@ pub fn decoder_layer(
     let mut q = Vec::with_capacity(tokens * h * d);
     for (row, &slot) in qkv.chunks_exact(row_len).zip(step.slot_mapping) {
         let at = slot as usize * kv_width;
-        k_cache[at..at + kv_width].copy_from_slice(&row[h * d..(h + hkv) * d]);
-        v_cache[at..at + kv_width].copy_from_slice(&row[(h + hkv) * d..]);
+        let (k, v) = (&row[h * d..(h + hkv) * d], &row[(h + hkv) * d..]);
+        for (dst, &src) in k_cache[at..at + kv_width].iter_mut().zip(k) {
+            *dst = T::from_f32(src);
+        }
+        for (dst, &src) in v_cache[at..at + kv_width].iter_mut().zip(v) {
+            *dst = T::from_f32(src);
+        }
         q.extend_from_slice(&row[..h * d]);
     }
 
@@ -227,10 +259,9 @@ mod tests {
             zeros(2 * inter, hidden),
             zeros(hidden, inter),
         );
-        let linear = |w: &'static [u8], n| BlockLinear {
-            w,
+        let linear = |w: &'static [u8], n| LayerLinear {
+            weight: LinearWeight::Blocks(w, fmt),
             bias: None,
-            fmt,
             out_features: n,
         };
         let leak = |v: Vec<u8>| -> &'static [u8] { Box::leak(v.into_boxed_slice()) };

@@ -3,6 +3,8 @@
 
 pub mod decoder_layer;
 pub mod elementwise;
+pub mod f32_matmul;
+pub mod kv_element;
 pub mod paged_attention;
 pub mod pool;
 pub mod quant_matmul;
@@ -10,8 +12,12 @@ pub mod quant_matmul;
 mod quant_matmul_avx2;
 pub mod token_bitmask;
 
-pub use decoder_layer::{decoder_layer, BlockLinear, DecoderLayerStep, DecoderLayerWeights};
+pub use decoder_layer::{
+    decoder_layer, DecoderLayerStep, DecoderLayerWeights, LayerLinear, LinearWeight,
+};
 pub use elementwise::{add_rms_norm, rotary_in_place};
+pub use f32_matmul::{f32_matmul, F32MatmulArgs};
+pub use kv_element::{f32_to_f16, KvElement, F16};
 pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 pub use quant_matmul::{
     dequantize_rows, quant_matmul, QuantFormat, QuantMatmulArgs, QuantShapeError,

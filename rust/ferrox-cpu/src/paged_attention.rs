@@ -9,16 +9,25 @@
 //!
 //! Keys are visited a block at a time with an online softmax (running max and
 //! sum), so no score matrix is materialised. The query heads that share a KV
-//! head (grouped-query attention) are served together.
+//! head (grouped-query attention) are served together. The cache holds
+//! float32 or float16 (`KvElement`); queries and outputs are float32.
 
 use std::fmt;
+use std::sync::Mutex;
+
+use crate::kv_element::KvElement;
+use crate::pool::run_parts;
+
+/// A run of rows, the slice of the output its tokens own, and where that
+/// slice starts in the whole output.
+type Piece<'a> = (&'a [usize], &'a mut [f32], usize);
 
 /// Shapes and data of one call. Layouts are row-major:
 /// `q`, `out`: [T, H, D]; caches: [N, BS, Hkv, D]; `block_table`: [B, W].
-pub struct PagedAttentionArgs<'a> {
+pub struct PagedAttentionArgs<'a, T: KvElement = f32> {
     pub q: &'a [f32],
-    pub k_cache: &'a [f32],
-    pub v_cache: &'a [f32],
+    pub k_cache: &'a [T],
+    pub v_cache: &'a [T],
     pub block_table: &'a [i32],
     pub query_start_loc: &'a [i32],
     pub seq_lens: &'a [i32],
@@ -51,7 +60,7 @@ macro_rules! check {
     };
 }
 
-impl PagedAttentionArgs<'_> {
+impl<T: KvElement> PagedAttentionArgs<'_, T> {
     fn num_blocks(&self) -> usize {
         self.k_cache.len() / (self.block_size * self.num_kv_heads * self.head_dim)
     }
@@ -116,7 +125,10 @@ impl PagedAttentionArgs<'_> {
 }
 
 /// Computes `out[t]` for the tokens of `args.rows`.
-pub fn paged_attention(args: &PagedAttentionArgs<'_>, out: &mut [f32]) -> Result<(), ShapeError> {
+pub fn paged_attention<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
     args.validate(out.len())?;
     let mut rows: Vec<usize> = args.rows.iter().map(|&r| r as usize).collect();
     rows.sort_unstable();
@@ -140,7 +152,7 @@ pub fn paged_attention(args: &PagedAttentionArgs<'_>, out: &mut [f32]) -> Result
         runs.last_mut().expect("a run").push(r);
     }
     let token_width = args.num_heads * args.head_dim;
-    let mut pieces: Vec<(&[usize], &mut [f32], usize)> = Vec::new();
+    let mut pieces: Vec<Piece<'_>> = Vec::new();
     let mut rest = out;
     let mut offset = 0;
     for run in runs.iter().filter(|r| !r.is_empty()) {
@@ -161,19 +173,15 @@ pub fn paged_attention(args: &PagedAttentionArgs<'_>, out: &mut [f32]) -> Result
             });
         }
     };
-    if pieces.len() <= 1 {
-        for (run, out, base) in pieces {
+    // The kernel pool's workers (no thread spawned per call); each part
+    // takes its own piece of `out` once.
+    let pieces: Vec<Mutex<Option<Piece<'_>>>> =
+        pieces.into_iter().map(|p| Mutex::new(Some(p))).collect();
+    run_parts(pieces.len(), &|part| {
+        let piece = pieces[part].lock().map(|mut p| p.take());
+        if let Ok(Some((run, out, base))) = piece {
             work(run, out, base);
         }
-        return Ok(());
-    }
-    // The calling thread takes the last piece itself: one spawn fewer.
-    let (run, out, base) = pieces.pop().expect("two pieces or more");
-    std::thread::scope(|s| {
-        for (run, out, base) in pieces {
-            s.spawn(move || work(run, out, base));
-        }
-        work(run, out, base);
     });
     Ok(())
 }
@@ -183,46 +191,60 @@ struct Scratch {
     acc: Vec<f32>,    // [H, D]
     max: Vec<f32>,    // [H]
     sum: Vec<f32>,    // [H]
+    /// A float16 cache's block widened once for every query head that
+    /// reads it: [BS, Hkv, D] keys, then values (empty for float32).
+    keys: Vec<f32>,
+    values: Vec<f32>,
 }
 
 impl Scratch {
-    fn new(args: &PagedAttentionArgs<'_>) -> Self {
+    fn new<T: KvElement>(args: &PagedAttentionArgs<'_, T>) -> Self {
         let h = args.num_heads;
+        let block = if T::HALF {
+            args.block_size * args.num_kv_heads * args.head_dim
+        } else {
+            0
+        };
         Self {
             scores: vec![0.0; h * args.block_size],
             acc: vec![0.0; h * args.head_dim],
             max: vec![0.0; h],
             sum: vec![0.0; h],
+            keys: vec![0.0; block],
+            values: vec![0.0; block],
         }
     }
 }
 
-fn run_row(
-    args: &PagedAttentionArgs<'_>,
+fn run_row<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
     row: usize,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
             // SAFETY: the CPU supports the features the function is built for.
             unsafe { run_row_avx2(args, row, scratch, emit) };
             return;
         }
     }
-    run_row_impl::<Portable>(args, row, scratch, emit);
+    run_row_impl::<Portable, T>(args, row, scratch, emit);
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_row_avx2(
-    args: &PagedAttentionArgs<'_>,
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_row_avx2<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
     row: usize,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
-    run_row_impl::<avx2::Avx2>(args, row, scratch, emit)
+    run_row_impl::<avx2::Avx2, T>(args, row, scratch, emit)
 }
 
 /// The vector loops of the kernel over one block of keys: a portable
@@ -230,32 +252,34 @@ unsafe fn run_row_avx2(
 trait VectorOps {
     /// scores[j] = scale * q . k_j for the block's keys (k_j at `base + j *
     /// stride`); returns the largest score.
-    fn scores(
+    fn scores<T: KvElement>(
         q: &[f32],
-        keys: &[f32],
+        keys: &[T],
         base: usize,
         stride: usize,
         scale: f32,
         scores: &mut [f32],
     ) -> f32;
     /// acc = acc * correction + sum_j probs[j] * v_j
-    fn accumulate(
+    fn accumulate<T: KvElement>(
         acc: &mut [f32],
         correction: f32,
         probs: &[f32],
-        values: &[f32],
+        values: &[T],
         base: usize,
         stride: usize,
     );
+    /// dst = src as float32.
+    fn widen<T: KvElement>(src: &[T], dst: &mut [f32]);
 }
 
 struct Portable;
 
 impl VectorOps for Portable {
     #[inline(always)]
-    fn scores(
+    fn scores<T: KvElement>(
         q: &[f32],
-        keys: &[f32],
+        keys: &[T],
         base: usize,
         stride: usize,
         scale: f32,
@@ -271,11 +295,11 @@ impl VectorOps for Portable {
                 .remainder()
                 .iter()
                 .zip(ck.remainder())
-                .map(|(x, y)| x * y)
+                .map(|(x, y)| x * y.to_f32())
                 .sum();
             for (x, y) in cq.zip(ck) {
                 for l in 0..8 {
-                    acc[l] += x[l] * y[l];
+                    acc[l] += x[l] * y[l].to_f32();
                 }
             }
             *score = (acc.iter().sum::<f32>() + tail) * scale;
@@ -285,11 +309,11 @@ impl VectorOps for Portable {
     }
 
     #[inline(always)]
-    fn accumulate(
+    fn accumulate<T: KvElement>(
         acc: &mut [f32],
         correction: f32,
         probs: &[f32],
-        values: &[f32],
+        values: &[T],
         base: usize,
         stride: usize,
     ) {
@@ -300,8 +324,15 @@ impl VectorOps for Portable {
         for (j, &p) in probs.iter().enumerate() {
             let v = &values[base + j * stride..][..d];
             for (a, x) in acc.iter_mut().zip(v) {
-                *a += p * x;
+                *a += p * x.to_f32();
             }
+        }
+    }
+
+    #[inline(always)]
+    fn widen<T: KvElement>(src: &[T], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
         }
     }
 }
@@ -347,8 +378,8 @@ fn fast_exp(x: f32) -> f32 {
 /// visited in order, all KV heads of a block together, so memory is read
 /// sequentially; query heads sharing a KV head reuse its keys from cache.
 #[inline(always)]
-fn run_row_impl<V: VectorOps>(
-    args: &PagedAttentionArgs<'_>,
+fn run_row_impl<V: VectorOps, T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
     row: usize,
     s: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
@@ -376,23 +407,17 @@ fn run_row_impl<V: VectorOps>(
         let mut start = 0;
         while start < num_keys {
             let n = bs.min(num_keys - start);
-            let block = table[start / bs] as usize;
-            for kv_head in 0..hkv {
-                let base = (block * bs * hkv + kv_head) * d;
-                for head in kv_head * group..(kv_head + 1) * group {
-                    let qh = &q_row[head * d..(head + 1) * d];
-                    let scores = &mut s.scores[head * bs..head * bs + n];
-                    let block_max = V::scores(qh, args.k_cache, base, hkv * d, args.scale, scores);
-                    let new_max = s.max[head].max(block_max);
-                    let correction = fast_exp(s.max[head] - new_max);
-                    s.max[head] = new_max;
-                    for score in scores.iter_mut() {
-                        *score = fast_exp(*score - new_max);
-                    }
-                    s.sum[head] = s.sum[head] * correction + sum(scores);
-                    let acc = &mut s.acc[head * d..(head + 1) * d];
-                    V::accumulate(acc, correction, scores, args.v_cache, base, hkv * d);
-                }
+            let first = table[start / bs] as usize * bs * hkv * d;
+            if T::HALF {
+                // Widened once here, not once per query head of the group.
+                let len = n * hkv * d;
+                V::widen(&args.k_cache[first..first + len], &mut s.keys[..len]);
+                V::widen(&args.v_cache[first..first + len], &mut s.values[..len]);
+                let (keys, values) = (std::mem::take(&mut s.keys), std::mem::take(&mut s.values));
+                attend_block::<V, f32>(&keys, &values, 0, n, q_row, group, args, s);
+                (s.keys, s.values) = (keys, values);
+            } else {
+                attend_block::<V, T>(args.k_cache, args.v_cache, first, n, q_row, group, args, s);
             }
             start += n;
         }
@@ -401,6 +426,40 @@ fn run_row_impl<V: VectorOps>(
             let acc = &mut s.acc[head * d..(head + 1) * d];
             acc.iter_mut().for_each(|a| *a *= inv);
             emit(t, head, acc);
+        }
+    }
+}
+
+/// One block of `n` keys (at `first` in `keys` / `values`, laid out
+/// [BS, Hkv, D]) for every query head: the online softmax's update.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attend_block<V: VectorOps, E: KvElement>(
+    keys: &[E],
+    values: &[E],
+    first: usize,
+    n: usize,
+    q_row: &[f32],
+    group: usize,
+    args: &PagedAttentionArgs<'_, impl KvElement>,
+    s: &mut Scratch,
+) {
+    let (hkv, d, bs) = (args.num_kv_heads, args.head_dim, args.block_size);
+    for kv_head in 0..hkv {
+        let base = first + kv_head * d;
+        for head in kv_head * group..(kv_head + 1) * group {
+            let qh = &q_row[head * d..(head + 1) * d];
+            let scores = &mut s.scores[head * bs..head * bs + n];
+            let block_max = V::scores(qh, keys, base, hkv * d, args.scale, scores);
+            let new_max = s.max[head].max(block_max);
+            let correction = fast_exp(s.max[head] - new_max);
+            s.max[head] = new_max;
+            for score in scores.iter_mut() {
+                *score = fast_exp(*score - new_max);
+            }
+            s.sum[head] = s.sum[head] * correction + sum(scores);
+            let acc = &mut s.acc[head * d..(head + 1) * d];
+            V::accumulate(acc, correction, scores, values, base, hkv * d);
         }
     }
 }

@@ -3,8 +3,19 @@
 use std::arch::x86_64::*;
 
 use super::{Portable, VectorOps};
+use crate::kv_element::KvElement;
 
 pub struct Avx2;
+
+/// Eight cache elements from `p` as floats (float16 widened by F16C).
+#[inline(always)]
+unsafe fn load8<T: KvElement>(p: *const T) -> __m256 {
+    if T::HALF {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    } else {
+        _mm256_loadu_ps(p as *const f32)
+    }
+}
 
 /// Horizontal sum of the eight lanes.
 #[inline(always)]
@@ -18,9 +29,9 @@ pub(crate) unsafe fn hsum(v: __m256) -> f32 {
 /// keys go at once: four independent FMA chains instead of one hide the
 /// FMA latency, and one shuffle tree sums all four.
 #[inline(always)]
-unsafe fn scores_regs<const R: usize>(
+unsafe fn scores_regs<const R: usize, T: KvElement>(
     q: &[f32],
-    keys: &[f32],
+    keys: &[T],
     base: usize,
     stride: usize,
     scale: f32,
@@ -43,10 +54,10 @@ unsafe fn scores_regs<const R: usize>(
             _mm256_setzero_ps(),
         );
         for (r, v) in qv.iter().enumerate() {
-            a0 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(8 * r)), a0);
-            a1 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(stride + 8 * r)), a1);
-            a2 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(2 * stride + 8 * r)), a2);
-            a3 = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(3 * stride + 8 * r)), a3);
+            a0 = _mm256_fmadd_ps(*v, load8(k.add(8 * r)), a0);
+            a1 = _mm256_fmadd_ps(*v, load8(k.add(stride + 8 * r)), a1);
+            a2 = _mm256_fmadd_ps(*v, load8(k.add(2 * stride + 8 * r)), a2);
+            a3 = _mm256_fmadd_ps(*v, load8(k.add(3 * stride + 8 * r)), a3);
         }
         // hadd(hadd(a0, a1), hadd(a2, a3)) holds, per 128-bit half, the
         // four keys' partial sums in order; adding the halves finishes them.
@@ -65,7 +76,7 @@ unsafe fn scores_regs<const R: usize>(
         let k = keys.as_ptr().add(base + i * stride);
         let mut acc = _mm256_setzero_ps();
         for (r, v) in qv.iter().enumerate() {
-            acc = _mm256_fmadd_ps(*v, _mm256_loadu_ps(k.add(8 * r)), acc);
+            acc = _mm256_fmadd_ps(*v, load8(k.add(8 * r)), acc);
         }
         *score = hsum(acc) * scale;
         max = max.max(*score);
@@ -74,11 +85,11 @@ unsafe fn scores_regs<const R: usize>(
 }
 
 #[inline(always)]
-unsafe fn accumulate_regs<const R: usize>(
+unsafe fn accumulate_regs<const R: usize, T: KvElement>(
     acc: &mut [f32],
     correction: f32,
     probs: &[f32],
-    values: &[f32],
+    values: &[T],
     base: usize,
     stride: usize,
 ) {
@@ -91,7 +102,7 @@ unsafe fn accumulate_regs<const R: usize>(
         let x = values.as_ptr().add(base + j * stride);
         let pv = _mm256_set1_ps(p);
         for (r, v) in av.iter_mut().enumerate() {
-            *v = _mm256_fmadd_ps(pv, _mm256_loadu_ps(x.add(8 * r)), *v);
+            *v = _mm256_fmadd_ps(pv, load8(x.add(8 * r)), *v);
         }
     }
     for (r, v) in av.iter().enumerate() {
@@ -99,14 +110,14 @@ unsafe fn accumulate_regs<const R: usize>(
     }
 }
 
-// SAFETY (both methods): only reached from `run_row_avx2`, where AVX2
-// and FMA are enabled; `validate` has checked that every key and value
+// SAFETY (every method): only reached from `run_row_avx2`, where AVX2,
+// FMA and F16C are enabled; `validate` has checked that every key and value
 // row `base + j * stride .. + d` lies inside the cache, and `d == 8 * R`.
 impl VectorOps for Avx2 {
     #[inline(always)]
-    fn scores(
+    fn scores<T: KvElement>(
         q: &[f32],
-        keys: &[f32],
+        keys: &[T],
         base: usize,
         stride: usize,
         scale: f32,
@@ -114,32 +125,53 @@ impl VectorOps for Avx2 {
     ) -> f32 {
         unsafe {
             match q.len() {
-                32 => scores_regs::<4>(q, keys, base, stride, scale, scores),
-                64 => scores_regs::<8>(q, keys, base, stride, scale, scores),
-                96 => scores_regs::<12>(q, keys, base, stride, scale, scores),
-                128 => scores_regs::<16>(q, keys, base, stride, scale, scores),
+                8 => scores_regs::<1, T>(q, keys, base, stride, scale, scores),
+                16 => scores_regs::<2, T>(q, keys, base, stride, scale, scores),
+                32 => scores_regs::<4, T>(q, keys, base, stride, scale, scores),
+                64 => scores_regs::<8, T>(q, keys, base, stride, scale, scores),
+                80 => scores_regs::<10, T>(q, keys, base, stride, scale, scores),
+                96 => scores_regs::<12, T>(q, keys, base, stride, scale, scores),
+                128 => scores_regs::<16, T>(q, keys, base, stride, scale, scores),
                 _ => Portable::scores(q, keys, base, stride, scale, scores),
             }
         }
     }
 
     #[inline(always)]
-    fn accumulate(
+    fn accumulate<T: KvElement>(
         acc: &mut [f32],
         correction: f32,
         probs: &[f32],
-        values: &[f32],
+        values: &[T],
         base: usize,
         stride: usize,
     ) {
         unsafe {
             match acc.len() {
-                32 => accumulate_regs::<4>(acc, correction, probs, values, base, stride),
-                64 => accumulate_regs::<8>(acc, correction, probs, values, base, stride),
-                96 => accumulate_regs::<12>(acc, correction, probs, values, base, stride),
-                128 => accumulate_regs::<16>(acc, correction, probs, values, base, stride),
+                8 => accumulate_regs::<1, T>(acc, correction, probs, values, base, stride),
+                16 => accumulate_regs::<2, T>(acc, correction, probs, values, base, stride),
+                32 => accumulate_regs::<4, T>(acc, correction, probs, values, base, stride),
+                64 => accumulate_regs::<8, T>(acc, correction, probs, values, base, stride),
+                80 => accumulate_regs::<10, T>(acc, correction, probs, values, base, stride),
+                96 => accumulate_regs::<12, T>(acc, correction, probs, values, base, stride),
+                128 => accumulate_regs::<16, T>(acc, correction, probs, values, base, stride),
                 _ => Portable::accumulate(acc, correction, probs, values, base, stride),
             }
+        }
+    }
+
+    #[inline(always)]
+    fn widen<T: KvElement>(src: &[T], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        unsafe {
+            while i + 8 <= n {
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), load8(src.as_ptr().add(i)));
+                i += 8;
+            }
+        }
+        for j in i..n {
+            dst[j] = src[j].to_f32();
         }
     }
 }

@@ -1,8 +1,9 @@
 use super::*;
+use crate::kv_element::F16;
 use proptest::prelude::*;
 
 /// Plain softmax attention over gathered context, for comparison.
-fn reference(args: &PagedAttentionArgs<'_>, num_tokens: usize) -> Vec<f32> {
+fn reference<T: KvElement>(args: &PagedAttentionArgs<'_, T>, num_tokens: usize) -> Vec<f32> {
     let (h, hkv, d, bs) = (
         args.num_heads,
         args.num_kv_heads,
@@ -31,7 +32,7 @@ fn reference(args: &PagedAttentionArgs<'_>, num_tokens: usize) -> Vec<f32> {
                         let k = &args.k_cache[slot(j)..][..d];
                         q.iter()
                             .zip(k)
-                            .map(|(a, b)| (*a as f64) * (*b as f64))
+                            .map(|(a, b)| (*a as f64) * (b.to_f32() as f64))
                             .sum::<f64>()
                             * args.scale as f64
                     })
@@ -42,7 +43,7 @@ fn reference(args: &PagedAttentionArgs<'_>, num_tokens: usize) -> Vec<f32> {
                     let p = (sc - m).exp() / z;
                     let v = &args.v_cache[slot(j)..][..d];
                     for c in 0..d {
-                        out[(t * h + head) * d + c] += (p * v[c] as f64) as f32;
+                        out[(t * h + head) * d + c] += (p * v[c].to_f32() as f64) as f32;
                     }
                 }
             }
@@ -88,6 +89,7 @@ fn case() -> impl Strategy<Value = Case> {
             Just(16),
             Just(32),
             Just(64),
+            Just(80),
             Just(128),
             Just(13)
         ],
@@ -104,7 +106,7 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
-fn run_case(c: &Case, seed: u64) {
+fn run_case(c: &Case, seed: u64, half: bool) {
     let (h, hkv) = c.heads;
     let (d, bs) = (c.head_dim, c.block_size);
     let width = c.rows.iter().map(|r| r.1.div_ceil(bs)).max().unwrap();
@@ -126,14 +128,26 @@ fn run_case(c: &Case, seed: u64) {
     let q = values(num_tokens * h * d, seed);
     let k = values(num_blocks * bs * hkv * d, seed + 1);
     let v = values(num_blocks * bs * hkv * d, seed + 2);
+    if half {
+        let to_half = |x: &[f32]| x.iter().map(|&x| F16::from_f32(x)).collect::<Vec<_>>();
+        check_case(c, &q, &to_half(&k), &to_half(&v), &table, &qsl);
+    } else {
+        check_case(c, &q, &k, &v, &table, &qsl);
+    }
+}
+
+fn check_case<T: KvElement>(c: &Case, q: &[f32], k: &[T], v: &[T], table: &[i32], qsl: &[i32]) {
+    let (h, hkv) = c.heads;
+    let (d, bs) = (c.head_dim, c.block_size);
+    let num_tokens = *qsl.last().unwrap() as usize;
     let seq_lens: Vec<i32> = c.rows.iter().map(|r| r.1 as i32).collect();
     let rows: Vec<i32> = (0..c.rows.len() as i32).collect();
     let args = PagedAttentionArgs {
-        q: &q,
-        k_cache: &k,
-        v_cache: &v,
-        block_table: &table,
-        query_start_loc: &qsl,
+        q,
+        k_cache: k,
+        v_cache: v,
+        block_table: table,
+        query_start_loc: qsl,
         seq_lens: &seq_lens,
         rows: &rows,
         num_heads: h,
@@ -154,8 +168,8 @@ fn run_case(c: &Case, seed: u64) {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
     #[test]
-    fn matches_reference(c in case(), seed in any::<u64>()) {
-        run_case(&c, seed);
+    fn matches_reference(c in case(), seed in any::<u64>(), half in any::<bool>()) {
+        run_case(&c, seed, half);
     }
 }
 

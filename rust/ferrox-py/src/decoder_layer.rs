@@ -1,7 +1,10 @@
-//! `CpuDecoderLayer`: a decoder layer's block-format weights, held once, and
-//! its fused decode-step forward (`ferrox_cpu::decoder_layer`).
+//! `CpuDecoderLayer`: a decoder layer's block-format or float32 weights,
+//! held once, and its fused decode-step forward (`ferrox_cpu::decoder_layer`).
 
-use ferrox_cpu::{decoder_layer, BlockLinear, DecoderLayerStep, DecoderLayerWeights, QuantFormat};
+use ferrox_cpu::{
+    decoder_layer, DecoderLayerStep, DecoderLayerWeights, KvElement, LayerLinear, LinearWeight,
+    QuantFormat,
+};
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
     PyReadwriteArrayDyn, PyUntypedArrayMethods,
@@ -9,7 +12,7 @@ use numpy::{
 use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
-use crate::kernels::{contiguous, quant_format};
+use crate::kernels::{contiguous, half_slice_mut, quant_format};
 
 type LinearArrays<'py> = (
     PyReadonlyArray2<'py, u8>,
@@ -24,7 +27,7 @@ type LinearSpec<'py> = (
 struct Linear {
     w: Py<PyArray2<u8>>,
     bias: Option<Py<PyArray1<f32>>>,
-    fmt: QuantFormat,
+    fmt: Option<QuantFormat>, // None: the bytes are float32 [N, K]
     out_features: usize,
 }
 
@@ -37,10 +40,20 @@ impl Linear {
                 "a bias must have one value per output".into(),
             ));
         }
+        let fmt = if fmt == "f32" {
+            if w.shape()[1] % 4 != 0 {
+                return Err(invalid_argument(
+                    "f32 weight bytes must be a float32 [N, K] array viewed as uint8".into(),
+                ));
+            }
+            None
+        } else {
+            Some(quant_format(&fmt)?)
+        };
         Ok(Self {
             w: w.unbind(),
             bias: bias.map(Bound::unbind),
-            fmt: quant_format(&fmt)?,
+            fmt,
             out_features,
         })
     }
@@ -53,22 +66,38 @@ impl Linear {
         )
     }
 
-    fn view<'a>(&self, arrays: &'a LinearArrays<'_>) -> PyResult<BlockLinear<'a>> {
+    fn view<'a>(&self, arrays: &'a LinearArrays<'_>) -> PyResult<LayerLinear<'a>> {
         let (w, bias) = arrays;
-        Ok(BlockLinear {
-            w: contiguous(w.as_slice())?,
+        let bytes = contiguous(w.as_slice())?;
+        let weight = match self.fmt {
+            Some(fmt) => LinearWeight::Blocks(bytes, fmt),
+            None => LinearWeight::F32(float_view(bytes)?),
+        };
+        Ok(LayerLinear {
+            weight,
             bias: bias
                 .as_ref()
                 .map(|b| contiguous(b.as_slice()))
                 .transpose()?,
-            fmt: self.fmt,
             out_features: self.out_features,
         })
     }
 }
 
-/// A Llama-family decoder layer over block-format weights (q/k/v, o,
-/// gate/up, down), run whole for decode steps.
+/// Bytes that hold float32 values (a numpy float32 array's `.view(uint8)`).
+fn float_view(bytes: &[u8]) -> PyResult<&[f32]> {
+    if bytes.as_ptr() as usize % std::mem::align_of::<f32>() != 0 || bytes.len() % 4 != 0 {
+        return Err(invalid_argument(
+            "f32 weight bytes must be an aligned float32 array".into(),
+        ));
+    }
+    // SAFETY: aligned and a whole number of floats (checked above); every bit
+    // pattern is a valid f32; the view lives no longer than `bytes`.
+    Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) })
+}
+
+/// A Llama-family decoder layer over block-format or float32 weights
+/// (q/k/v, o, gate/up, down), run whole for decode steps.
 #[pyclass(module = "ferrox._native", frozen)]
 pub struct CpuDecoderLayer {
     input_norm: Py<PyArray1<f32>>,
@@ -86,7 +115,9 @@ pub struct CpuDecoderLayer {
 
 #[pymethods]
 impl CpuDecoderLayer {
-    /// Each linear layer is (weight uint8 [N, row bytes], bias or None, format).
+    /// Each linear layer is (weight uint8 [N, row bytes], bias or None,
+    /// format): format "q8_0" / "q4_1" for blocks, "f32" for a float32
+    /// [N, K] weight viewed as uint8 [N, 4 K].
     #[new]
     #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale))]
     #[allow(clippy::too_many_arguments)]
@@ -125,8 +156,8 @@ impl CpuDecoderLayer {
 
     /// The layer on a step of short rows: `residual` and `x` ([T, hidden])
     /// are updated in place (the stream after attention, the MLP output);
-    /// the tokens' K and V go into the caches ([N, BS, Hkv, D]) at
-    /// `slot_mapping`.
+    /// the tokens' K and V go into the caches ([N, BS, Hkv, D]; float32, or
+    /// float16 viewed as int16) at `slot_mapping`.
     #[pyo3(signature = (residual, x, k_cache, v_cache, positions, cos, sin, slot_mapping, block_table, query_start_loc, seq_lens, num_threads))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -134,8 +165,8 @@ impl CpuDecoderLayer {
         py: Python<'_>,
         mut residual: PyReadwriteArray2<'_, f32>,
         mut x: PyReadwriteArray2<'_, f32>,
-        mut k_cache: PyReadwriteArrayDyn<'_, f32>,
-        mut v_cache: PyReadwriteArrayDyn<'_, f32>,
+        k_cache: &Bound<'_, PyAny>,
+        v_cache: &Bound<'_, PyAny>,
         positions: PyReadonlyArray1<'_, i64>,
         cos: PyReadonlyArray2<'_, f32>,
         sin: PyReadonlyArray2<'_, f32>,
@@ -145,6 +176,8 @@ impl CpuDecoderLayer {
         seq_lens: PyReadonlyArray1<'_, i32>,
         num_threads: usize,
     ) -> PyResult<()> {
+        let mut k_cache = CacheArrayMut::extract(k_cache, "k_cache")?;
+        let mut v_cache = CacheArrayMut::extract(v_cache, "v_cache")?;
         let kv_shape = k_cache.shape().to_vec();
         if kv_shape.len() != 4
             || v_cache.shape() != kv_shape.as_slice()
@@ -189,9 +222,60 @@ impl CpuDecoderLayer {
         let mutable = |what: &str| invalid_argument(format!("{what} must be C-contiguous"));
         let residual = residual.as_slice_mut().map_err(|_| mutable("residual"))?;
         let x = x.as_slice_mut().map_err(|_| mutable("x"))?;
-        let k_cache = k_cache.as_slice_mut().map_err(|_| mutable("k_cache"))?;
-        let v_cache = v_cache.as_slice_mut().map_err(|_| mutable("v_cache"))?;
-        py.detach(|| decoder_layer(&layer, &step, residual, x, k_cache, v_cache))
-            .map_err(|e| invalid_argument(e.to_string()))
+        match (&mut k_cache, &mut v_cache) {
+            (CacheArrayMut::F32(k), CacheArrayMut::F32(v)) => {
+                let k = k.as_slice_mut().map_err(|_| mutable("k_cache"))?;
+                let v = v.as_slice_mut().map_err(|_| mutable("v_cache"))?;
+                run(py, &layer, &step, residual, x, k, v)
+            }
+            (CacheArrayMut::F16(k), CacheArrayMut::F16(v)) => {
+                let k = half_slice_mut(k.as_slice_mut().map_err(|_| mutable("k_cache"))?);
+                let v = half_slice_mut(v.as_slice_mut().map_err(|_| mutable("v_cache"))?);
+                run(py, &layer, &step, residual, x, k, v)
+            }
+            _ => Err(invalid_argument(
+                "k_cache and v_cache must have one dtype".into(),
+            )),
+        }
+    }
+}
+
+fn run<T: KvElement>(
+    py: Python<'_>,
+    layer: &DecoderLayerWeights<'_>,
+    step: &DecoderLayerStep<'_>,
+    residual: &mut [f32],
+    x: &mut [f32],
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+) -> PyResult<()> {
+    py.detach(|| decoder_layer(layer, step, residual, x, k_cache, v_cache))
+        .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// A writable KV cache array: float32, or float16 viewed as int16.
+enum CacheArrayMut<'py> {
+    F32(PyReadwriteArrayDyn<'py, f32>),
+    F16(PyReadwriteArrayDyn<'py, i16>),
+}
+
+impl<'py> CacheArrayMut<'py> {
+    fn extract(array: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        if let Ok(a) = array.cast::<numpy::PyArrayDyn<f32>>() {
+            return Ok(Self::F32(a.readwrite()));
+        }
+        if let Ok(a) = array.cast::<numpy::PyArrayDyn<i16>>() {
+            return Ok(Self::F16(a.readwrite()));
+        }
+        Err(invalid_argument(format!(
+            "{what} must be a float32 array or a float16 one viewed as int16"
+        )))
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            Self::F32(a) => a.shape(),
+            Self::F16(a) => a.shape(),
+        }
     }
 }

@@ -2,11 +2,11 @@
 
 use ferrox_cpu::{
     add_rms_norm, apply_token_bitmask, dequantize_rows, paged_attention, quant_matmul,
-    rotary_in_place, PagedAttentionArgs, QuantFormat, QuantMatmulArgs,
+    rotary_in_place, KvElement, PagedAttentionArgs, QuantFormat, QuantMatmulArgs, F16,
 };
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArray2, PyReadwriteArrayDyn,
-    PyUntypedArrayMethods,
+    PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArray2,
+    PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
@@ -25,8 +25,49 @@ pub(crate) fn contiguous<T, E>(slice: Result<&[T], E>) -> PyResult<&[T]> {
     slice.map_err(|_| invalid_argument("arrays must be C-contiguous".into()))
 }
 
-/// Paged attention in float32: writes `out[t]` ([T, H, D]) for the tokens of
-/// `rows`, reading keys and values ([N, BS, Hkv, D]) through `block_table`.
+/// A KV cache array: float32, or float16 as its bits (a torch float16
+/// tensor's `.view(torch.int16)`: numpy has no float16 the bindings read).
+pub(crate) enum CacheArray<'py> {
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    F16(PyReadonlyArrayDyn<'py, i16>),
+}
+
+impl<'py> CacheArray<'py> {
+    fn extract(array: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        if let Ok(a) = array.cast::<numpy::PyArrayDyn<f32>>() {
+            return Ok(Self::F32(a.readonly()));
+        }
+        if let Ok(a) = array.cast::<numpy::PyArrayDyn<i16>>() {
+            return Ok(Self::F16(a.readonly()));
+        }
+        Err(invalid_argument(format!(
+            "{what} must be a float32 array or a float16 one viewed as int16"
+        )))
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            Self::F32(a) => a.shape(),
+            Self::F16(a) => a.shape(),
+        }
+    }
+}
+
+/// float16 bits as the kernels' element type.
+pub(crate) fn half_slice(bits: &[i16]) -> &[F16] {
+    // SAFETY: F16 is a transparent u16, of i16's size and alignment.
+    unsafe { std::slice::from_raw_parts(bits.as_ptr().cast::<F16>(), bits.len()) }
+}
+
+/// float16 bits as the kernels' element type, writable.
+pub(crate) fn half_slice_mut(bits: &mut [i16]) -> &mut [F16] {
+    // SAFETY: as in half_slice; the borrow is handed on whole.
+    unsafe { std::slice::from_raw_parts_mut(bits.as_mut_ptr().cast::<F16>(), bits.len()) }
+}
+
+/// Paged attention: writes `out[t]` ([T, H, D], float32) for the tokens of
+/// `rows`, reading keys and values ([N, BS, Hkv, D]; float32, or float16 as
+/// int16 bits) through `block_table`.
 #[pyfunction]
 #[pyo3(signature = (out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, rows, scale, num_threads))]
 #[allow(clippy::too_many_arguments)]
@@ -34,8 +75,8 @@ pub fn paged_attention_cpu(
     py: Python<'_>,
     mut out: PyReadwriteArrayDyn<'_, f32>,
     q: PyReadonlyArrayDyn<'_, f32>,
-    k_cache: PyReadonlyArrayDyn<'_, f32>,
-    v_cache: PyReadonlyArrayDyn<'_, f32>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
     block_table: PyReadonlyArray2<'_, i32>,
     query_start_loc: PyReadonlyArray1<'_, i32>,
     seq_lens: PyReadonlyArray1<'_, i32>,
@@ -43,6 +84,10 @@ pub fn paged_attention_cpu(
     scale: f32,
     num_threads: usize,
 ) -> PyResult<()> {
+    let (k_cache, v_cache) = (
+        CacheArray::extract(k_cache, "k_cache")?,
+        CacheArray::extract(v_cache, "v_cache")?,
+    );
     let [_, num_heads, head_dim] = dims::<3>(q.shape(), "q")?;
     let [_, block_size, num_kv_heads, kv_dim] = dims::<4>(k_cache.shape(), "k_cache")?;
     if kv_dim != head_dim || v_cache.shape() != k_cache.shape() || out.shape() != q.shape() {
@@ -50,30 +95,72 @@ pub fn paged_attention_cpu(
             "q, out and the caches disagree in shape".into(),
         ));
     }
-    let q = contiguous(q.as_slice())?;
-    let k = contiguous(k_cache.as_slice())?;
-    let v = contiguous(v_cache.as_slice())?;
-    let table = contiguous(block_table.as_slice())?;
-    let qsl = contiguous(query_start_loc.as_slice())?;
-    let lens = contiguous(seq_lens.as_slice())?;
-    let rows = contiguous(rows.as_slice())?;
     let out = out
         .as_slice_mut()
         .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
-    let args = PagedAttentionArgs {
-        q,
-        k_cache: k,
-        v_cache: v,
-        block_table: table,
-        query_start_loc: qsl,
-        seq_lens: lens,
-        rows,
+    let shape = AttentionShape {
         num_heads,
         num_kv_heads,
         head_dim,
         block_size,
         scale,
         num_threads,
+    };
+    let step = (
+        contiguous(q.as_slice())?,
+        contiguous(block_table.as_slice())?,
+        contiguous(query_start_loc.as_slice())?,
+        contiguous(seq_lens.as_slice())?,
+        contiguous(rows.as_slice())?,
+    );
+    match (&k_cache, &v_cache) {
+        (CacheArray::F32(k), CacheArray::F32(v)) => {
+            let (k, v) = (contiguous(k.as_slice())?, contiguous(v.as_slice())?);
+            attend(py, &shape, step, k, v, out)
+        }
+        (CacheArray::F16(k), CacheArray::F16(v)) => {
+            let (k, v) = (contiguous(k.as_slice())?, contiguous(v.as_slice())?);
+            attend(py, &shape, step, half_slice(k), half_slice(v), out)
+        }
+        _ => Err(invalid_argument(
+            "k_cache and v_cache must have one dtype".into(),
+        )),
+    }
+}
+
+struct AttentionShape {
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    scale: f32,
+    num_threads: usize,
+}
+
+type StepArrays<'a> = (&'a [f32], &'a [i32], &'a [i32], &'a [i32], &'a [i32]);
+
+fn attend<T: KvElement>(
+    py: Python<'_>,
+    shape: &AttentionShape,
+    (q, block_table, query_start_loc, seq_lens, rows): StepArrays<'_>,
+    k_cache: &[T],
+    v_cache: &[T],
+    out: &mut [f32],
+) -> PyResult<()> {
+    let args = PagedAttentionArgs {
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        rows,
+        num_heads: shape.num_heads,
+        num_kv_heads: shape.num_kv_heads,
+        head_dim: shape.head_dim,
+        block_size: shape.block_size,
+        scale: shape.scale,
+        num_threads: shape.num_threads,
     };
     py.detach(|| paged_attention(&args, out))
         .map_err(|e| invalid_argument(e.to_string()))

@@ -2,14 +2,15 @@
 a few query tokens (decodes, speculative verifications); longer prefill
 chunks use torch's matrix-multiply attention (fused causal attention for
 fresh prompts, a gathered context and a mask after a cached prefix).
-Float32 only; other dtypes fall back to the torch backend."""
+Float32 queries only (other dtypes fall back to the torch backend), over a
+float32 or float16 cache."""
 
 import torch
 
 from ferrox._native import paged_attention_cpu
 from ferrox.layers.attention.base import AttentionMetadata
 from ferrox.layers.attention.torch_backend import TorchAttentionBackend, store_kv
-from ferrox.layers.cpu_kernels import kernel_threads
+from ferrox.layers.cpu_kernels import kernel_threads, kv_array
 
 # Rows of at most this many query tokens go to the paged kernel: it reads the
 # cached keys once per query token, cheaper than gathering the context for
@@ -47,8 +48,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             paged_attention_cpu(
                 out.numpy(),
                 q.numpy(),
-                k_cache.numpy(),
-                v_cache.numpy(),
+                kv_array(k_cache),
+                kv_array(v_cache),
                 meta.block_table_cpu
                 if meta.block_table_cpu is not None
                 else meta.block_table.numpy(),  # on the CPU the two are one

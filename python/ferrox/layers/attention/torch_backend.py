@@ -14,10 +14,11 @@ def store_kv(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    # k, v: [T, Hkv, D]; caches: [N, BS, Hkv, D]; slots: [T]
+    # k, v: [T, Hkv, D]; caches: [N, BS, Hkv, D] (maybe of another dtype,
+    # see kv_cache_dtype); slots: [T]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -68,8 +69,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None, True)
             return
         seq_len = int(meta.seq_lens_cpu[row])
-        ctx_k = gather_context(k_cache, meta.block_table[row], seq_len)  # [L, Hkv, D]
-        ctx_v = gather_context(v_cache, meta.block_table[row], seq_len)
+        ctx_k = gather_context(k_cache, meta.block_table[row], seq_len).to(q.dtype)  # [L, Hkv, D]
+        ctx_v = gather_context(v_cache, meta.block_table[row], seq_len).to(q.dtype)
         q_pos = torch.arange(num_cached, seq_len, device=q.device)  # [n]
         k_pos = torch.arange(seq_len, device=q.device)  # [L]
         mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
@@ -101,8 +102,8 @@ class TorchAttentionBackend(AttentionBackend):
         num = q.shape[0]
         seq_lens = meta.seq_lens[:num]
         max_len = int(meta.seq_lens_cpu[:num].max())
-        ctx_k = gather_context(k_cache, meta.block_table[:num], max_len)  # [B, L, Hkv, D]
-        ctx_v = gather_context(v_cache, meta.block_table[:num], max_len)
+        ctx_k = gather_context(k_cache, meta.block_table[:num], max_len).to(q.dtype)
+        ctx_v = gather_context(v_cache, meta.block_table[:num], max_len).to(q.dtype)
         positions = torch.arange(max_len, device=q.device)
         mask = (positions[None, :] < seq_lens[:, None].long())[:, None, None, :]  # [B, 1, 1, L]
         o = F.scaled_dot_product_attention(

@@ -1,0 +1,236 @@
+//! out[M, N] = x[M, K] @ w[N, K]^T (+ bias) over float32 weights, for the
+//! few rows of a decode step: the fused decoder layer's linear layers when a
+//! model is held in float32 (`decoder_layer`). Four weight rows at a time
+//! against each activation row, so the four rows stay in L1 across the M
+//! activation rows.
+
+use crate::pool::run_parts;
+use crate::quant_matmul::QuantShapeError;
+
+pub struct F32MatmulArgs<'a> {
+    pub x: &'a [f32],            // [M, K]
+    pub w: &'a [f32],            // [N, K]
+    pub bias: Option<&'a [f32]>, // [N]
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub num_threads: usize,
+}
+
+/// Multiply-adds below which one more thread costs more than it saves.
+const WORK_PER_THREAD: usize = 1 << 16;
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+pub fn f32_matmul(args: &F32MatmulArgs<'_>, out: &mut [f32]) -> Result<(), QuantShapeError> {
+    if args.x.len() != args.m * args.k
+        || args.w.len() != args.n * args.k
+        || out.len() != args.m * args.n
+        || args.bias.is_some_and(|b| b.len() != args.n)
+    {
+        return Err(QuantShapeError(format!(
+            "shapes disagree: x {} (M={} K={}), w {} (N={}), out {}",
+            args.x.len(),
+            args.m,
+            args.k,
+            args.w.len(),
+            args.n,
+            out.len()
+        )));
+    }
+    if args.m == 0 || args.n == 0 {
+        return Ok(());
+    }
+    let work = (args.m * args.n * args.k).div_ceil(WORK_PER_THREAD);
+    let threads = args.num_threads.min(work).min(args.n.div_ceil(4)).max(1);
+    // Column ranges in whole groups of four.
+    let per = args.n.div_ceil(4).div_ceil(threads) * 4;
+    let ptr = OutPtr(out.as_mut_ptr());
+    let kernel = select_kernel();
+    run_parts(threads, &|part| {
+        let start = part * per;
+        let end = ((part + 1) * per).min(args.n);
+        if start < end {
+            // SAFETY: each part writes only columns start..end of `out`,
+            // which has M * N elements (checked above).
+            unsafe { kernel(args, start, end, ptr.get()) };
+        }
+    });
+    Ok(())
+}
+
+type Kernel = unsafe fn(&F32MatmulArgs<'_>, usize, usize, *mut f32);
+
+fn select_kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        return columns_avx2;
+    }
+    columns_portable
+}
+
+/// Columns `start..end` of the output.
+///
+/// # Safety
+/// `out` points to M * N floats; no other thread writes these columns.
+unsafe fn columns_portable(args: &F32MatmulArgs<'_>, start: usize, end: usize, out: *mut f32) {
+    let k = args.k;
+    for col in start..end {
+        let w = &args.w[col * k..(col + 1) * k];
+        let bias = args.bias.map_or(0.0, |b| b[col]);
+        for i in 0..args.m {
+            let x = &args.x[i * k..(i + 1) * k];
+            let mut acc = [0f32; 8];
+            let (cx, cw) = (x.chunks_exact(8), w.chunks_exact(8));
+            let tail: f32 = cx
+                .remainder()
+                .iter()
+                .zip(cw.remainder())
+                .map(|(a, b)| a * b)
+                .sum();
+            for (a, b) in cx.zip(cw) {
+                for l in 0..8 {
+                    acc[l] += a[l] * b[l];
+                }
+            }
+            *out.add(i * args.n + col) = acc.iter().sum::<f32>() + tail + bias;
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has AVX2 and FMA; `out` points to M * N floats; no other thread
+/// writes these columns.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn columns_avx2(args: &F32MatmulArgs<'_>, start: usize, end: usize, out: *mut f32) {
+    use std::arch::x86_64::*;
+
+    use crate::paged_attention::avx2::hsum;
+
+    let (k, n) = (args.k, args.n);
+    let k8 = k / 8 * 8;
+    let bias = |c: usize| args.bias.map_or(0.0, |b| b[c]);
+    let mut col = start;
+    while col + 4 <= end {
+        let w = args.w.as_ptr().add(col * k);
+        let rows = [w, w.add(k), w.add(2 * k), w.add(3 * k)];
+        for i in 0..args.m {
+            let x = args.x.as_ptr().add(i * k);
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut j = 0;
+            while j < k8 {
+                let xv = _mm256_loadu_ps(x.add(j));
+                for (a, r) in acc.iter_mut().zip(rows) {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(r.add(j)), xv, *a);
+                }
+                j += 8;
+            }
+            for (c, (a, r)) in acc.iter().zip(rows).enumerate() {
+                let mut s = hsum(*a);
+                for t in k8..k {
+                    s += *r.add(t) * *x.add(t);
+                }
+                *out.add(i * n + col + c) = s + bias(col + c);
+            }
+        }
+        col += 4;
+    }
+    if col < end {
+        columns_portable(args, col, end, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    proptest! {
+        #[test]
+        fn matches_reference(
+            m in 1usize..6,
+            k in 1usize..70,
+            n in 1usize..14,
+            threads in 1usize..4,
+            with_bias in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let (x, w) = (values(m * k, seed), values(n * k, seed.wrapping_add(1)));
+            let b = values(n, seed.wrapping_add(2));
+            let bias = with_bias.then_some(b.as_slice());
+            let mut out = vec![f32::NAN; m * n];
+            let args = F32MatmulArgs { x: &x, w: &w, bias, m, k, n, num_threads: threads };
+            f32_matmul(&args, &mut out).unwrap();
+            for i in 0..m {
+                for c in 0..n {
+                    let expect: f64 = (0..k)
+                        .map(|t| x[i * k + t] as f64 * w[c * k + t] as f64)
+                        .sum::<f64>()
+                        + bias.map_or(0.0, |b| b[c] as f64);
+                    let got = out[i * n + c] as f64;
+                    prop_assert!((got - expect).abs() < 1e-4 * (1.0 + k as f64), "{got} vs {expect}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn large_products_split_across_threads() {
+        // Enough work for several threads: every column must still be written.
+        let (m, k, n) = (3, 512, 300);
+        let (x, w) = (values(m * k, 7), values(n * k, 8));
+        let mut one = vec![0.0; m * n];
+        let mut many = vec![f32::NAN; m * n];
+        let args = |t| F32MatmulArgs {
+            x: &x,
+            w: &w,
+            bias: None,
+            m,
+            k,
+            n,
+            num_threads: t,
+        };
+        f32_matmul(&args(1), &mut one).unwrap();
+        f32_matmul(&args(4), &mut many).unwrap();
+        assert_eq!(one, many);
+    }
+
+    #[test]
+    fn bad_shapes_are_rejected() {
+        let x = vec![0.0; 6];
+        let w = vec![0.0; 8];
+        let mut out = vec![0.0; 4];
+        let args = F32MatmulArgs {
+            x: &x,
+            w: &w,
+            bias: None,
+            m: 2,
+            k: 3,
+            n: 2,
+            num_threads: 1,
+        };
+        assert!(f32_matmul(&args, &mut out).is_err());
+    }
+}
