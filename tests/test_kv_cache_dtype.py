@@ -76,6 +76,17 @@ def test_a_float16_cache_holds_twice_the_blocks(tiny_models: dict[str, Path]) ->
     assert half.kv_cache.num_bytes == full.kv_cache.num_bytes
 
 
+def test_auto_is_float16_under_block_weights_on_the_cpu(tiny_models: dict[str, Path]) -> None:
+    path = str(tiny_models["llama-gqa-tied"])
+
+    def kv_dtype(**options: object) -> torch.dtype:
+        return LLM(path, num_kv_blocks=16, **options).engine.runner.kv_cache.storage.dtype
+
+    assert kv_dtype() == torch.float32  # float weights: the model's dtype
+    assert kv_dtype(quantization="q8_0") == torch.float16
+    assert kv_dtype(quantization="q8_0", kv_cache_dtype="float32") == torch.float32
+
+
 def test_kv_cache_dtypes_are_checked(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype must be one of"):
         EngineConfig.create(model="x", kv_cache_dtype="fp8")

@@ -35,10 +35,13 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # `dtype`; "gguf" says the same of a GGUF file explicitly; "q8_0" / "q4_1"
 # quantize every linear layer at load; "none" dequantizes to `dtype`.
 QUANTIZATIONS = (None, "gguf", "q8_0", "q4_1", "none")
-# What the KV cache holds: "auto" the model's dtype; "float16" half of a
-# float32 model's cache memory and of the bytes decode attention reads (the
-# CPU attention kernels widen it as they read).
-KV_CACHE_DTYPES = ("auto", "float16")
+# What the KV cache holds. "auto": the model's dtype, except float16 on the
+# CPU for a model whose linear layers run on 4- and 8-bit blocks (a GGUF
+# file's, or quantized at load), as llama.cpp holds its cache; "float16":
+# half of a float32 model's cache memory and of the bytes decode attention
+# reads (the CPU attention kernels widen it as they read); "float32" keeps
+# a float32 model's cache whole.
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 # The CPU KV pool, unless sized explicitly: room for this many tokens or one
 # max_model_len sequence, whichever is more, and at least
 # CPU_KV_CACHE_MIN_BYTES (a smaller pool saves nothing worth having and makes
@@ -95,15 +98,6 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, _DTYPES[self.dtype])  # type: ignore[no-any-return]
-
-    @functools.cached_property
-    def torch_kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype (`kv_cache_dtype`; "auto": the model's)."""
-        import torch
-
-        if self.kv_cache_dtype == "auto":
-            return self.torch_dtype
-        return getattr(torch, self.kv_cache_dtype)  # type: ignore[no-any-return]
 
     @property
     def max_admitted_requests(self) -> int | None:

@@ -22,6 +22,7 @@ from ferrox.distributed import StepPlan
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
+from ferrox.layers.quant_linear import QuantLinear
 from ferrox.loader.model_loader import LoadedModel
 from ferrox.runner.cuda_graph import DecodeGraphs
 from ferrox.runner.draft import DraftRunner
@@ -72,6 +73,19 @@ class RunnerOutput:
         return float(self.sampled_logprobs[i]), int(self.sampled_ranks[i]), top_ids, top_lps
 
 
+def kv_cache_dtype(config: EngineConfig, model: torch.nn.Module) -> torch.dtype:
+    """The KV cache's dtype (see config.KV_CACHE_DTYPES): "auto" is the
+    model's, except float16 on the CPU under block-format linear layers
+    (the same perplexity on the bundled model, half the memory:
+    `benches/quant_quality.py`, `benches/vs_llamacpp.py`)."""
+    if config.kv_cache_dtype != "auto":
+        return getattr(torch, config.kv_cache_dtype)  # type: ignore[no-any-return]
+    blocks = any(isinstance(m, QuantLinear) for m in model.modules())
+    if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32 and blocks:
+        return torch.float16
+    return config.torch_dtype
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -86,7 +100,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = config.torch_device
         self.dtype = config.torch_dtype
-        self.kv_dtype = config.torch_kv_dtype
+        self.kv_dtype = kv_cache_dtype(config, self.model)
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise InvalidArgumentError(
                 f"kv_cache_dtype={config.kv_cache_dtype!r} with a {self.dtype} model runs on the "
