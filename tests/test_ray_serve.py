@@ -50,6 +50,7 @@ def test_arguments_become_ferrox_serve_flags() -> None:
     [
         ({"model": "/m", "port": 9000}, "Serve's HTTP proxy"),
         ({"model": "/m", "no-such-option": 1}, "unknown option"),
+        ({"model": "/m", "pipeline-parallel-size": 2}, "vLLM option ferrox does not support"),
         ({"model": "/m", "disable-log-requests": "maybe"}, "switch"),
         ({"model": "/m", "max-num-seqs": "many"}, "bad ferrox serve options"),
     ],

@@ -32,7 +32,7 @@ from typing import Any
 
 from ferrox.errors import InvalidArgumentError, MissingDependencyError
 from ferrox.server.launch import ServerApp, build_parser, build_server_app
-from ferrox.server.vllm_options import check_unsupported_flags
+from ferrox.server.vllm_options import UNSUPPORTED_VLLM_FLAGS
 
 # Options of the application itself, not of `ferrox serve`.
 APP_OPTIONS = {"num-replicas": 1, "replica-cpus": 1.0}
@@ -62,6 +62,11 @@ def serve_argv(options: dict[str, Any]) -> list[str]:
             )
         if key == "model-tag":
             key = "model"
+        if f"--{key}" in UNSUPPORTED_VLLM_FLAGS:
+            raise InvalidArgumentError(
+                f"{key} is a vLLM option ferrox does not support: "
+                f"{UNSUPPORTED_VLLM_FLAGS['--' + key]}"
+            )
         action = flags.get(key)
         if action is None:
             raise InvalidArgumentError(f"unknown option {raw_key!r} (see `ferrox serve --help`)")
@@ -73,7 +78,6 @@ def serve_argv(options: dict[str, Any]) -> list[str]:
             argv += [f"--{key}", *map(str, values)]
         else:
             argv += [f"--{key}", str(value)]
-    check_unsupported_flags(argv)
     return argv
 
 

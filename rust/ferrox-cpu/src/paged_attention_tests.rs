@@ -73,6 +73,9 @@ struct Case {
     block_size: usize,
     rows: Vec<(usize, usize)>, // (q_len, seq_len)
     threads: usize,
+    /// Leading blocks every row reads from the same physical blocks (a
+    /// shared prefix), where the row has that many.
+    shared_blocks: usize,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -96,14 +99,18 @@ fn case() -> impl Strategy<Value = Case> {
         prop_oneof![Just(1usize), Just(4), Just(16)],
         prop::collection::vec((1usize..6, 0usize..40), 1..6),
         1usize..4,
+        0usize..4,
     )
-        .prop_map(|(heads, head_dim, block_size, rows, threads)| Case {
-            heads,
-            head_dim,
-            block_size,
-            rows: rows.into_iter().map(|(q, ctx)| (q, q + ctx)).collect(),
-            threads,
-        })
+        .prop_map(
+            |(heads, head_dim, block_size, rows, threads, shared_blocks)| Case {
+                heads,
+                head_dim,
+                block_size,
+                rows: rows.into_iter().map(|(q, ctx)| (q, q + ctx)).collect(),
+                threads,
+                shared_blocks,
+            },
+        )
 }
 
 fn run_case(c: &Case, seed: u64, half: bool) {
@@ -119,8 +126,12 @@ fn run_case(c: &Case, seed: u64, half: bool) {
     let mut qsl = vec![0i32];
     for (r, &(q_len, seq_len)) in c.rows.iter().enumerate() {
         for j in 0..seq_len.div_ceil(bs) {
-            table[r * width + j] = order[next];
-            next += 1;
+            table[r * width + j] = if r > 0 && j < c.shared_blocks {
+                table[j] // the first row's block
+            } else {
+                next += 1;
+                order[next - 1]
+            };
         }
         qsl.push(qsl[r] + q_len as i32);
     }
