@@ -5,7 +5,7 @@
 //! activation rows.
 
 use crate::pool::run_parts;
-use crate::quant_matmul::QuantShapeError;
+use crate::quant_matmul::{OutPtr, QuantShapeError};
 
 pub struct F32MatmulArgs<'a> {
     pub x: &'a [f32],            // [M, K]
@@ -19,17 +19,6 @@ pub struct F32MatmulArgs<'a> {
 
 /// Multiply-adds below which one more thread costs more than it saves.
 const WORK_PER_THREAD: usize = 1 << 16;
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
 
 pub fn f32_matmul(args: &F32MatmulArgs<'_>, out: &mut [f32]) -> Result<(), QuantShapeError> {
     if args.x.len() != args.m * args.k

@@ -206,12 +206,12 @@ pub struct QuantMatmulArgs<'a> {
 /// A raw pointer to the output, shared by threads that write disjoint
 /// columns of it.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
