@@ -206,3 +206,14 @@ fn bad_shapes_are_errors() {
     let mut rows_out = vec![0.0; 32];
     assert!(dequantize_rows(&w, QuantFormat::Q4_1, 32, &[1], &mut rows_out, 1).is_err());
 }
+
+#[test]
+fn small_rounding_matches_round_ties_even() {
+    // Every quarter from -130 to 130 (ties included), and values near ties.
+    for i in -520..=520 {
+        let x = i as f32 / 4.0;
+        for v in [x, x + 1e-5, x - 1e-5, x + 0.4999, x - 0.4999] {
+            assert_eq!(round_small(v), v.round_ties_even() as i32, "{v}");
+        }
+    }
+}
