@@ -304,7 +304,7 @@ def test_concurrent_streams(server: Server) -> None:
 def test_disconnects_abort_requests(server: Server) -> None:
     body = {"prompt": "long answer", "max_tokens": 200, "ignore_eos": True}
 
-    async def leave(client: httpx.AsyncClient, stream: bool) -> None:
+    async def leave(client: httpx.AsyncClient, stream: bool) -> bool:
         async def request() -> None:
             if stream:
                 async with client.stream(
@@ -318,16 +318,20 @@ def test_disconnects_abort_requests(server: Server) -> None:
             else:
                 await client.post(server.url + "/v1/completions", headers=server.headers, json=body)
 
-        with pytest.raises(asyncio.TimeoutError):
+        try:
             await asyncio.wait_for(request(), 0.3)  # the client gives up and disconnects
+        except asyncio.TimeoutError:
+            return True
+        return False  # (a fast machine may finish an answer first)
 
-    async def main() -> None:
+    async def main() -> list[bool]:
         async with httpx.AsyncClient(
             timeout=30, limits=httpx.Limits(max_connections=100)
         ) as client:
-            await asyncio.gather(*(leave(client, i % 2 == 0) for i in range(50)))
+            return await asyncio.gather(*(leave(client, i % 2 == 0) for i in range(50)))
 
-    asyncio.run(main())
+    left = asyncio.run(main())
+    assert sum(left) >= 25, f"only {sum(left)} of 50 clients left mid-answer"
     start = time.monotonic()
     r = server.client().completions.create(model=MODEL, prompt="after", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4 and time.monotonic() - start < 20
