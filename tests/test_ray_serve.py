@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from ferrox.errors import InvalidArgumentError
-from ferrox.server.ray_serve import parse_serve_args, serve_argv
+from ferrox.server.ray_serve import app_options, parse_serve_args, serve_argv
 from tests.live_server import MODEL
 
 
@@ -58,6 +58,23 @@ def test_arguments_become_ferrox_serve_flags() -> None:
 def test_bad_arguments_are_refused(options: dict, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         parse_serve_args(serve_argv(options))
+
+
+def test_application_options_are_checked() -> None:
+    assert app_options({"model": "/m"}) == (1, 1.0)
+    assert app_options({"num_replicas": "3", "replica-cpus": 0.5}) == (3, 0.5)
+    for bad in (
+        {"num-replicas": "many"},
+        {"num-replicas": 0},
+        {"num-replicas": 2.5},
+        {"num-replicas": 10**9},
+        {"replica-cpus": "nan"},
+        {"replica-cpus": "inf"},
+        {"replica-cpus": -1},
+        {"replica-cpus": [1]},
+    ):
+        with pytest.raises(InvalidArgumentError, match="num-replicas"):
+            app_options(bad)
 
 
 def _free_port() -> int:

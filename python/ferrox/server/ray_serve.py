@@ -81,6 +81,23 @@ def serve_argv(options: dict[str, Any]) -> list[str]:
     return argv
 
 
+def app_options(options: dict[str, Any]) -> tuple[int, float]:
+    """(num-replicas, replica-cpus) from the application's arguments."""
+    given = {str(k).replace("_", "-"): v for k, v in options.items()}
+    values = {**APP_OPTIONS, **{k: given[k] for k in APP_OPTIONS if k in given}}
+    try:
+        num_replicas = int(str(values["num-replicas"]))
+        cpus = float(values["replica-cpus"])
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"num-replicas / replica-cpus: {exc}") from exc
+    if not 1 <= num_replicas <= 10_000 or not 0.0 <= cpus <= 1024.0:
+        raise InvalidArgumentError(
+            "num-replicas must be in [1, 10000] and replica-cpus in [0, 1024], got "
+            f"{values['num-replicas']!r} and {values['replica-cpus']!r}"
+        )
+    return num_replicas, cpus
+
+
 def _truth(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -115,11 +132,8 @@ class FerroxServer:
     """One Serve replica: a ferrox server and its engine."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.dead_message: str | None = None
-        self.server: ServerApp = build_server_app(parse_serve_args(argv), self._on_dead)
-
-    def _on_dead(self, message: str) -> None:
-        self.dead_message = message
+        # A dead engine is the health check's to report (the client records it).
+        self.server: ServerApp = build_server_app(parse_serve_args(argv), lambda _: None)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.server.app
@@ -128,8 +142,8 @@ class FerroxServer:
         """Serve's health check: a replica whose engine stopped or stalled
         is unhealthy, and Serve replaces it."""
         client = self.server.ctx.client
-        if self.dead_message is not None or client.is_dead:
-            raise RuntimeError(f"the engine stopped: {self.dead_message or client.dead_message}")
+        if client.is_dead:
+            raise RuntimeError(f"the engine stopped: {client.dead_message}")
         if client.is_stalled:
             raise RuntimeError("the engine has stopped making progress")
 
@@ -140,10 +154,7 @@ def build_app(options: dict[str, Any]) -> Any:
     serve = _serve()
     argv = serve_argv(options)
     parse_serve_args(argv)  # refuse bad options here, not on every replica
-    num_replicas = int(options.get("num-replicas", options.get("num_replicas", 1)))
-    cpus = float(options.get("replica-cpus", options.get("replica_cpus", 1.0)))
-    if num_replicas < 1 or cpus < 0:
-        raise InvalidArgumentError("num-replicas must be at least 1 and replica-cpus at least 0")
+    num_replicas, cpus = app_options(options)
     deployment = serve.deployment(
         serve.ingress()(FerroxServer),
         name="ferrox",
