@@ -7,12 +7,12 @@ use ferrox_cpu::{
 };
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
-    PyReadwriteArrayDyn, PyUntypedArrayMethods,
+    PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
-use crate::kernels::{contiguous, half_slice_mut, quant_format};
+use crate::kernels::{borrowed, contiguous, half_slice_mut, quant_format, CacheArray};
 
 type LinearArrays<'py> = (
     PyReadonlyArray2<'py, u8>,
@@ -176,11 +176,11 @@ impl CpuDecoderLayer {
         seq_lens: PyReadonlyArray1<'_, i32>,
         num_threads: usize,
     ) -> PyResult<()> {
-        let mut k_cache = CacheArrayMut::extract(k_cache, "k_cache")?;
-        let mut v_cache = CacheArrayMut::extract(v_cache, "v_cache")?;
-        let kv_shape = k_cache.shape().to_vec();
+        let k_cache = CacheArray::extract(k_cache, "k_cache")?;
+        let v_cache = CacheArray::extract(v_cache, "v_cache")?;
+        let kv_shape = k_cache.shape();
         if kv_shape.len() != 4
-            || v_cache.shape() != kv_shape.as_slice()
+            || v_cache.shape() != kv_shape
             || kv_shape[2] != self.num_kv_heads
             || kv_shape[3] != self.head_dim
         {
@@ -222,13 +222,17 @@ impl CpuDecoderLayer {
         let mutable = |what: &str| invalid_argument(format!("{what} must be C-contiguous"));
         let residual = residual.as_slice_mut().map_err(|_| mutable("residual"))?;
         let x = x.as_slice_mut().map_err(|_| mutable("x"))?;
-        match (&mut k_cache, &mut v_cache) {
-            (CacheArrayMut::F32(k), CacheArrayMut::F32(v)) => {
+        match (&k_cache, &v_cache) {
+            (CacheArray::F32(k), CacheArray::F32(v)) => {
+                let mut k = k.try_readwrite().map_err(borrowed("k_cache"))?;
+                let mut v = v.try_readwrite().map_err(borrowed("v_cache"))?;
                 let k = k.as_slice_mut().map_err(|_| mutable("k_cache"))?;
                 let v = v.as_slice_mut().map_err(|_| mutable("v_cache"))?;
                 run(py, &layer, &step, residual, x, k, v)
             }
-            (CacheArrayMut::F16(k), CacheArrayMut::F16(v)) => {
+            (CacheArray::F16(k), CacheArray::F16(v)) => {
+                let mut k = k.try_readwrite().map_err(borrowed("k_cache"))?;
+                let mut v = v.try_readwrite().map_err(borrowed("v_cache"))?;
                 let k = half_slice_mut(k.as_slice_mut().map_err(|_| mutable("k_cache"))?);
                 let v = half_slice_mut(v.as_slice_mut().map_err(|_| mutable("v_cache"))?);
                 run(py, &layer, &step, residual, x, k, v)
@@ -251,31 +255,4 @@ fn run<T: KvElement>(
 ) -> PyResult<()> {
     py.detach(|| decoder_layer(layer, step, residual, x, k_cache, v_cache))
         .map_err(|e| invalid_argument(e.to_string()))
-}
-
-/// A writable KV cache array: float32, or float16 viewed as int16.
-enum CacheArrayMut<'py> {
-    F32(PyReadwriteArrayDyn<'py, f32>),
-    F16(PyReadwriteArrayDyn<'py, i16>),
-}
-
-impl<'py> CacheArrayMut<'py> {
-    fn extract(array: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
-        if let Ok(a) = array.cast::<numpy::PyArrayDyn<f32>>() {
-            return Ok(Self::F32(a.readwrite()));
-        }
-        if let Ok(a) = array.cast::<numpy::PyArrayDyn<i16>>() {
-            return Ok(Self::F16(a.readwrite()));
-        }
-        Err(invalid_argument(format!(
-            "{what} must be a float32 array or a float16 one viewed as int16"
-        )))
-    }
-
-    fn shape(&self) -> &[usize] {
-        match self {
-            Self::F32(a) => a.shape(),
-            Self::F16(a) => a.shape(),
-        }
-    }
 }

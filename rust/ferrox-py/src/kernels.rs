@@ -5,8 +5,8 @@ use ferrox_cpu::{
     rotary_in_place, KvElement, PagedAttentionArgs, QuantFormat, QuantMatmulArgs, F16,
 };
 use numpy::{
-    PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArray2,
-    PyReadwriteArrayDyn, PyUntypedArrayMethods,
+    PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
+    PyReadwriteArray2, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
@@ -27,30 +27,36 @@ pub(crate) fn contiguous<T, E>(slice: Result<&[T], E>) -> PyResult<&[T]> {
 
 /// A KV cache array: float32, or float16 as its bits (a torch float16
 /// tensor's `.view(torch.int16)`: numpy has no float16 the bindings read).
+/// Callers borrow it read-only or read-write (`borrowed`).
 pub(crate) enum CacheArray<'py> {
-    F32(PyReadonlyArrayDyn<'py, f32>),
-    F16(PyReadonlyArrayDyn<'py, i16>),
+    F32(Bound<'py, PyArrayDyn<f32>>),
+    F16(Bound<'py, PyArrayDyn<i16>>),
 }
 
 impl<'py> CacheArray<'py> {
-    fn extract(array: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
-        if let Ok(a) = array.cast::<numpy::PyArrayDyn<f32>>() {
-            return Ok(Self::F32(a.readonly()));
+    pub(crate) fn extract(array: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        if let Ok(a) = array.cast::<PyArrayDyn<f32>>() {
+            return Ok(Self::F32(a.clone()));
         }
-        if let Ok(a) = array.cast::<numpy::PyArrayDyn<i16>>() {
-            return Ok(Self::F16(a.readonly()));
+        if let Ok(a) = array.cast::<PyArrayDyn<i16>>() {
+            return Ok(Self::F16(a.clone()));
         }
         Err(invalid_argument(format!(
             "{what} must be a float32 array or a float16 one viewed as int16"
         )))
     }
 
-    fn shape(&self) -> &[usize] {
+    pub(crate) fn shape(&self) -> Vec<usize> {
         match self {
-            Self::F32(a) => a.shape(),
-            Self::F16(a) => a.shape(),
+            Self::F32(a) => a.shape().to_vec(),
+            Self::F16(a) => a.shape().to_vec(),
         }
     }
+}
+
+/// The error of an array borrowed elsewhere (the same array as K and V).
+pub(crate) fn borrowed<E>(what: &str) -> impl FnOnce(E) -> PyErr + '_ {
+    move |_| invalid_argument(format!("{what} is already in use (the same array twice?)"))
 }
 
 /// float16 bits as the kernels' element type.
@@ -89,7 +95,7 @@ pub fn paged_attention_cpu(
         CacheArray::extract(v_cache, "v_cache")?,
     );
     let [_, num_heads, head_dim] = dims::<3>(q.shape(), "q")?;
-    let [_, block_size, num_kv_heads, kv_dim] = dims::<4>(k_cache.shape(), "k_cache")?;
+    let [_, block_size, num_kv_heads, kv_dim] = dims::<4>(&k_cache.shape(), "k_cache")?;
     if kv_dim != head_dim || v_cache.shape() != k_cache.shape() || out.shape() != q.shape() {
         return Err(invalid_argument(
             "q, out and the caches disagree in shape".into(),
@@ -115,10 +121,14 @@ pub fn paged_attention_cpu(
     );
     match (&k_cache, &v_cache) {
         (CacheArray::F32(k), CacheArray::F32(v)) => {
+            let k = k.try_readonly().map_err(borrowed("k_cache"))?;
+            let v = v.try_readonly().map_err(borrowed("v_cache"))?;
             let (k, v) = (contiguous(k.as_slice())?, contiguous(v.as_slice())?);
             attend(py, &shape, step, k, v, out)
         }
         (CacheArray::F16(k), CacheArray::F16(v)) => {
+            let k = k.try_readonly().map_err(borrowed("k_cache"))?;
+            let v = v.try_readonly().map_err(borrowed("v_cache"))?;
             let (k, v) = (contiguous(k.as_slice())?, contiguous(v.as_slice())?);
             attend(py, &shape, step, half_slice(k), half_slice(v), out)
         }
