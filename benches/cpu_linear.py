@@ -19,11 +19,11 @@ import json
 import time
 from pathlib import Path
 
+import ferrox  # noqa: F401  # isort: skip  (before torch: ferrox tunes OpenMP)
 import numpy as np
 import torch
 from torch import nn
 
-import ferrox  # noqa: F401 (before torch use: ferrox tunes OpenMP)
 from ferrox.layers.cpu_linear import PackedLinear, packed_linear_supported
 
 # SmolLM2-135M: fused q/k/v, o, fused gate/up, down, LM head.

@@ -13,11 +13,11 @@ import argparse
 import json
 from pathlib import Path
 
+import ferrox  # noqa: F401  # isort: skip  (before torch: ferrox tunes OpenMP)
 import numpy as np
 import torch
 from torch import nn
 
-import ferrox  # noqa: F401 (before torch use: ferrox tunes OpenMP)
 from ferrox.layers import quant_linear
 from ferrox.layers.cpu_linear import PackedLinear
 from ferrox.layers.quant_linear import QuantLinear
@@ -32,7 +32,7 @@ SHAPES = {
     "down 1536->576 q4_1": (1536, 576, "q4_1"),
     "lm_head 576->49152 q8_0": (576, 49152, "q8_0"),
 }
-ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers import cpu_linear, quant_linear
 from ferrox.layers.quant_linear import (
-    DEQUANTIZE_ABOVE_ROWS,
     QuantEmbedding,
     QuantLinear,
     dequantize,
@@ -68,15 +67,23 @@ def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(
-    "rows", [1, 2, 3, 4, 5, 9, DEQUANTIZE_ABOVE_ROWS, DEQUANTIZE_ABOVE_ROWS + 1]
-)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17, 33])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunk_rows", [None, 10])
+@pytest.mark.parametrize("dequantized", [False, True])
 def test_quant_linear_matches_float_linear(
-    fmt: str, rows: int, bias: bool, chunk_rows: int | None, monkeypatch: pytest.MonkeyPatch
+    fmt: str,
+    rows: int,
+    bias: bool,
+    chunk_rows: int | None,
+    dequantized: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if chunk_rows is not None:  # dequantized 10 weight rows at a time (47 = 4 x 10 + 7)
+    # Both paths whatever this CPU's crossover: the integer kernel, or the
+    # weight dequantized (10 rows at a time with chunk_rows: 47 = 4 x 10 + 7)
+    # and a float GEMM.
+    monkeypatch.setattr(quant_linear, "DEQUANTIZE_ABOVE_ROWS", 0 if dequantized else rows)
+    if chunk_rows is not None:
         monkeypatch.setattr(quant_linear, "DEQUANTIZE_CHUNK_ELEMENTS", 160 * chunk_rows)
     gen = torch.Generator().manual_seed(rows)
     dense = torch.nn.Linear(160, 47, bias=bias)  # an odd number of outputs
@@ -92,7 +99,7 @@ def test_quant_linear_matches_float_linear(
     got = layer(x.view(1, rows, 160))
     assert got.shape == (1, rows, 47) and got.dtype == torch.float32
     diff = (got[0].double() - expected).abs()
-    if rows > DEQUANTIZE_ABOVE_ROWS:  # dequantized once, float GEMM
+    if dequantized:  # float GEMM
         assert float(diff.max()) < 1e-3
     else:  # the integer kernel: within the activation rounding bound
         bound = _activation_bound(x.double(), w.double()) + 1e-3
@@ -239,8 +246,8 @@ def _assert_same_greedy(got: Greedy, expected: Greedy, tolerance: float = 1e-3) 
 
 
 MAX_TOKENS = 6
-# Every step of these runs has at most DEQUANTIZE_ABOVE_ROWS tokens, so each
-# linear layer runs the integer kernel (and rounds its input).
+# Every step of these runs has at most 32 tokens (DEQUANTIZE_ABOVE_ROWS is 32
+# or more on every CPU), so each linear layer runs the integer kernel (and rounds its input).
 # Summation order moves an activation across a rounding boundary now and
 # then: one step of int8 in one element, which the following positions
 # inherit. A wrong scale or block moves logprobs by whole units.

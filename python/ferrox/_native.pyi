@@ -23,6 +23,7 @@ __all__ = [
     "dequantize_rows_cpu",
     "paged_attention_cpu",
     "quant_matmul_cpu",
+    "quant_matmul_kernel_cpu",
     "rotary_in_place_cpu",
 ]
 
@@ -278,6 +279,7 @@ def quant_matmul_cpu(
     fmt: str,
     num_threads: int,
 ) -> None: ...
+def quant_matmul_kernel_cpu(fmt: str, rows: int) -> str: ...
 def dequantize_rows_cpu(
     out: npt.NDArray[np.float32],
     w: npt.NDArray[np.uint8],

@@ -6,9 +6,9 @@ scale, 1.06 bytes a weight), the layout the native kernel reads
 (`ferrox_cpu::quant_matmul`). A decode step multiplies a few rows by every
 weight once, so reading a quarter of float32's bytes is most of the win.
 
-Large batches (prefill) dequantize the weight once per call into a float32
-scratch and use the float matmul: there the arithmetic dominates, and
-oneDNN's float GEMM beats an integer dot product per row.
+Large batches (prefill) on CPUs without a fast integer kernel dequantize
+the weight once per call into a float32 scratch and use the float matmul:
+there the arithmetic dominates (`DEQUANTIZE_ABOVE_ROWS`).
 
 On a GPU the blocks are split once at load (`split_for_triton`) and every
 call runs the Triton dequantize-GEMM (`kernels/quant_matmul.py`) in the
@@ -17,6 +17,7 @@ model's dtype.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrox._native import dequantize_rows_cpu, quant_matmul_cpu
+from ferrox._native import dequantize_rows_cpu, quant_matmul_cpu, quant_matmul_kernel_cpu
 from ferrox.errors import InvalidArgumentError
 from ferrox.layers.cpu_kernels import kernel_threads
 from ferrox.layers.cpu_linear import packed_linear_supported
@@ -35,10 +36,14 @@ if TYPE_CHECKING:
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 # Above this many rows a call dequantizes the weight into a reused scratch
-# buffer and runs a float GEMM (benches/quant_linear.py measures the
-# crossover); weights larger than the chunk (an LM head) go through it a
-# slice of rows at a time, so that the scratch stays in cache.
-DEQUANTIZE_ABOVE_ROWS = 32
+# buffer and runs a float GEMM; weights larger than the chunk (an LM head) go
+# through it a slice of rows at a time, so that the scratch stays in cache.
+# Where the crossover lies depends on the integer kernel the CPU runs
+# (benches/quant_linear.py): AVX-512 VNNI's beats the float GEMM at every row
+# count measured (1 to 256), AVX2's eight-column panels up to about 128 rows,
+# the pair kernel (no AVX2: portable code) up to about 32.
+_CROSSOVER = {"wide_panels": sys.maxsize, "panels": 128}
+DEQUANTIZE_ABOVE_ROWS = _CROSSOVER.get(quant_matmul_kernel_cpu("q4_1", 64), 32)
 DEQUANTIZE_CHUNK_ELEMENTS = 2 << 20
 
 _scratch = torch.empty(0)

@@ -150,11 +150,11 @@ pub fn decoder_layer<T: KvElement>(
             "o / down must output hidden",
         ),
         (
-            weights.gate_up.out_features % 2 == 0,
+            weights.gate_up.out_features.is_multiple_of(2),
             "gate_up must have an even number of outputs",
         ),
         (
-            k_cache.len() == v_cache.len() && k_cache.len() % (hkv * d) == 0,
+            k_cache.len() == v_cache.len() && k_cache.len().is_multiple_of(hkv * d),
             "caches are not [N, BS, Hkv, D]",
         ),
     ];

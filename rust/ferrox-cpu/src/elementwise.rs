@@ -56,7 +56,10 @@ pub fn rotary_in_place(
     num_threads: usize,
 ) -> Result<(), ShapeError> {
     let half = head_dim / 2;
-    check!(head_dim % 2 == 0 && head_dim > 0, "head_dim must be even");
+    check!(
+        head_dim.is_multiple_of(2) && head_dim > 0,
+        "head_dim must be even"
+    );
     check!(
         num_heads * head_dim <= row_len,
         "more heads than a row holds"
@@ -66,7 +69,7 @@ pub fn rotary_in_place(
         "x is not [T, {row_len}]"
     );
     check!(
-        cos.len() == sin.len() && cos.len() % half == 0,
+        cos.len() == sin.len() && cos.len().is_multiple_of(half),
         "cos/sin are not [P, D/2]"
     );
     let max_pos = (cos.len() / half) as i64;
@@ -105,7 +108,7 @@ pub fn add_rms_norm(
 ) -> Result<(), ShapeError> {
     let hidden = weight.len();
     check!(
-        hidden > 0 && residual.len() % hidden == 0,
+        hidden > 0 && residual.len().is_multiple_of(hidden),
         "rows are not [T, {hidden}]"
     );
     check!(

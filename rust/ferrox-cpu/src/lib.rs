@@ -10,6 +10,10 @@ pub mod pool;
 pub mod quant_matmul;
 #[cfg(target_arch = "x86_64")]
 mod quant_matmul_avx2;
+#[cfg(target_arch = "x86_64")]
+mod quant_matmul_panel;
+#[cfg(target_arch = "x86_64")]
+mod quant_matmul_vnni;
 pub mod token_bitmask;
 
 pub use decoder_layer::{
@@ -20,6 +24,7 @@ pub use f32_matmul::{f32_matmul, F32MatmulArgs};
 pub use kv_element::{f32_to_f16, KvElement, F16};
 pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 pub use quant_matmul::{
-    dequantize_rows, quant_matmul, QuantFormat, QuantMatmulArgs, QuantShapeError,
+    dequantize_rows, quant_matmul, quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs,
+    QuantShapeError,
 };
 pub use token_bitmask::{apply_token_bitmask, BitmaskError};

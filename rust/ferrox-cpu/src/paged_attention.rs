@@ -78,10 +78,11 @@ impl<T: KvElement> PagedAttentionArgs<'_, T> {
             h % hkv == 0,
             "{h} heads are not a multiple of {hkv} KV heads"
         );
-        check!(self.q.len() % (h * d) == 0, "q is not [T, {h}, {d}]");
+        check!(self.q.len().is_multiple_of(h * d), "q is not [T, {h}, {d}]");
         check!(out_len == self.q.len(), "out and q differ in size");
         check!(
-            self.k_cache.len() == self.v_cache.len() && self.k_cache.len() % (bs * hkv * d) == 0,
+            self.k_cache.len() == self.v_cache.len()
+                && self.k_cache.len().is_multiple_of(bs * hkv * d),
             "caches are not [N, {bs}, {hkv}, {d}]"
         );
         let num_tokens = self.q.len() / (h * d);
@@ -91,7 +92,7 @@ impl<T: KvElement> PagedAttentionArgs<'_, T> {
             "query_start_loc must have B + 1 entries"
         );
         check!(
-            num_reqs == 0 || self.block_table.len() % num_reqs == 0,
+            num_reqs == 0 || self.block_table.len().is_multiple_of(num_reqs),
             "block_table is not [B, W]"
         );
         let width = self.block_table.len().checked_div(num_reqs).unwrap_or(0);
@@ -129,6 +130,50 @@ pub fn paged_attention<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     out: &mut [f32],
 ) -> Result<(), ShapeError> {
+    paged_attention_on(args, out, Loops::best())
+}
+
+/// The vector loops a call runs: the widest the CPU has, or (tests) any
+/// narrower one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loops {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Loops {
+    /// Those this CPU runs, narrowest first.
+    fn supported() -> Vec<Loops> {
+        #[allow(unused_mut)]
+        let mut all = vec![Loops::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                all.push(Loops::Avx2);
+                if avx512::supported() {
+                    all.push(Loops::Avx512);
+                }
+            }
+        }
+        all
+    }
+
+    fn best() -> Loops {
+        *Self::supported().last().expect("the portable loops")
+    }
+}
+
+fn paged_attention_on<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    out: &mut [f32],
+    loops: Loops,
+) -> Result<(), ShapeError> {
     args.validate(out.len())?;
     let mut rows: Vec<usize> = args.rows.iter().map(|&r| r as usize).collect();
     rows.sort_unstable();
@@ -139,13 +184,13 @@ pub fn paged_attention<T: KvElement>(
     };
     // Contiguous runs of rows of about equal cost, one per thread; each run
     // owns the slice of `out` its tokens occupy.
-    let threads = args.num_threads.clamp(1, rows.len().max(1));
+    let parts = args.num_threads.clamp(1, rows.len().max(1));
     let total: usize = rows.iter().map(|&r| cost(r)).sum();
-    let share = total.div_ceil(threads);
+    let share = total.div_ceil(parts);
     let mut runs: Vec<Vec<usize>> = vec![Vec::new()];
     let mut acc = 0;
     for &r in &rows {
-        if acc >= share * runs.len() && runs.len() < threads {
+        if acc >= share * runs.len() && runs.len() < parts {
             runs.push(Vec::new());
         }
         acc += cost(r);
@@ -167,7 +212,7 @@ pub fn paged_attention<T: KvElement>(
     let work = |run: &[usize], out: &mut [f32], base: usize| {
         let mut scratch = Scratch::new(args);
         for &r in run {
-            run_row(args, r, &mut scratch, &mut |t, h, v| {
+            run_row(args, r, loops, &mut scratch, &mut |t, h, v| {
                 let at = t * token_width + h * args.head_dim - base;
                 out[at..at + args.head_dim].copy_from_slice(v);
             });
@@ -219,21 +264,19 @@ impl Scratch {
 fn run_row<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     row: usize,
+    loops: Loops,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
-            // SAFETY: the CPU supports the features the function is built for.
-            unsafe { run_row_avx2(args, row, scratch, emit) };
-            return;
-        }
+    // SAFETY: `loops` is one of `Loops::supported()`: the CPU has the
+    // features each function is built for.
+    match loops {
+        Loops::Portable => run_row_impl::<Portable, T>(args, row, scratch, emit),
+        #[cfg(target_arch = "x86_64")]
+        Loops::Avx2 => unsafe { run_row_avx2(args, row, scratch, emit) },
+        #[cfg(target_arch = "x86_64")]
+        Loops::Avx512 => unsafe { run_row_avx512(args, row, scratch, emit) },
     }
-    run_row_impl::<Portable, T>(args, row, scratch, emit);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -247,8 +290,19 @@ unsafe fn run_row_avx2<T: KvElement>(
     run_row_impl::<avx2::Avx2, T>(args, row, scratch, emit)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn run_row_avx512<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    row: usize,
+    scratch: &mut Scratch,
+    emit: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    run_row_impl::<avx512::Avx512, T>(args, row, scratch, emit)
+}
+
 /// The vector loops of the kernel over one block of keys: a portable
-/// version the compiler may vectorise, and an AVX2/FMA one.
+/// version the compiler may vectorise, an AVX2/FMA one and an AVX-512 one.
 trait VectorOps {
     /// scores[j] = scale * q . k_j for the block's keys (k_j at `base + j *
     /// stride`); returns the largest score.
@@ -340,6 +394,10 @@ impl VectorOps for Portable {
 #[cfg(target_arch = "x86_64")]
 #[path = "paged_attention_avx2.rs"]
 pub(crate) mod avx2;
+
+#[cfg(target_arch = "x86_64")]
+#[path = "paged_attention_avx512.rs"]
+mod avx512;
 
 #[inline(always)]
 fn sum(values: &[f32]) -> f32 {

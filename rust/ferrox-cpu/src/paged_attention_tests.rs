@@ -168,11 +168,14 @@ fn check_case<T: KvElement>(c: &Case, q: &[f32], k: &[T], v: &[T], table: &[i32]
         scale: 1.0 / (d as f32).sqrt(),
         num_threads: c.threads,
     };
-    let mut out = vec![0.0; q.len()];
-    paged_attention(&args, &mut out).unwrap();
     let expected = reference(&args, num_tokens);
-    for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
-        assert!((a - b).abs() < 1e-5, "element {i}: {a} vs {b}");
+    // Every set of vector loops this CPU has, not only the widest.
+    for loops in Loops::supported() {
+        let mut out = vec![0.0; q.len()];
+        paged_attention_on(&args, &mut out, loops).unwrap();
+        for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+            assert!((a - b).abs() < 1e-5, "{loops:?}, element {i}: {a} vs {b}");
+        }
     }
 }
 

@@ -3,6 +3,15 @@
 //! per decoded token). Spawning threads per call would cost more than the
 //! work; these workers wait for the next job by spinning for a short while,
 //! then park until woken.
+//!
+//! A job's parts are claimed one at a time, by the calling thread and the
+//! workers alike, from a counter: whoever is running takes the next part.
+//! When the cores are shared (a server's frontend, a client, other
+//! processes) and a worker is late to wake or descheduled, the caller goes
+//! on with the parts that worker would have taken, instead of waiting for
+//! it to be scheduled again. (Splitting the work into more parts than
+//! threads, to even out shares further, measured no faster, with or
+//! without a busy process beside the engine.)
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -15,32 +24,53 @@ use std::time::{Duration, Instant};
 /// through a step and lets them sleep between steps.
 const SPIN: Duration = Duration::from_micros(50);
 
+/// The most parts one job may have (the claim counter's width).
+const MAX_PARTS: usize = 0xffff;
+
 type Job = dyn Fn(usize) + Sync;
 
 struct Shared {
-    epoch: AtomicU64,
-    done: AtomicUsize,
+    /// The job's epoch (upper 32 bits), its number of parts (16 bits) and
+    /// the next unclaimed part (16 bits), changed together atomically.
+    state: AtomicU64,
+    /// Parts of the current job finished.
+    finished: AtomicUsize,
     job: UnsafeCell<Option<*const Job>>,
     sleeping: Vec<AtomicBool>,
 }
 
+fn pack(epoch: u32, parts: usize, next: usize) -> u64 {
+    (u64::from(epoch) << 32) | ((parts as u64) << 16) | next as u64
+}
+
+fn unpack(state: u64) -> (u32, usize, usize) {
+    (
+        (state >> 32) as u32,
+        ((state >> 16) & 0xffff) as usize,
+        (state & 0xffff) as usize,
+    )
+}
+
 // SAFETY: `job` is written only by the dispatching thread, which holds the
-// pool's lock, before it publishes a new epoch (release) and after every
-// worker has reported the previous job done (acquire).
+// pool's lock: set before it publishes a new epoch (release), cleared after
+// every part of the job has finished (acquire). A thread reads it only
+// after claiming an unfinished part of the current epoch, when the
+// dispatcher is still waiting and the job alive.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
 struct Pool {
     shared: Arc<Shared>,
     threads: Vec<Thread>,
+    epoch: u32,
 }
 
 fn pool(workers: usize) -> &'static Mutex<Pool> {
     static POOL: OnceLock<Mutex<Pool>> = OnceLock::new();
     POOL.get_or_init(|| {
         let shared = Arc::new(Shared {
-            epoch: AtomicU64::new(0),
-            done: AtomicUsize::new(0),
+            state: AtomicU64::new(0),
+            finished: AtomicUsize::new(0),
             job: UnsafeCell::new(None),
             sleeping: (0..workers).map(|_| AtomicBool::new(false)).collect(),
         });
@@ -55,24 +85,31 @@ fn pool(workers: usize) -> &'static Mutex<Pool> {
                     .clone()
             })
             .collect();
-        Mutex::new(Pool { shared, threads })
+        Mutex::new(Pool {
+            shared,
+            threads,
+            epoch: 0,
+        })
     })
 }
 
 fn worker(shared: &Shared, index: usize) {
-    let mut seen = 0u64;
+    let mut seen = 0u32;
     loop {
         let start = Instant::now();
         let mut spins = 0u32;
         let epoch = loop {
-            let epoch = shared.epoch.load(Ordering::Acquire);
+            let epoch = unpack(shared.state.load(Ordering::Acquire)).0;
             if epoch != seen {
                 break epoch;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
+                // Announce the sleep, then look once more: the dispatcher
+                // publishes the epoch before it checks `sleeping` (both
+                // sequentially consistent), so one of the two sees the other.
                 shared.sleeping[index].store(true, Ordering::SeqCst);
-                if shared.epoch.load(Ordering::SeqCst) == seen {
+                if unpack(shared.state.load(Ordering::SeqCst)).0 == seen {
                     thread::park();
                 }
                 shared.sleeping[index].store(false, Ordering::SeqCst);
@@ -81,17 +118,36 @@ fn worker(shared: &Shared, index: usize) {
             }
         };
         seen = epoch;
-        // SAFETY: published before the epoch; the dispatcher keeps it alive
-        // until `done` counts this worker.
-        let job = unsafe { (*shared.job.get()).expect("a job with the epoch") };
-        unsafe { (*job)(index + 1) };
-        shared.done.fetch_add(1, Ordering::AcqRel);
+        claim_and_run(shared, epoch);
     }
 }
 
-/// Runs `job(0)`, ..., `job(parts - 1)` in parallel: the calling thread takes
-/// part 0, pool workers the rest. Falls back to running every part on the
-/// calling thread when the pool is busy (another thread is dispatching).
+/// Claims and runs parts of the job of `epoch` until none is left.
+fn claim_and_run(shared: &Shared, epoch: u32) {
+    loop {
+        let state = shared.state.load(Ordering::Acquire);
+        let (current, parts, next) = unpack(state);
+        if current != epoch || next >= parts {
+            return;
+        }
+        if shared
+            .state
+            .compare_exchange_weak(state, state + 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            // SAFETY: part `next` of the current job is ours and not
+            // finished, so the dispatcher is waiting and the job alive.
+            let job = unsafe { (*shared.job.get()).expect("a job with the epoch") };
+            unsafe { (*job)(next) };
+            shared.finished.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Runs `job(0)`, ..., `job(parts - 1)`, each exactly once, on the calling
+/// thread and the pool's workers, and returns when all have finished. A
+/// call made while the pool is busy (another thread's job) runs its parts
+/// on the calling thread alone.
 pub fn run_parts(parts: usize, job: &(dyn Fn(usize) + Sync)) {
     if parts <= 1 {
         if parts == 1 {
@@ -107,51 +163,43 @@ pub fn run_parts(parts: usize, job: &(dyn Fn(usize) + Sync)) {
             .saturating_sub(1)
             .max(1)
     });
-    let Ok(pool) = pool(workers).try_lock() else {
+    let Ok(mut pool) = pool(workers).try_lock() else {
         (0..parts).for_each(job);
         return;
     };
-    let helpers = (parts - 1).min(pool.threads.len());
-    if helpers < parts - 1 {
-        // More parts than threads: the extra parts run on the caller.
-        let run_rest = |i: usize| {
-            if i == 0 {
-                job(0);
-                (helpers + 1..parts).for_each(job);
-            } else {
-                job(i);
-            }
-        };
-        dispatch(&pool, helpers, &run_rest);
-    } else {
-        dispatch(&pool, helpers, job);
+    for first in (0..parts).step_by(MAX_PARTS) {
+        let count = (parts - first).min(MAX_PARTS);
+        dispatch(&mut pool, count, &|i| job(first + i));
     }
 }
 
-fn dispatch(pool: &Pool, helpers: usize, job: &(dyn Fn(usize) + Sync)) {
-    let shared = &pool.shared;
-    // Workers beyond `helpers` must not run this job: give them a no-op
-    // for their index.
-    let bounded = |i: usize| {
-        if i <= helpers {
-            job(i)
-        }
-    };
-    let bounded: &(dyn Fn(usize) + Sync) = &bounded;
-    // SAFETY: the lifetime is erased only for the duration of this call: we
-    // wait below until every worker has finished the job.
-    let erased: *const Job = unsafe { std::mem::transmute(bounded) };
+fn dispatch(pool: &mut Pool, parts: usize, job: &(dyn Fn(usize) + Sync)) {
+    let shared = Arc::clone(&pool.shared);
+    // SAFETY: the job is cleared below, after every part has finished, and
+    // read only by threads that claimed a part before then (see `Shared`).
+    let erased: *const Job = unsafe { std::mem::transmute(job) };
     unsafe { *shared.job.get() = Some(erased) };
-    shared.done.store(0, Ordering::Release);
-    shared.epoch.fetch_add(1, Ordering::SeqCst);
+    shared.finished.store(0, Ordering::Relaxed);
+    pool.epoch = pool.epoch.wrapping_add(1);
+    shared
+        .state
+        .store(pack(pool.epoch, parts, 0), Ordering::SeqCst);
     for (w, thread) in pool.threads.iter().enumerate() {
         if shared.sleeping[w].load(Ordering::SeqCst) {
             thread.unpark();
         }
     }
-    bounded(0);
-    while shared.done.load(Ordering::Acquire) < pool.threads.len() {
-        std::hint::spin_loop();
+    claim_and_run(&shared, pool.epoch);
+    // Parts still running elsewhere: spin a little, then yield the core (a
+    // worker descheduled mid-part may be waiting for this one).
+    let mut spins = 0u32;
+    while shared.finished.load(Ordering::Acquire) < parts {
+        spins = spins.wrapping_add(1);
+        if spins < 4096 {
+            std::hint::spin_loop();
+        } else {
+            thread::yield_now();
+        }
     }
     unsafe { *shared.job.get() = None };
 }
@@ -170,6 +218,19 @@ mod tests {
                 });
             }
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 200));
+        }
+    }
+
+    #[test]
+    fn many_parts_each_run_once() {
+        // More parts than threads (claimed one at a time), and more than one
+        // claim counter holds.
+        for parts in [7, 64, MAX_PARTS + 3] {
+            let hits: Vec<AtomicUsize> = (0..parts).map(|_| AtomicUsize::new(0)).collect();
+            run_parts(parts, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
         }
     }
 

@@ -79,6 +79,17 @@ pub struct QuantizedActivations {
 }
 
 pub fn quantize_activations(x: &[f32], k: usize) -> QuantizedActivations {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant_matmul_vnni::quantize_supported() {
+        // SAFETY: the CPU has the features.
+        return unsafe { crate::quant_matmul_vnni::quantize_activations(x, k) };
+    }
+    quantize_activations_impl(x, k)
+}
+
+/// `quantize_activations` in plain code, which the AVX-512 version matches
+/// bit for bit.
+pub(crate) fn quantize_activations_impl(x: &[f32], k: usize) -> QuantizedActivations {
     let blocks = x.len() / BLOCK;
     debug_assert_eq!(x.len() % k, 0);
     let mut out = QuantizedActivations {
@@ -146,7 +157,7 @@ pub fn dequantize_rows(
 ) -> Result<(), QuantShapeError> {
     let row_bytes = check_k(fmt, k)?;
     let n = w.len() / row_bytes;
-    if w.len() % row_bytes != 0 || out.len() != rows.len() * k {
+    if !w.len().is_multiple_of(row_bytes) || out.len() != rows.len() * k {
         return Err(QuantShapeError(
             "weight or output size does not match K".into(),
         ));
@@ -194,7 +205,7 @@ fn vector_kernels() -> bool {
 }
 
 fn check_k(fmt: QuantFormat, k: usize) -> Result<usize, QuantShapeError> {
-    if k == 0 || k % BLOCK != 0 {
+    if k == 0 || !k.is_multiple_of(BLOCK) {
         return Err(QuantShapeError(format!(
             "K={k} is not a positive multiple of {BLOCK}"
         )));
@@ -226,8 +237,81 @@ impl OutPtr {
     }
 }
 
+/// The kernels of the block matmul. `Pairs` runs everywhere (portable code
+/// where the CPU lacks AVX2, FMA and F16C); the panel kernels need AVX2
+/// (`Panels`, eight columns per panel) or AVX-512 VNNI (`WidePanels`,
+/// sixteen) and take whole panels, the columns past the last one going to
+/// `Pairs`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantKernel {
+    Pairs,
+    Panels,
+    WidePanels,
+}
+
+impl QuantKernel {
+    pub const ALL: [QuantKernel; 3] = [Self::Pairs, Self::Panels, Self::WidePanels];
+
+    /// Whether this CPU runs the kernel.
+    pub fn supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Self::Pairs => true,
+                Self::Panels => vector_kernels(),
+                Self::WidePanels => vector_kernels() && crate::quant_matmul_vnni::supported(),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        matches!(self, Self::Pairs)
+    }
+
+    /// The fastest kernel this CPU has for `m` activation rows, by
+    /// `benches/quant_matmul.rs`: the panels cost an interleaving of the
+    /// weight per call, which one Q4_1 row does not repay on AVX2 (its pair
+    /// kernel ties at two rows); Q8_0's pair kernel widens every block
+    /// twice, and the wide panels win from one row.
+    pub fn for_rows(fmt: QuantFormat, m: usize) -> Self {
+        if Self::WidePanels.supported() {
+            Self::WidePanels
+        } else if Self::Panels.supported() && (fmt == QuantFormat::Q8_0 || m >= 3) {
+            Self::Panels
+        } else {
+            Self::Pairs
+        }
+    }
+
+    /// (the kernel for any columns, the panel kernel and its width)
+    fn functions(self) -> (Kernel, Option<(Kernel, usize)>) {
+        #[cfg(target_arch = "x86_64")]
+        if vector_kernels() {
+            let pairs: Kernel = crate::quant_matmul_avx2::columns;
+            let panels: Option<(Kernel, usize)> = match self {
+                Self::Pairs => None,
+                Self::Panels => Some((crate::quant_matmul_panel::columns, PANEL)),
+                Self::WidePanels => Some((
+                    crate::quant_matmul_vnni::columns,
+                    crate::quant_matmul_vnni::WIDE_PANEL,
+                )),
+            };
+            return (pairs, panels);
+        }
+        (columns_portable, None)
+    }
+}
+
 /// out[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias).
 pub fn quant_matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) -> Result<(), QuantShapeError> {
+    quant_matmul_with(args, out, QuantKernel::for_rows(args.fmt, args.m))
+}
+
+/// `quant_matmul` with the given kernel (for tests and benchmarks that set
+/// the kernels side by side); one this CPU lacks is an error.
+pub fn quant_matmul_with(
+    args: &QuantMatmulArgs<'_>,
+    out: &mut [f32],
+    kernel: QuantKernel,
+) -> Result<(), QuantShapeError> {
     let row_bytes = check_k(args.fmt, args.k)?;
     if args.x.len() != args.m * args.k
         || args.w.len() != args.n * row_bytes
@@ -245,37 +329,52 @@ pub fn quant_matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) -> Result<(), Q
             out.len()
         )));
     }
+    if !kernel.supported() {
+        return Err(QuantShapeError(format!(
+            "this CPU lacks the {kernel:?} kernel"
+        )));
+    }
     if args.m == 0 || args.n == 0 {
         return Ok(());
     }
     let acts = quantize_activations(args.x, args.k);
-    // Column ranges of about equal size, in whole row pairs.
+    let (pairs, panels) = kernel.functions();
+    // Column ranges of about equal size, in whole panels (or row pairs);
+    // the columns past the last whole panel go to the pair kernel.
+    let unit = panels.map_or(2, |(_, width)| width);
     let threads = args.num_threads.clamp(1, args.n.div_ceil(16));
-    let pairs = args.n.div_ceil(2);
-    let per = pairs.div_ceil(threads) * 2;
+    let per = args.n.div_ceil(unit).div_ceil(threads) * unit;
     let ptr = OutPtr(out.as_mut_ptr());
-    let kernel = select_kernel();
     run_parts(threads, &|part| {
         let start = part * per;
         let end = ((part + 1) * per).min(args.n);
-        if start < end {
-            // SAFETY: each part writes only columns start..end of `out`,
-            // which has M * N elements (checked above).
-            unsafe { kernel(args, &acts, start, end, ptr.get()) };
+        if start >= end {
+            return;
+        }
+        // SAFETY: each part writes only columns start..end of `out`,
+        // which has M * N elements (checked above); the panel kernel gets
+        // whole panels; the CPU has the kernels' features (checked above).
+        let whole = match panels {
+            Some((kernel, width)) => {
+                let whole = start + (end - start) / width * width;
+                if whole > start {
+                    unsafe { kernel(args, &acts, start, whole, ptr.get()) };
+                }
+                whole
+            }
+            None => start,
+        };
+        if whole < end {
+            unsafe { pairs(args, &acts, whole, end, ptr.get()) };
         }
     });
     Ok(())
 }
 
-type Kernel = unsafe fn(&QuantMatmulArgs<'_>, &QuantizedActivations, usize, usize, *mut f32);
+/// Output columns per panel of the AVX2 panel kernel.
+pub(crate) const PANEL: usize = 8;
 
-fn select_kernel() -> Kernel {
-    #[cfg(target_arch = "x86_64")]
-    if vector_kernels() {
-        return crate::quant_matmul_avx2::columns;
-    }
-    columns_portable
-}
+type Kernel = unsafe fn(&QuantMatmulArgs<'_>, &QuantizedActivations, usize, usize, *mut f32);
 
 /// Columns `start..end` of the output, one block dot product at a time.
 ///

@@ -110,27 +110,38 @@ proptest! {
             }
         }
     }
+}
 
-    /// The vector kernel and the portable one agree, whatever the threads.
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Every kernel this CPU has, whatever the rows (the default choice
+    /// depends on them), columns (whole panels and the rest) and threads,
+    /// writes every element and agrees with the portable kernel; with a bias.
     #[test]
-    fn vector_and_portable_kernels_agree((m, k, n, x, seed, _b, threads) in case()) {
+    fn every_kernel_matches_portable((m, k, n, x, seed, with_bias, threads) in case()) {
         for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
             let w = weight_bytes(fmt, n, k, &seed);
-            let args = QuantMatmulArgs { x: &x, w: &w, bias: None, m, k, n, fmt, num_threads: threads };
-            let got = run(&args);
+            let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
+            let bias = with_bias.then_some(bias.as_slice());
+            let args = QuantMatmulArgs { x: &x, w: &w, bias, m, k, n, fmt, num_threads: threads };
             let acts = quantize_activations(&x, k);
             let mut want = vec![0.0; m * n];
             unsafe { columns_portable(&args, &acts, 0, n, want.as_mut_ptr()) };
-            // Both sum in float32, in different orders: the gap scales with
-            // the terms' magnitudes, not with the (possibly cancelled) result.
             let wf = dense(fmt, &w, n, k);
-            for i in 0..m {
-                for j in 0..n {
-                    let magnitude: f32 = (0..k)
-                        .map(|c| (wf[j * k + c] * acts.q[i * k + c] as f32 * acts.d[(i * k + c) / BLOCK]).abs())
-                        .sum();
-                    let (a, b) = (got[i * n + j], want[i * n + j]);
-                    prop_assert!((a - b).abs() <= 1e-5 * (1.0 + magnitude), "{fmt:?}: {a} vs {b}");
+            for kernel in QuantKernel::ALL.into_iter().filter(|k| k.supported()) {
+                let mut got = vec![f32::NAN; m * n];
+                quant_matmul_with(&args, &mut got, kernel).unwrap();
+                for i in 0..m {
+                    for j in 0..n {
+                        let (a, b) = (got[i * n + j], want[i * n + j]);
+                        let magnitude: f32 = (0..k)
+                            .map(|c| (wf[j * k + c] * acts.q[i * k + c] as f32 * acts.d[(i * k + c) / BLOCK]).abs())
+                            .sum();
+                        let b_abs = bias.map_or(0.0, |b| b[j].abs());
+                        prop_assert!((a - b).abs() <= 1e-5 * (1.0 + magnitude + b_abs),
+                            "{kernel:?} {fmt:?} m={m} k={k} n={n} ({i},{j}): {a} vs {b}");
+                    }
                 }
             }
         }
@@ -205,6 +216,26 @@ fn bad_shapes_are_errors() {
     assert!(quant_matmul(&short_w, &mut out).is_err());
     let mut rows_out = vec![0.0; 32];
     assert!(dequantize_rows(&w, QuantFormat::Q4_1, 32, &[1], &mut rows_out, 1).is_err());
+}
+
+#[test]
+fn vector_quantization_matches_plain() {
+    // Blocks of zeros, of ties (x.5 steps after scaling), of one large
+    // value, and random ones.
+    let mut x: Vec<f32> = vec![0.0; 32];
+    x.extend((0..32).map(|i| if i == 0 { 127.0 } else { i as f32 - 16.5 })); // scale 1
+
+    x.extend((0..32).map(|i| if i == 7 { 1e6 } else { i as f32 * 1e-3 }));
+    let mut seed = 12345u32;
+    x.extend((0..32 * 40).map(|_| {
+        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        (seed >> 8) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
+    }));
+    let want = quantize_activations_impl(&x, 32);
+    let got = quantize_activations(&x, 32);
+    assert_eq!(got.q, want.q);
+    assert_eq!(got.d, want.d);
+    assert_eq!(got.s, want.s);
 }
 
 #[test]

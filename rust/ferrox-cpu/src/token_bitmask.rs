@@ -26,7 +26,7 @@ pub fn apply_token_bitmask(
     bitmask: &[i32],
     words: usize,
 ) -> Result<(), BitmaskError> {
-    if vocab == 0 || logits.len() % vocab != 0 {
+    if vocab == 0 || !logits.len().is_multiple_of(vocab) {
         return Err(BitmaskError(format!(
             "{} logits are not whole rows of {vocab}",
             logits.len()

@@ -86,7 +86,9 @@ impl Linear {
 
 /// Bytes that hold float32 values (a numpy float32 array's `.view(uint8)`).
 fn float_view(bytes: &[u8]) -> PyResult<&[f32]> {
-    if bytes.as_ptr() as usize % std::mem::align_of::<f32>() != 0 || bytes.len() % 4 != 0 {
+    if !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>())
+        || !bytes.len().is_multiple_of(4)
+    {
         return Err(invalid_argument(
             "f32 weight bytes must be an aligned float32 array".into(),
         ));
@@ -134,7 +136,11 @@ impl CpuDecoderLayer {
         head_dim: usize,
         scale: f32,
     ) -> PyResult<Self> {
-        if num_heads == 0 || num_kv_heads == 0 || head_dim == 0 || num_heads % num_kv_heads != 0 {
+        if num_heads == 0
+            || num_kv_heads == 0
+            || head_dim == 0
+            || !num_heads.is_multiple_of(num_kv_heads)
+        {
             return Err(invalid_argument(format!(
                 "bad attention shape: {num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}"
             )));

@@ -2,7 +2,7 @@
 
 use ferrox_cpu::{
     add_rms_norm, apply_token_bitmask, dequantize_rows, paged_attention, quant_matmul,
-    rotary_in_place, KvElement, PagedAttentionArgs, QuantFormat, QuantMatmulArgs, F16,
+    rotary_in_place, KvElement, PagedAttentionArgs, QuantFormat, QuantKernel, QuantMatmulArgs, F16,
 };
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
@@ -306,6 +306,17 @@ pub fn quant_matmul_cpu(
     };
     py.detach(|| quant_matmul(&args, out))
         .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// Which kernel `quant_matmul_cpu` runs on this CPU for `rows` activation
+/// rows: "pairs", "panels" (AVX2) or "wide_panels" (AVX-512 VNNI).
+#[pyfunction]
+pub fn quant_matmul_kernel_cpu(fmt: &str, rows: usize) -> PyResult<&'static str> {
+    Ok(match QuantKernel::for_rows(quant_format(fmt)?, rows) {
+        QuantKernel::Pairs => "pairs",
+        QuantKernel::Panels => "panels",
+        QuantKernel::WidePanels => "wide_panels",
+    })
 }
 
 /// Rows `rows` of a block-format weight (`w`: [N, row bytes] uint8) as

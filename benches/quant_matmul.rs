@@ -1,0 +1,127 @@
+//! The block-quantized matmul's kernels side by side (`QuantKernel`): the
+//! AVX2 pair kernel (two weight rows against up to four activation rows),
+//! the AVX2 panel kernel (eight weight rows interleaved once, then every
+//! activation row) and the AVX-512 VNNI one (sixteen), those this CPU has,
+//! at SmolLM2-135M's shapes, for 1 to 64 activation rows, on the engine's
+//! kernel threads. Alternates them in one process and prints, per shape and
+//! row count, the median microseconds per call of each (min-max over the
+//! repeats), the best one's speed-up over the pair kernel and the integer
+//! GMAC/s it reaches; `QuantKernel::for_rows` picks by these figures.
+//!
+//! cargo bench -p ferrox-cpu --bench quant_matmul [-- --threads 2 --repeats 7]
+
+use std::time::Instant;
+
+use ferrox_cpu::{quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs};
+
+/// SmolLM2-135M's layers in its GGUF formats (the LM head is the Q8_0
+/// embedding): name, K, N, format.
+const SHAPES: [(&str, usize, usize, QuantFormat); 5] = [
+    ("qkv 576->960 q4_1", 576, 960, QuantFormat::Q4_1),
+    ("o 576->576 q4_1", 576, 576, QuantFormat::Q4_1),
+    ("gate_up 576->3072 q4_1", 576, 3072, QuantFormat::Q4_1),
+    ("down 1536->576 q4_1", 1536, 576, QuantFormat::Q4_1),
+    ("lm_head 576->49152 q8_0", 576, 49152, QuantFormat::Q8_0),
+];
+const ROWS: [usize; 8] = [1, 2, 3, 4, 8, 16, 32, 64];
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map_or(default, |v| v.parse().expect("a number"))
+}
+
+/// Pseudo-random bytes of valid blocks: small positive float16 scales,
+/// any nibbles / signed bytes in -127..=127.
+fn weights(fmt: QuantFormat, n: usize, k: usize) -> Vec<u8> {
+    let mut state = 0x9e37_79b9_u32;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        state
+    };
+    let scale = 0x2000u16.to_le_bytes(); // 2^-7
+    let mut out = Vec::with_capacity(n * fmt.row_bytes(k));
+    for _ in 0..n * k / 32 {
+        out.extend(scale);
+        match fmt {
+            QuantFormat::Q4_1 => {
+                out.extend(0xa000u16.to_le_bytes()); // offset -2^-7 * 2
+                out.extend((0..16).map(|_| next() as u8));
+            }
+            QuantFormat::Q8_0 => {
+                out.extend((0..32).map(|_| ((next() % 255) as i16 - 127) as i8 as u8))
+            }
+        }
+    }
+    out
+}
+
+fn median_min_max(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+fn main() {
+    let threads = arg(
+        "--threads",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    );
+    let repeats = arg("--repeats", 7);
+    let kernels: Vec<QuantKernel> = QuantKernel::ALL
+        .into_iter()
+        .filter(|k| k.supported())
+        .collect();
+    println!("{threads} threads, {repeats} repeats; microseconds per call, median (min-max)");
+    print!("{:<26}{:>5}", "shape", "rows");
+    for kernel in &kernels {
+        print!("{:>26}", format!("{kernel:?}"));
+    }
+    println!("{:>9}{:>10}", "speedup", "GMAC/s");
+    for (name, k, n, fmt) in SHAPES {
+        let w = weights(fmt, n, k);
+        for m in ROWS {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 250.0)
+                .collect();
+            let mut out = vec![0.0; m * n];
+            let args = QuantMatmulArgs {
+                x: &x,
+                w: &w,
+                bias: None,
+                m,
+                k,
+                n,
+                fmt,
+                num_threads: threads,
+            };
+            // Calls per sample: 2e8 multiply-adds (about 1-3 ms), at least one.
+            let calls = (2e8 / (m * k * n) as f64).ceil() as usize;
+            let mut times = vec![Vec::new(); kernels.len()];
+            for _ in 0..repeats {
+                for (which, &kernel) in kernels.iter().enumerate() {
+                    quant_matmul_with(&args, &mut out, kernel).unwrap();
+                    let start = Instant::now();
+                    for _ in 0..calls {
+                        quant_matmul_with(&args, &mut out, kernel).unwrap();
+                    }
+                    times[which].push(start.elapsed().as_secs_f64() * 1e6 / calls as f64);
+                }
+            }
+            let stats: Vec<(f64, f64, f64)> = times.into_iter().map(median_min_max).collect();
+            print!("{name:<26}{m:>5}");
+            for (median, min, max) in &stats {
+                print!("{:>26}", format!("{median:.1} ({min:.1}-{max:.1})"));
+            }
+            let best = stats.iter().map(|s| s.0).fold(f64::INFINITY, f64::min);
+            println!(
+                "{:>8.2}x{:>10.1}",
+                stats[0].0 / best,
+                (m * k * n) as f64 / best / 1e3
+            );
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! The AVX-512 vector loops of the CPU paged-attention kernel: the AVX2
+//! loops at twice the width (a head of 64 floats in four registers), for
+//! head sizes that are multiples of 16; others take the AVX2 loops.
+
+use std::arch::x86_64::*;
+
+use super::avx2::Avx2;
+use super::VectorOps;
+use crate::kv_element::KvElement;
+
+pub struct Avx512;
+
+/// Sixteen cache elements from `p` as floats (float16 widened).
+#[inline(always)]
+unsafe fn load16<T: KvElement>(p: *const T) -> __m512 {
+    if T::HALF {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    } else {
+        _mm512_loadu_ps(p as *const f32)
+    }
+}
+
+/// The sixteen lanes added pairwise into eight.
+#[inline(always)]
+unsafe fn fold(v: __m512) -> __m256 {
+    let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    _mm256_add_ps(_mm512_castps512_ps256(v), high)
+}
+
+/// `R` registers hold a head of `16 * R` floats for the whole block; four
+/// keys at once, as in the AVX2 loop.
+#[inline(always)]
+unsafe fn scores_regs<const R: usize, T: KvElement>(
+    q: &[f32],
+    keys: &[T],
+    base: usize,
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+) -> f32 {
+    // (loops, not closures: a closure would not get the caller's target
+    // features, and its intrinsics would become calls)
+    let mut qv = [_mm512_setzero_ps(); R];
+    for (r, v) in qv.iter_mut().enumerate() {
+        *v = _mm512_loadu_ps(q.as_ptr().add(16 * r));
+    }
+    let n = scores.len();
+    let scale4 = _mm_set1_ps(scale);
+    let mut max4 = _mm_set1_ps(f32::NEG_INFINITY);
+    let mut j = 0;
+    while j + 4 <= n {
+        let k = keys.as_ptr().add(base + j * stride);
+        let mut a = [_mm512_setzero_ps(); 4];
+        for (r, v) in qv.iter().enumerate() {
+            for (key, acc) in a.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(*v, load16(k.add(key * stride + 16 * r)), *acc);
+            }
+        }
+        let (a0, a1, a2, a3) = (fold(a[0]), fold(a[1]), fold(a[2]), fold(a[3]));
+        // as in the AVX2 loop: per 128-bit half, the four keys' partial sums
+        let s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        let s = _mm_mul_ps(
+            _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)),
+            scale4,
+        );
+        _mm_storeu_ps(scores.as_mut_ptr().add(j), s);
+        max4 = _mm_max_ps(max4, s);
+        j += 4;
+    }
+    let pair = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+    let mut max = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    for (i, score) in scores.iter_mut().enumerate().skip(j) {
+        let k = keys.as_ptr().add(base + i * stride);
+        let mut acc = _mm512_setzero_ps();
+        for (r, v) in qv.iter().enumerate() {
+            acc = _mm512_fmadd_ps(*v, load16(k.add(16 * r)), acc);
+        }
+        *score = _mm512_reduce_add_ps(acc) * scale;
+        max = max.max(*score);
+    }
+    max
+}
+
+#[inline(always)]
+unsafe fn accumulate_regs<const R: usize, T: KvElement>(
+    acc: &mut [f32],
+    correction: f32,
+    probs: &[f32],
+    values: &[T],
+    base: usize,
+    stride: usize,
+) {
+    let c = _mm512_set1_ps(correction);
+    let mut av = [_mm512_setzero_ps(); R];
+    for (r, v) in av.iter_mut().enumerate() {
+        *v = _mm512_mul_ps(_mm512_loadu_ps(acc.as_ptr().add(16 * r)), c);
+    }
+    for (j, &p) in probs.iter().enumerate() {
+        let x = values.as_ptr().add(base + j * stride);
+        let pv = _mm512_set1_ps(p);
+        for (r, v) in av.iter_mut().enumerate() {
+            *v = _mm512_fmadd_ps(pv, load16(x.add(16 * r)), *v);
+        }
+    }
+    for (r, v) in av.iter().enumerate() {
+        _mm512_storeu_ps(acc.as_mut_ptr().add(16 * r), *v);
+    }
+}
+
+// SAFETY (every method): only reached from `run_row_avx512`, where AVX-512 F
+// (and AVX2, FMA, F16C) are enabled; `validate` has checked that every key
+// and value row `base + j * stride .. + d` lies inside the cache, and
+// `d == 16 * R`.
+impl VectorOps for Avx512 {
+    #[inline(always)]
+    fn scores<T: KvElement>(
+        q: &[f32],
+        keys: &[T],
+        base: usize,
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) -> f32 {
+        unsafe {
+            match q.len() {
+                16 => scores_regs::<1, T>(q, keys, base, stride, scale, scores),
+                32 => scores_regs::<2, T>(q, keys, base, stride, scale, scores),
+                64 => scores_regs::<4, T>(q, keys, base, stride, scale, scores),
+                80 => scores_regs::<5, T>(q, keys, base, stride, scale, scores),
+                96 => scores_regs::<6, T>(q, keys, base, stride, scale, scores),
+                128 => scores_regs::<8, T>(q, keys, base, stride, scale, scores),
+                _ => Avx2::scores(q, keys, base, stride, scale, scores),
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate<T: KvElement>(
+        acc: &mut [f32],
+        correction: f32,
+        probs: &[f32],
+        values: &[T],
+        base: usize,
+        stride: usize,
+    ) {
+        unsafe {
+            match acc.len() {
+                16 => accumulate_regs::<1, T>(acc, correction, probs, values, base, stride),
+                32 => accumulate_regs::<2, T>(acc, correction, probs, values, base, stride),
+                64 => accumulate_regs::<4, T>(acc, correction, probs, values, base, stride),
+                80 => accumulate_regs::<5, T>(acc, correction, probs, values, base, stride),
+                96 => accumulate_regs::<6, T>(acc, correction, probs, values, base, stride),
+                128 => accumulate_regs::<8, T>(acc, correction, probs, values, base, stride),
+                _ => Avx2::accumulate(acc, correction, probs, values, base, stride),
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn widen<T: KvElement>(src: &[T], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        unsafe {
+            while i + 16 <= n {
+                _mm512_storeu_ps(dst.as_mut_ptr().add(i), load16(src.as_ptr().add(i)));
+                i += 16;
+            }
+        }
+        Avx2::widen(&src[i..n], &mut dst[i..n]);
+    }
+}
+
+/// Whether the CPU runs these loops (with the AVX2 ones they fall back to).
+pub fn supported() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+}
