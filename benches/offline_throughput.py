@@ -24,10 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ferrox  # noqa: F401  # isort: skip  (before torch: ferrox tunes OpenMP for its CPU kernels)
 import numpy as np
 import torch
-
-import ferrox  # noqa: F401 (before torch: ferrox tunes OpenMP for its CPU kernels)
 
 
 @dataclass
