@@ -236,6 +236,9 @@ struct Scratch {
     acc: Vec<f32>,    // [H, D]
     max: Vec<f32>,    // [H]
     sum: Vec<f32>,    // [H]
+    /// This block's largest score and the running sums' correction, per head.
+    block_max: Vec<f32>,
+    correction: Vec<f32>,
     /// A float16 cache's block widened once for every query head that
     /// reads it: [BS, Hkv, D] keys, then values (empty for float32).
     keys: Vec<f32>,
@@ -255,6 +258,8 @@ impl Scratch {
             acc: vec![0.0; h * args.head_dim],
             max: vec![0.0; h],
             sum: vec![0.0; h],
+            block_max: vec![0.0; h],
+            correction: vec![0.0; h],
             keys: vec![0.0; block],
             values: vec![0.0; block],
         }
@@ -325,6 +330,54 @@ trait VectorOps {
     );
     /// dst = src as float32.
     fn widen<T: KvElement>(src: &[T], dst: &mut [f32]);
+
+    /// `scores` for the query heads that share one KV head (`maxes.len()`
+    /// of them, queries `d` apart in `q`, scores `bs` apart in `scores`, `n`
+    /// keys), each head's largest score into `maxes`. Vector loops may read
+    /// each key once for all of them.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn scores_group<T: KvElement>(
+        q: &[f32],
+        keys: &[T],
+        base: usize,
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+        (d, bs, n): (usize, usize, usize),
+        maxes: &mut [f32],
+    ) {
+        for (g, max) in maxes.iter_mut().enumerate() {
+            let q = &q[g * d..(g + 1) * d];
+            *max = Self::scores(
+                q,
+                keys,
+                base,
+                stride,
+                scale,
+                &mut scores[g * bs..g * bs + n],
+            );
+        }
+    }
+
+    /// `accumulate` for the query heads that share one KV head (one
+    /// correction each, accumulators `d` apart, probabilities `bs` apart).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn accumulate_group<T: KvElement>(
+        acc: &mut [f32],
+        corrections: &[f32],
+        probs: &[f32],
+        values: &[T],
+        base: usize,
+        stride: usize,
+        (d, bs, n): (usize, usize, usize),
+    ) {
+        for (g, &c) in corrections.iter().enumerate() {
+            let probs = &probs[g * bs..g * bs + n];
+            Self::accumulate(&mut acc[g * d..(g + 1) * d], c, probs, values, base, stride);
+        }
+    }
 }
 
 struct Portable;
@@ -505,20 +558,34 @@ fn attend_block<V: VectorOps, E: KvElement>(
     let (hkv, d, bs) = (args.num_kv_heads, args.head_dim, args.block_size);
     for kv_head in 0..hkv {
         let base = first + kv_head * d;
-        for head in kv_head * group..(kv_head + 1) * group {
-            let qh = &q_row[head * d..(head + 1) * d];
-            let scores = &mut s.scores[head * bs..head * bs + n];
-            let block_max = V::scores(qh, keys, base, hkv * d, args.scale, scores);
-            let new_max = s.max[head].max(block_max);
+        let heads = kv_head * group..(kv_head + 1) * group;
+        let scores = &mut s.scores[heads.start * bs..heads.end * bs];
+        let q = &q_row[heads.start * d..heads.end * d];
+        let block_max = &mut s.block_max[heads.clone()];
+        V::scores_group(
+            q,
+            keys,
+            base,
+            hkv * d,
+            args.scale,
+            scores,
+            (d, bs, n),
+            block_max,
+        );
+        for (g, head) in heads.clone().enumerate() {
+            let new_max = s.max[head].max(s.block_max[head]);
             let correction = fast_exp(s.max[head] - new_max);
             s.max[head] = new_max;
+            let scores = &mut scores[g * bs..g * bs + n];
             for score in scores.iter_mut() {
                 *score = fast_exp(*score - new_max);
             }
             s.sum[head] = s.sum[head] * correction + sum(scores);
-            let acc = &mut s.acc[head * d..(head + 1) * d];
-            V::accumulate(acc, correction, scores, values, base, hkv * d);
+            s.correction[head] = correction;
         }
+        let acc = &mut s.acc[heads.start * d..heads.end * d];
+        let corrections = &s.correction[heads];
+        V::accumulate_group(acc, corrections, scores, values, base, hkv * d, (d, bs, n));
     }
 }
 

@@ -107,6 +107,121 @@ unsafe fn accumulate_regs<const R: usize, T: KvElement>(
     }
 }
 
+/// Four keys' sixteen-lane partial sums, summed: the four scores.
+#[inline(always)]
+unsafe fn sum4(a: &[__m512; 4]) -> __m128 {
+    let (a0, a1, a2, a3) = (fold(a[0]), fold(a[1]), fold(a[2]), fold(a[3]));
+    let s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1))
+}
+
+/// `scores_group` for `G` query heads of `16 * R` floats: each key is
+/// loaded once and multiplied by every head's query (queries and the
+/// partial sums of four keys for every head stay in registers).
+#[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register tiles
+unsafe fn scores_group_regs<const R: usize, const G: usize, T: KvElement>(
+    q: &[f32],
+    keys: &[T],
+    base: usize,
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+    bs: usize,
+    n: usize,
+    maxes: &mut [f32],
+) {
+    let d = 16 * R;
+    let mut qv = [[_mm512_setzero_ps(); R]; G];
+    for (g, head) in qv.iter_mut().enumerate() {
+        for (r, v) in head.iter_mut().enumerate() {
+            *v = _mm512_loadu_ps(q.as_ptr().add(g * d + 16 * r));
+        }
+    }
+    let scale4 = _mm_set1_ps(scale);
+    let mut max4 = [_mm_set1_ps(f32::NEG_INFINITY); G];
+    let mut j = 0;
+    while j + 4 <= n {
+        let k = keys.as_ptr().add(base + j * stride);
+        let mut a = [[_mm512_setzero_ps(); 4]; G];
+        for r in 0..R {
+            for key in 0..4 {
+                let kv = load16(k.add(key * stride + 16 * r));
+                for g in 0..G {
+                    a[g][key] = _mm512_fmadd_ps(qv[g][r], kv, a[g][key]);
+                }
+            }
+        }
+        for g in 0..G {
+            let s = _mm_mul_ps(sum4(&a[g]), scale4);
+            _mm_storeu_ps(scores.as_mut_ptr().add(g * bs + j), s);
+            max4[g] = _mm_max_ps(max4[g], s);
+        }
+        j += 4;
+    }
+    for g in 0..G {
+        let pair = _mm_max_ps(max4[g], _mm_movehl_ps(max4[g], max4[g]));
+        maxes[g] = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    }
+    for i in j..n {
+        let k = keys.as_ptr().add(base + i * stride);
+        let mut acc = [_mm512_setzero_ps(); G];
+        for r in 0..R {
+            let kv = load16(k.add(16 * r));
+            for g in 0..G {
+                acc[g] = _mm512_fmadd_ps(qv[g][r], kv, acc[g]);
+            }
+        }
+        for g in 0..G {
+            let score = _mm512_reduce_add_ps(acc[g]) * scale;
+            scores[g * bs + i] = score;
+            maxes[g] = maxes[g].max(score);
+        }
+    }
+}
+
+/// `accumulate_group` for `G` query heads of `16 * R` floats: each value
+/// row is loaded once for every head.
+#[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register tiles
+unsafe fn accumulate_group_regs<const R: usize, const G: usize, T: KvElement>(
+    acc: &mut [f32],
+    corrections: &[f32],
+    probs: &[f32],
+    values: &[T],
+    base: usize,
+    stride: usize,
+    bs: usize,
+    n: usize,
+) {
+    let d = 16 * R;
+    let mut av = [[_mm512_setzero_ps(); R]; G];
+    for (g, head) in av.iter_mut().enumerate() {
+        let c = _mm512_set1_ps(corrections[g]);
+        for (r, v) in head.iter_mut().enumerate() {
+            *v = _mm512_mul_ps(_mm512_loadu_ps(acc.as_ptr().add(g * d + 16 * r)), c);
+        }
+    }
+    for j in 0..n {
+        let x = values.as_ptr().add(base + j * stride);
+        let mut p = [_mm512_setzero_ps(); G];
+        for (g, p) in p.iter_mut().enumerate() {
+            *p = _mm512_set1_ps(*probs.get_unchecked(g * bs + j));
+        }
+        for r in 0..R {
+            let v = load16(x.add(16 * r));
+            for g in 0..G {
+                av[g][r] = _mm512_fmadd_ps(p[g], v, av[g][r]);
+            }
+        }
+    }
+    for (g, head) in av.iter().enumerate() {
+        for (r, v) in head.iter().enumerate() {
+            _mm512_storeu_ps(acc.as_mut_ptr().add(g * d + 16 * r), *v);
+        }
+    }
+}
+
 // SAFETY (every method): only reached from `run_row_avx512`, where AVX-512 F
 // (and AVX2, FMA, F16C) are enabled; `validate` has checked that every key
 // and value row `base + j * stride .. + d` lies inside the cache, and
@@ -152,6 +267,92 @@ impl VectorOps for Avx512 {
                 96 => accumulate_regs::<6, T>(acc, correction, probs, values, base, stride),
                 128 => accumulate_regs::<8, T>(acc, correction, probs, values, base, stride),
                 _ => Avx2::accumulate(acc, correction, probs, values, base, stride),
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn scores_group<T: KvElement>(
+        q: &[f32],
+        keys: &[T],
+        base: usize,
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+        (d, bs, n): (usize, usize, usize),
+        maxes: &mut [f32],
+    ) {
+        // Head sizes and group sizes whose queries and partial sums fit the
+        // 32 registers (G * (R + 4) of them); others go head by head.
+        macro_rules! grouped {
+            ($r:literal, $g:literal) => {
+                unsafe {
+                    scores_group_regs::<$r, $g, T>(
+                        q, keys, base, stride, scale, scores, bs, n, maxes,
+                    )
+                }
+            };
+        }
+        match (d, maxes.len()) {
+            (16, 2) => grouped!(1, 2),
+            (16, 3) => grouped!(1, 3),
+            (16, 4) => grouped!(1, 4),
+            (32, 2) => grouped!(2, 2),
+            (32, 3) => grouped!(2, 3),
+            (32, 4) => grouped!(2, 4),
+            (64, 2) => grouped!(4, 2),
+            (64, 3) => grouped!(4, 3),
+            _ => {
+                for (g, max) in maxes.iter_mut().enumerate() {
+                    let q = &q[g * d..(g + 1) * d];
+                    let out = &mut scores[g * bs..g * bs + n];
+                    *max = Self::scores(q, keys, base, stride, scale, out);
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate_group<T: KvElement>(
+        acc: &mut [f32],
+        corrections: &[f32],
+        probs: &[f32],
+        values: &[T],
+        base: usize,
+        stride: usize,
+        (d, bs, n): (usize, usize, usize),
+    ) {
+        macro_rules! grouped {
+            ($r:literal, $g:literal) => {
+                unsafe {
+                    accumulate_group_regs::<$r, $g, T>(
+                        acc,
+                        corrections,
+                        probs,
+                        values,
+                        base,
+                        stride,
+                        bs,
+                        n,
+                    )
+                }
+            };
+        }
+        match (d, corrections.len()) {
+            (16, 2) => grouped!(1, 2),
+            (16, 3) => grouped!(1, 3),
+            (16, 4) => grouped!(1, 4),
+            (32, 2) => grouped!(2, 2),
+            (32, 3) => grouped!(2, 3),
+            (32, 4) => grouped!(2, 4),
+            (64, 2) => grouped!(4, 2),
+            (64, 3) => grouped!(4, 3),
+            _ => {
+                for (g, &c) in corrections.iter().enumerate() {
+                    let probs = &probs[g * bs..g * bs + n];
+                    let acc = &mut acc[g * d..(g + 1) * d];
+                    Self::accumulate(acc, c, probs, values, base, stride);
+                }
             }
         }
     }

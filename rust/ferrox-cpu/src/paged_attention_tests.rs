@@ -85,7 +85,8 @@ fn case() -> impl Strategy<Value = Case> {
             Just((3, 1)),
             Just((4, 2)),
             Just((8, 1)),
-            Just((6, 3))
+            Just((6, 3)),
+            Just((4, 1))
         ],
         prop_oneof![
             Just(8usize),
