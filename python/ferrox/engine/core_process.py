@@ -5,7 +5,6 @@ checks the scheduler's invariants (at most once every few seconds)."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -64,10 +63,6 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                 )
             )
         )
-        # What loading built (modules, tokenizer tables) lives as long as the
-        # process: out of the collector's way, full collections stay cheap.
-        gc.collect()
-        gc.freeze()
         EngineLoop(engine, inputs, outputs, parent).run()
         engine.close()
     except BaseException as e:  # a panic in the native core is a BaseException
