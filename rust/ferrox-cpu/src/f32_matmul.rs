@@ -2,7 +2,10 @@
 //! few rows of a decode step: the fused decoder layer's linear layers when a
 //! model is held in float32 (`decoder_layer`). Four weight rows at a time
 //! against each activation row, so the four rows stay in L1 across the M
-//! activation rows.
+//! activation rows; with AVX-512 and many rows, sixteen weight rows
+//! transposed once per call into a panel, so that each activation element,
+//! broadcast, multiplies sixteen weights in one instruction and no dot
+//! product needs a horizontal sum.
 
 use crate::pool::run_parts;
 use crate::quant_matmul::{OutPtr, QuantShapeError};
@@ -41,10 +44,10 @@ pub fn f32_matmul(args: &F32MatmulArgs<'_>, out: &mut [f32]) -> Result<(), Quant
     }
     let work = (args.m * args.n * args.k).div_ceil(WORK_PER_THREAD);
     let threads = args.num_threads.min(work).min(args.n.div_ceil(4)).max(1);
-    // Column ranges in whole groups of four.
-    let per = args.n.div_ceil(4).div_ceil(threads) * 4;
+    let (kernel, unit) = select_kernel(args.m);
+    // Column ranges in whole groups (panels) of the kernel's width.
+    let per = args.n.div_ceil(unit).div_ceil(threads) * unit;
     let ptr = OutPtr(out.as_mut_ptr());
-    let kernel = select_kernel();
     run_parts(threads, &|part| {
         let start = part * per;
         let end = ((part + 1) * per).min(args.n);
@@ -59,12 +62,22 @@ pub fn f32_matmul(args: &F32MatmulArgs<'_>, out: &mut [f32]) -> Result<(), Quant
 
 type Kernel = unsafe fn(&F32MatmulArgs<'_>, usize, usize, *mut f32);
 
-fn select_kernel() -> Kernel {
+/// Rows from which the AVX-512 panel kernel runs: below, transposing its
+/// panels costs more than it saves.
+const PANEL_MIN_ROWS: usize = 8;
+const PANEL: usize = 16;
+
+/// The kernel for `m` rows and the column width its ranges come in.
+fn select_kernel(m: usize) -> (Kernel, usize) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        return columns_avx2;
+        if m >= PANEL_MIN_ROWS && std::is_x86_feature_detected!("avx512f") {
+            return (columns_avx512, PANEL);
+        }
+        return (columns_avx2, 4);
     }
-    columns_portable
+    let _ = m;
+    (columns_portable, 4)
 }
 
 /// Columns `start..end` of the output.
@@ -139,6 +152,77 @@ unsafe fn columns_avx2(args: &F32MatmulArgs<'_>, start: usize, end: usize, out: 
     }
 }
 
+/// Rows `i0..i0 + R` of one panel's sixteen columns: acc[r] += x[i0 + r][t]
+/// (broadcast) * panel[t] for every t.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn panel_rows<const R: usize>(
+    args: &F32MatmulArgs<'_>,
+    panel: &[f32],
+    col: usize,
+    i0: usize,
+    out: *mut f32,
+) {
+    use std::arch::x86_64::*;
+
+    let k = args.k;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for t in 0..k {
+        let w = _mm512_loadu_ps(panel.as_ptr().add(t * PANEL));
+        for (r, a) in acc.iter_mut().enumerate() {
+            let x = _mm512_set1_ps(*args.x.get_unchecked((i0 + r) * k + t));
+            *a = _mm512_fmadd_ps(x, w, *a);
+        }
+    }
+    let bias = match args.bias {
+        Some(b) => _mm512_loadu_ps(b.as_ptr().add(col)),
+        None => _mm512_setzero_ps(),
+    };
+    for (r, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(out.add((i0 + r) * args.n + col), _mm512_add_ps(*a, bias));
+    }
+}
+
+/// # Safety
+/// The CPU has AVX-512 F, AVX2 and FMA; `out` points to M * N floats; no
+/// other thread writes these columns.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn columns_avx512(args: &F32MatmulArgs<'_>, start: usize, end: usize, out: *mut f32) {
+    const ROWS: usize = 8;
+    let k = args.k;
+    let mut panel = vec![0f32; k * PANEL];
+    let mut col = start;
+    while col + PANEL <= end {
+        // panel[t][c] = w[col + c][t]
+        for c in 0..PANEL {
+            let row = &args.w[(col + c) * k..(col + c + 1) * k];
+            for (t, &v) in row.iter().enumerate() {
+                *panel.get_unchecked_mut(t * PANEL + c) = v;
+            }
+        }
+        let mut i = 0;
+        while i < args.m {
+            let rows = (args.m - i).min(ROWS);
+            match rows {
+                1 => panel_rows::<1>(args, &panel, col, i, out),
+                2 => panel_rows::<2>(args, &panel, col, i, out),
+                3 => panel_rows::<3>(args, &panel, col, i, out),
+                4 => panel_rows::<4>(args, &panel, col, i, out),
+                5 => panel_rows::<5>(args, &panel, col, i, out),
+                6 => panel_rows::<6>(args, &panel, col, i, out),
+                7 => panel_rows::<7>(args, &panel, col, i, out),
+                _ => panel_rows::<ROWS>(args, &panel, col, i, out),
+            }
+            i += rows;
+        }
+        col += PANEL;
+    }
+    if col < end {
+        columns_avx2(args, col, end, out);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,9 +243,9 @@ mod tests {
     proptest! {
         #[test]
         fn matches_reference(
-            m in 1usize..6,
+            m in 1usize..20, // the panel kernel from PANEL_MIN_ROWS rows
             k in 1usize..70,
-            n in 1usize..14,
+            n in 1usize..40, // whole panels of 16 and the columns past them
             threads in 1usize..4,
             with_bias in any::<bool>(),
             seed in any::<u64>(),
