@@ -308,7 +308,7 @@ unsafe fn run_row_avx512<T: KvElement>(
 
 /// The vector loops of the kernel over one block of keys: a portable
 /// version the compiler may vectorise, an AVX2/FMA one and an AVX-512 one.
-trait VectorOps {
+trait VectorOps: Sized {
     /// scores[j] = scale * q . k_j for the block's keys (k_j at `base + j *
     /// stride`); returns the largest score.
     fn scores<T: KvElement>(
@@ -344,25 +344,14 @@ trait VectorOps {
         stride: usize,
         scale: f32,
         scores: &mut [f32],
-        (d, bs, n): (usize, usize, usize),
+        shape: (usize, usize, usize),
         maxes: &mut [f32],
     ) {
-        for (g, max) in maxes.iter_mut().enumerate() {
-            let q = &q[g * d..(g + 1) * d];
-            *max = Self::scores(
-                q,
-                keys,
-                base,
-                stride,
-                scale,
-                &mut scores[g * bs..g * bs + n],
-            );
-        }
+        scores_by_head::<Self, T>(q, keys, base, stride, scale, scores, shape, maxes)
     }
 
     /// `accumulate` for the query heads that share one KV head (one
     /// correction each, accumulators `d` apart, probabilities `bs` apart).
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn accumulate_group<T: KvElement>(
         acc: &mut [f32],
@@ -371,12 +360,52 @@ trait VectorOps {
         values: &[T],
         base: usize,
         stride: usize,
-        (d, bs, n): (usize, usize, usize),
+        shape: (usize, usize, usize),
     ) {
-        for (g, &c) in corrections.iter().enumerate() {
-            let probs = &probs[g * bs..g * bs + n];
-            Self::accumulate(&mut acc[g * d..(g + 1) * d], c, probs, values, base, stride);
-        }
+        accumulate_by_head::<Self, T>(acc, corrections, probs, values, base, stride, shape)
+    }
+}
+
+/// `VectorOps::scores_group` one head at a time.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn scores_by_head<V: VectorOps, T: KvElement>(
+    q: &[f32],
+    keys: &[T],
+    base: usize,
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+    (d, bs, n): (usize, usize, usize),
+    maxes: &mut [f32],
+) {
+    for (g, max) in maxes.iter_mut().enumerate() {
+        let q = &q[g * d..(g + 1) * d];
+        *max = V::scores(
+            q,
+            keys,
+            base,
+            stride,
+            scale,
+            &mut scores[g * bs..g * bs + n],
+        );
+    }
+}
+
+/// `VectorOps::accumulate_group` one head at a time.
+#[inline(always)]
+fn accumulate_by_head<V: VectorOps, T: KvElement>(
+    acc: &mut [f32],
+    corrections: &[f32],
+    probs: &[f32],
+    values: &[T],
+    base: usize,
+    stride: usize,
+    (d, bs, n): (usize, usize, usize),
+) {
+    for (g, &c) in corrections.iter().enumerate() {
+        let probs = &probs[g * bs..g * bs + n];
+        V::accumulate(&mut acc[g * d..(g + 1) * d], c, probs, values, base, stride);
     }
 }
 

@@ -5,7 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::Avx2;
-use super::VectorOps;
+use super::{accumulate_by_head, scores_by_head, VectorOps};
 use crate::kv_element::KvElement;
 
 pub struct Avx512;
@@ -222,6 +222,26 @@ unsafe fn accumulate_group_regs<const R: usize, const G: usize, T: KvElement>(
     }
 }
 
+/// `$f::<R, G, T>(args)` for the head sizes (16 R) and group sizes (G) whose
+/// queries and partial sums fit the 32 registers (G * (R + 4) of them),
+/// else `$fallback` (head by head).
+macro_rules! grouped {
+    ($d:expr, $g:expr, $f:ident($($arg:expr),* $(,)?), $fallback:expr) => {
+        match ($d, $g) {
+            // SAFETY (each arm): as for every method below.
+            (16, 2) => unsafe { $f::<1, 2, T>($($arg),*) },
+            (16, 3) => unsafe { $f::<1, 3, T>($($arg),*) },
+            (16, 4) => unsafe { $f::<1, 4, T>($($arg),*) },
+            (32, 2) => unsafe { $f::<2, 2, T>($($arg),*) },
+            (32, 3) => unsafe { $f::<2, 3, T>($($arg),*) },
+            (32, 4) => unsafe { $f::<2, 4, T>($($arg),*) },
+            (64, 2) => unsafe { $f::<4, 2, T>($($arg),*) },
+            (64, 3) => unsafe { $f::<4, 3, T>($($arg),*) },
+            _ => $fallback,
+        }
+    };
+}
+
 // SAFETY (every method): only reached from `run_row_avx512`, where AVX-512 F
 // (and AVX2, FMA, F16C) are enabled; `validate` has checked that every key
 // and value row `base + j * stride .. + d` lies inside the cache, and
@@ -279,37 +299,16 @@ impl VectorOps for Avx512 {
         stride: usize,
         scale: f32,
         scores: &mut [f32],
-        (d, bs, n): (usize, usize, usize),
+        shape: (usize, usize, usize),
         maxes: &mut [f32],
     ) {
-        // Head sizes and group sizes whose queries and partial sums fit the
-        // 32 registers (G * (R + 4) of them); others go head by head.
-        macro_rules! grouped {
-            ($r:literal, $g:literal) => {
-                unsafe {
-                    scores_group_regs::<$r, $g, T>(
-                        q, keys, base, stride, scale, scores, bs, n, maxes,
-                    )
-                }
-            };
-        }
-        match (d, maxes.len()) {
-            (16, 2) => grouped!(1, 2),
-            (16, 3) => grouped!(1, 3),
-            (16, 4) => grouped!(1, 4),
-            (32, 2) => grouped!(2, 2),
-            (32, 3) => grouped!(2, 3),
-            (32, 4) => grouped!(2, 4),
-            (64, 2) => grouped!(4, 2),
-            (64, 3) => grouped!(4, 3),
-            _ => {
-                for (g, max) in maxes.iter_mut().enumerate() {
-                    let q = &q[g * d..(g + 1) * d];
-                    let out = &mut scores[g * bs..g * bs + n];
-                    *max = Self::scores(q, keys, base, stride, scale, out);
-                }
-            }
-        }
+        let (d, bs, n) = shape;
+        grouped!(
+            d,
+            maxes.len(),
+            scores_group_regs(q, keys, base, stride, scale, scores, bs, n, maxes),
+            scores_by_head::<Self, T>(q, keys, base, stride, scale, scores, shape, maxes)
+        )
     }
 
     #[inline(always)]
@@ -320,41 +319,15 @@ impl VectorOps for Avx512 {
         values: &[T],
         base: usize,
         stride: usize,
-        (d, bs, n): (usize, usize, usize),
+        shape: (usize, usize, usize),
     ) {
-        macro_rules! grouped {
-            ($r:literal, $g:literal) => {
-                unsafe {
-                    accumulate_group_regs::<$r, $g, T>(
-                        acc,
-                        corrections,
-                        probs,
-                        values,
-                        base,
-                        stride,
-                        bs,
-                        n,
-                    )
-                }
-            };
-        }
-        match (d, corrections.len()) {
-            (16, 2) => grouped!(1, 2),
-            (16, 3) => grouped!(1, 3),
-            (16, 4) => grouped!(1, 4),
-            (32, 2) => grouped!(2, 2),
-            (32, 3) => grouped!(2, 3),
-            (32, 4) => grouped!(2, 4),
-            (64, 2) => grouped!(4, 2),
-            (64, 3) => grouped!(4, 3),
-            _ => {
-                for (g, &c) in corrections.iter().enumerate() {
-                    let probs = &probs[g * bs..g * bs + n];
-                    let acc = &mut acc[g * d..(g + 1) * d];
-                    Self::accumulate(acc, c, probs, values, base, stride);
-                }
-            }
-        }
+        let (d, bs, n) = shape;
+        grouped!(
+            d,
+            corrections.len(),
+            accumulate_group_regs(acc, corrections, probs, values, base, stride, bs, n),
+            accumulate_by_head::<Self, T>(acc, corrections, probs, values, base, stride, shape)
+        )
     }
 
     #[inline(always)]
