@@ -13,7 +13,7 @@
 //! float32 or float16 (`KvElement`); queries and outputs are float32.
 
 use std::fmt;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use crate::kv_element::KvElement;
 use crate::pool::run_parts;
@@ -164,8 +164,10 @@ impl Loops {
         all
     }
 
+    /// The widest, found once (every call asks).
     fn best() -> Loops {
-        *Self::supported().last().expect("the portable loops")
+        static BEST: OnceLock<Loops> = OnceLock::new();
+        *BEST.get_or_init(|| *Self::supported().last().expect("the portable loops"))
     }
 }
 

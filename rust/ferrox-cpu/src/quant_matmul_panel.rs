@@ -12,7 +12,7 @@
 //! built once per eight columns and serves every row of the call (it stays
 //! in L1: 320 bytes per block), so the interleaving costs little when
 //! several rows share it; the pair kernel (`quant_matmul_avx2`) stays for
-//! one or two rows and for the columns past the last whole panel.
+//! one or two Q4_1 rows and for the columns past the last whole panel.
 //!
 //! Q4_1 nibbles are unsigned, so `maddubs` takes them as they are, and the
 //! 16-bit sums of a whole block cannot overflow (8 groups x 2 x 15 x 127 =
