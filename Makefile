@@ -14,6 +14,7 @@ lint:
 	$(PYTHON) -m ruff check python tests benches
 	$(PYTHON) -m ruff format --check python tests benches
 	$(PYTHON) -m mypy python/ferrox
+	lint-imports
 
 test-rust:
 	cargo test --workspace

@@ -18,8 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
-from ferrox import LLM, SamplingParams  # isort: skip  (before torch: see the README)
-from ferrox.loader import default_model_path
+from ferrox import LLM, SamplingParams  # isort: skip  (before torch: see docs/performance.md)
+from ferrox.model_files import default_model_path
 
 PROMPT = [1, *range(1000, 1255)]  # 256 tokens
 NEW_TOKENS = 128

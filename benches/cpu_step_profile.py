@@ -17,7 +17,7 @@ import cProfile
 import pstats
 import time
 
-from ferrox import LLM, SamplingParams  # isort: skip  (before torch: see the README)
+from ferrox import LLM, SamplingParams  # isort: skip  (before torch: see docs/performance.md)
 import numpy as np
 import torch
 

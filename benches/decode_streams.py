@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-import ferrox  # noqa: F401  (before torch: see README, Performance)
+import ferrox  # noqa: F401  (before torch: see docs/performance.md)
 from ferrox import LLM, SamplingParams
 from ferrox.layers import quant_linear
 

@@ -8,7 +8,7 @@ written after every part and on any error, so a late failure loses nothing.
     input embedding table, plus the context's KV cache, over the device's
     copy bandwidth measured here).
 (c) CUDA graphs on against off: decode step time at batch 1 and 64.
-(d) The Triton dequantize-GEMM (q4_1, q8_0 blocks; kernels/quant_matmul.py)
+(d) The Triton dequantize-GEMM (q4_1, q8_0 blocks; triton_kernels/quant_matmul.py)
     against torch's bf16 matmul on the same shapes (Llama-3-8B projections),
     1, 16 and 256 rows: median ms and the ratio.
 (b) 256 requests of 512 random prompt tokens and 256 output tokens: ferrox
@@ -192,8 +192,8 @@ def part_d(out: dict[str, Any], args: argparse.Namespace, deadline: float) -> No
     if args.dry_run:
         out["d"] = {"skipped": "needs a GPU"}
         return
-    from ferrox.kernels.quant_matmul import dequant_matmul, split_blocks
     from ferrox.layers.quant_linear import quantize
+    from ferrox.triton_kernels.quant_matmul import dequant_matmul, split_blocks
 
     out["d"] = {}
     for n, k in ((4096, 4096), (14336, 4096)):

@@ -107,9 +107,9 @@ small_args=()
 status=0
 phase kernels-full-size 150 "$out/pytest-kernels-full.log" \
   python3 -m pytest "${pytest_args[@]}" --junitxml="$out/junit-kernels-full.xml" \
-  -m gpu tests/test_triton_kernels.py || status=1
+  -m gpu tests/kernels/test_triton_kernels.py || status=1
 phase gpu-engine 180 "$out/pytest-gpu.log" \
-  python3 -m pytest "${pytest_args[@]}" --junitxml="$out/junit-gpu.xml" tests/test_gpu.py \
+  python3 -m pytest "${pytest_args[@]}" --junitxml="$out/junit-gpu.xml" tests/gpu/test_gpu.py \
   || status=1
 # The benchmark keeps its own deadline 20 s inside its time box, and writes
 # its JSON after every part.
@@ -120,7 +120,7 @@ phase bench "$bench_limit" "$out/bench.log" \
   "${dry_flag[@]}" || status=1
 phase kernels-small 120 "$out/pytest-kernels-small.log" \
   python3 -m pytest "${pytest_args[@]}" "${small_args[@]}" \
-  --junitxml="$out/junit-kernels-small.xml" -m "not gpu" tests/test_triton_kernels.py || status=1
+  --junitxml="$out/junit-kernels-small.xml" -m "not gpu" tests/kernels/test_triton_kernels.py || status=1
 python3 benches/gpu_check.py summary "$out" || status=1
 echo "results in $out ($((SECONDS - start)) s)"
 exit $status

@@ -49,8 +49,8 @@ def make_model(folder: Path) -> Path:
     """config.json of the tiny Llama plus the default model's tokenizer."""
     from transformers import LlamaConfig
 
-    from ferrox.loader.default import default_model_path
-    from ferrox.loader.gguf_reader import load_gguf_tokenizer
+    from ferrox.model_files.default import default_model_path
+    from ferrox.model_files.gguf_reader import load_gguf_tokenizer
 
     config = LlamaConfig(
         vocab_size=VOCAB,

@@ -71,7 +71,7 @@ def run_ferrox(w: Workload, model: str | None) -> tuple[float, int]:
 def hf_model(model: str | None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from ferrox.loader import default_model_path, load_gguf
+    from ferrox.model_files import default_model_path, load_gguf
 
     path = model or str(default_model_path())
     if path.endswith(".gguf"):

@@ -24,10 +24,10 @@ import statistics
 import time
 from pathlib import Path
 
-import ferrox  # noqa: F401  (before torch: see README, Performance)
+import ferrox  # noqa: F401  (before torch: see docs/performance.md)
 from ferrox import LLM, SamplingParams
 from ferrox.layers.quant_linear import DEQUANTIZE_ABOVE_ROWS
-from ferrox.loader import default_model_path
+from ferrox.model_files import default_model_path
 
 # (label, quantization, kv_cache_dtype)
 MODES = [

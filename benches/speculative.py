@@ -298,7 +298,7 @@ def draft(max_tokens: int, streams: list[int], repeats: int) -> dict[str, Any]:
     from transformers import LlamaConfig
 
     from ferrox import SamplingParams
-    from ferrox.loader import default_model_path
+    from ferrox.model_files import default_model_path
 
     target = str(default_model_path())
     with tempfile.TemporaryDirectory() as tmp:

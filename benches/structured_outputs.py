@@ -35,8 +35,9 @@ from typing import Any
 
 import ferrox  # noqa: F401 (before torch work: ferrox tunes OpenMP for its CPU kernels)
 from ferrox import LLM, SamplingParams
-from ferrox.engine.grammar import GrammarEngine, GrammarStats
-from ferrox.structured_outputs import StructuredOutputsParams
+from ferrox.common.structured_outputs import StructuredOutputsParams
+from ferrox.engine.structured_output.grammar import GrammarEngine
+from ferrox.runner.token_bitmask import GrammarStats
 
 # An extraction record, as a data-processing job would ask for: a list of
 # them, long enough never to end inside the token budget.

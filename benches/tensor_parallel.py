@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-import ferrox  # noqa: F401  (before torch: see README, "On the CPU")
+import ferrox  # noqa: F401  (before torch: see docs/performance.md)
 from ferrox.bench.latency import measure
 from ferrox.llm import LLM
 

@@ -35,7 +35,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 
 
 def peer_dir() -> Path:
-    from ferrox.loader.default import cache_dir
+    from ferrox.model_files.default import cache_dir
 
     out = cache_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
     out.mkdir(parents=True, exist_ok=True)
@@ -291,8 +291,8 @@ def main() -> None:
         print(f"llama-cpp-python {LLAMA_CPP_PYTHON} and {server_bin} are ready")
         return
 
-    from ferrox.loader import default_model_path
-    from ferrox.loader.gguf_reader import load_gguf_tokenizer
+    from ferrox.model_files import default_model_path
+    from ferrox.model_files.gguf_reader import load_gguf_tokenizer
 
     gguf = default_model_path()
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.ferrox_option)}

@@ -23,8 +23,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from ferrox.errors import ModelLoadError
-    from ferrox.loader import default_model_path
+    from ferrox.common.errors import ModelLoadError
+    from ferrox.model_files import default_model_path
 
     try:
         return default_model_path()

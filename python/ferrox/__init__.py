@@ -1,39 +1,32 @@
 """ferrox: an LLM inference engine with a Rust scheduling core."""
 
 import importlib
-import os
-import sys
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
-# GNU OpenMP workers otherwise spin for a long while after each torch op and
-# steal the cores from the native kernels that run between ops. It only takes
-# effect when ferrox is imported before torch; an explicit setting wins.
-OPENMP_SPIN_LIMITED = "torch" not in sys.modules or "GOMP_SPINCOUNT" in os.environ
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# First: the OpenMP setting must precede any torch import (see common/runtime.py).
+from ferrox.common.runtime import __version__
 
 # The public names load on first use: `import ferrox` alone (as the server's
 # frontend process does) pulls in neither torch nor the model code.
 _EXPORTS = {
     "LLM": "ferrox.llm",
-    "AsyncLLM": "ferrox.async_llm",
-    "CompletionOutput": "ferrox.outputs",
-    "EngineConfig": "ferrox.config",
-    "Logprob": "ferrox.outputs",
-    "RequestMetrics": "ferrox.outputs",
-    "RequestOutput": "ferrox.outputs",
-    "SamplingParams": "ferrox.sampling_params",
-    "StructuredOutputsParams": "ferrox.structured_outputs",
+    "AsyncLLM": "ferrox.frontend.async_llm",
+    "CompletionOutput": "ferrox.common.outputs",
+    "EngineConfig": "ferrox.common.config",
+    "Logprob": "ferrox.common.outputs",
+    "RequestMetrics": "ferrox.common.outputs",
+    "RequestOutput": "ferrox.common.outputs",
+    "SamplingParams": "ferrox.common.sampling_params",
+    "StructuredOutputsParams": "ferrox.common.structured_outputs",
 }
 
 if TYPE_CHECKING:
-    from ferrox.async_llm import AsyncLLM
-    from ferrox.config import EngineConfig
+    from ferrox.common.config import EngineConfig
+    from ferrox.common.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from ferrox.common.sampling_params import SamplingParams
+    from ferrox.common.structured_outputs import StructuredOutputsParams
+    from ferrox.frontend.async_llm import AsyncLLM
     from ferrox.llm import LLM
-    from ferrox.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-    from ferrox.sampling_params import SamplingParams
-    from ferrox.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import ferrox
-from ferrox.cli_options import add_engine_arguments, engine_options
-from ferrox.errors import FerroxError
+from ferrox.common.engine_args import add_engine_arguments, engine_options
+from ferrox.common.errors import FerroxError
+from ferrox.common.runtime import __version__
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ferrox", description="ferrox: LLM inference with a Rust scheduling core"
     )
-    parser.add_argument("--version", action="version", version=f"ferrox {ferrox.__version__}")
+    parser.add_argument("--version", action="version", version=f"ferrox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
@@ -151,9 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    config = ferrox.EngineConfig.create(**engine_options(args))
-    print(f"ferrox {ferrox.__version__}")
-    print(f"device: {config.torch_device}, dtype: {config.torch_dtype}")
+    from ferrox.common.config import EngineConfig
+    from ferrox.parallel.device import torch_device, torch_dtype
+
+    config = EngineConfig.create(**engine_options(args))
+    print(f"ferrox {__version__}")
+    print(f"device: {torch_device(config)}, dtype: {torch_dtype(config)}")
     print(config)
     return 0
 

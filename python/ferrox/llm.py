@@ -10,12 +10,12 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from ferrox.config import EngineConfig
+from ferrox.common.config import EngineConfig
+from ferrox.common.errors import InvalidArgumentError, error_class
+from ferrox.common.outputs import RequestOutput
+from ferrox.common.sampling_params import SamplingParams
 from ferrox.engine.core import EngineCore
-from ferrox.errors import InvalidArgumentError, error_class
 from ferrox.frontend.output_processor import OutputProcessor
-from ferrox.outputs import RequestOutput
-from ferrox.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 Message = dict[str, Any]

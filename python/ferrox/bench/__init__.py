@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ferrox.errors import MissingDependencyError
+from ferrox.common.errors import MissingDependencyError
 
 
 def require_bench_extra(module: str, purpose: str) -> ModuleType:

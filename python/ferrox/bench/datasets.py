@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ferrox.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError
 
 DATASETS = ("random", "shared-prefix", "chat", "agent", "batch", "sharegpt")
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ferrox.cli_options import add_engine_arguments, engine_options
-from ferrox.sampling_params import SamplingParams
+from ferrox.common.engine_args import add_engine_arguments, engine_options
+from ferrox.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ferrox.engine.core import EngineCore
@@ -62,6 +62,8 @@ def main(args: argparse.Namespace) -> int:
     ][1:]  # the first run warms up
     prefill = float(np.median([r["prefill_s"] for r in runs]))
     step = float(np.median([r["decode_step_s"] for r in runs]))
+    from ferrox.parallel.device import torch_device, torch_dtype
+
     result = {
         "batch_size": args.batch_size,
         "input_len": args.input_len,
@@ -70,8 +72,8 @@ def main(args: argparse.Namespace) -> int:
         "prefill_tok_s": args.batch_size * args.input_len / prefill,
         "decode_step_ms": step * 1e3,
         "decode_tok_s": args.batch_size / step,
-        "device": str(llm.config.torch_device),
-        "dtype": str(llm.config.torch_dtype),
+        "device": str(torch_device(llm.config)),
+        "dtype": str(torch_dtype(llm.config)),
     }
     print(
         f"batch {args.batch_size} x {args.input_len} in / {args.output_len} out "

@@ -35,7 +35,7 @@ from ferrox.bench.datasets import (
     add_dataset_arguments,
     build_sessions,
 )
-from ferrox.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError
 
 
 @dataclass
@@ -121,8 +121,8 @@ def apply_presets(args: argparse.Namespace) -> None:
 
 
 def load_tokenizer(path: str | None) -> Any:
-    from ferrox.config import EngineConfig
-    from ferrox.loader.tokenizer import load_tokenizer as load
+    from ferrox.common.config import EngineConfig
+    from ferrox.model_files.tokenizer import load_tokenizer as load
 
     return load(EngineConfig.create(model=path))
 

@@ -16,10 +16,11 @@ import msgspec
 import zmq
 
 from ferrox._native import SchedulerStats
-from ferrox.config import EngineConfig
-from ferrox.engine import protocol as p
-from ferrox.engine.core import EngineCore, is_fatal
-from ferrox.errors import FerroxError
+from ferrox.common import protocol as p
+from ferrox.common.config import EngineConfig
+from ferrox.common.errors import FerroxError
+from ferrox.engine.core import EngineCore
+from ferrox.parallel.device import torch_device, torch_dtype
 
 logger = logging.getLogger("ferrox.engine")
 IDLE_POLL_MS = 50
@@ -58,8 +59,8 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                     num_kv_blocks=engine.runner.num_kv_blocks,
                     block_size=engine.config.block_size,
                     load_seconds=engine.loaded.load_seconds,
-                    device=str(engine.config.torch_device),
-                    dtype=str(engine.config.torch_dtype).removeprefix("torch."),
+                    device=str(torch_device(engine.config)),
+                    dtype=str(torch_dtype(engine.config)).removeprefix("torch."),
                 )
             )
         )
@@ -172,7 +173,7 @@ class EngineLoop:
             except FerroxError as e:
                 self.failed.append(p.RequestFailed(msg.request_id, type(e).__name__, str(e)))
             except Exception as e:  # adding failed unexpectedly: this request only
-                if is_fatal(e):
+                if engine.executor.is_fatal(e):
                     raise
                 logger.error("adding %s failed:\n%s", msg.request_id, traceback.format_exc())
                 message = f"adding the request failed: {type(e).__name__}: {e}"
@@ -190,7 +191,7 @@ class EngineLoop:
                 else:
                     engine.stop_profile()
             except Exception as e:  # a control message never stops the engine
-                if is_fatal(e):
+                if engine.executor.is_fatal(e):
                     raise
                 logger.error("%s: %s", type(msg).__name__, e)
         elif isinstance(msg, p.ResetPrefixCache):

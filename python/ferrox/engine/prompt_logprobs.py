@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferrox._native import BatchPlan
-from ferrox.engine.protocol import PromptLogprobs, TokenLogprobs
+from ferrox.common.protocol import PromptLogprobs, TokenLogprobs
 from ferrox.engine.sequence import SequenceState
 
 
@@ -44,3 +44,22 @@ def wire_prompt_logprobs(request_id: str, start: int, entry: Any) -> PromptLogpr
             top_logprobs=entry.top_logprobs.tolist() if has_top else [[] for _ in range(n)],
         ),
     )
+
+
+def prompt_logprobs_of(
+    plan: BatchPlan, out: Any, seqs: Mapping[int, SequenceState]
+) -> list[PromptLogprobs]:
+    """The step's prompt logprobs as messages (`out`: the RunnerOutput),
+    skipping sequences that ended and chunks recomputed after preemption."""
+    wire = []
+    for entry in out.prompt_logprobs:
+        seq = seqs.get(int(plan.req_ids[entry.row]))
+        if seq is None:
+            continue  # ended while the step ran
+        req = seq.request
+        start = int(plan.num_computed_tokens[entry.row])
+        if req.num_prompt_logprobs != start + 1:
+            continue  # a chunk recomputed after preemption
+        req.num_prompt_logprobs += len(entry.token_logprobs)
+        wire.append(wire_prompt_logprobs(req.request_id, start + 1, entry))
+    return wire

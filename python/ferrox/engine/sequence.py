@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ferrox.engine.protocol import TokenLogprobs
-from ferrox.outputs import FinishReason
+from ferrox.common.outputs import FinishReason
+from ferrox.common.protocol import SequenceDelta, TokenLogprobs
+from ferrox.common.sampling_params import SamplingParams
 from ferrox.runner.sampling_batch import PenaltyState
-from ferrox.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrox.runner.model_runner import RunnerOutput
 
 
 @dataclass
@@ -68,3 +71,54 @@ class EngineRequest:
 
 def now() -> float:
     return time.time()
+
+
+def add_logprobs(seq: SequenceState, out: RunnerOutput, i: int) -> None:
+    """Sample position i's logprobs, for a sequence that asked for them."""
+    k = seq.params.logprobs
+    row = None if k is None else out.row_logprobs(i, k)
+    if row is None:
+        return
+    lp, rank, top_ids, top_lps = row
+    pending = seq.pending_logprobs
+    if pending is None:
+        pending = seq.pending_logprobs = TokenLogprobs([], [], [], [])
+    pending.logprobs.append(lp)
+    pending.ranks.append(rank)
+    pending.top_ids.append(top_ids)
+    pending.top_logprobs.append(top_lps)
+
+
+def append_sampled(seqs: list[SequenceState], out: RunnerOutput, logprobs: bool) -> None:
+    """Each sequence gains its row's sampled token (and its logprobs)."""
+    t_now = None
+    for seq, tok in zip(seqs, out.sampled.tolist(), strict=True):
+        output = seq.output_token_ids
+        output.append(tok)
+        if len(output) == 1:
+            seq.first_token_time = t_now = t_now or now()
+    if logprobs:
+        for i, seq in enumerate(seqs):
+            add_logprobs(seq, out, i)
+
+
+def delta_of(seq: SequenceState) -> SequenceDelta:
+    """The sequence's tokens (and logprobs) not sent yet, as a delta."""
+    start = seq.num_sent_tokens
+    seq.num_sent_tokens = len(seq.output_token_ids)
+    first = start == 0
+    logprobs, seq.pending_logprobs = seq.pending_logprobs, None
+    return SequenceDelta(
+        request_id=seq.request.request_id,
+        index=seq.index,
+        token_ids=seq.output_token_ids[start:],
+        logprobs=logprobs,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        first_scheduled_time=seq.request.first_scheduled_time if first else None,
+        first_token_time=seq.first_token_time if first and seq.request.final_only else None,
+        num_cached_tokens=seq.num_cached_tokens if first else None,
+        num_preemptions=seq.num_preemptions if seq.is_finished else 0,
+        num_draft_tokens=seq.num_draft_tokens if seq.is_finished else 0,
+        num_accepted_tokens=seq.num_accepted_tokens if seq.is_finished else 0,
+    )

@@ -7,8 +7,8 @@ from typing import cast
 
 from tokenizers import Tokenizer
 
-from ferrox.errors import UnsupportedModelError
-from ferrox.sampling_params import SamplingParams
+from ferrox.common.errors import UnsupportedModelError
+from ferrox.common.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output, so the first output token is spaced as it is

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import shutil
@@ -30,20 +31,24 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from ferrox.engine import protocol as p
-from ferrox.errors import EngineDeadError, ModelLoadError, ServerBusyError
-from ferrox.sampling_params import SamplingParams
+from ferrox.common import protocol as p
+from ferrox.common.errors import EngineDeadError, ModelLoadError, ServerBusyError
+from ferrox.common.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrox.client")
 DEFAULT_STALL_TIMEOUT_S = 60.0
 
 
-def engine_process_main(options: dict[str, Any], input_address: str, output_address: str) -> None:
-    """The engine process's entry point (a local child or a Ray actor). The
-    engine (torch, the model code) is imported there only: the frontend
-    process never loads it."""
-    from ferrox.engine.core_process import run_engine_core
+# The engine process's entry function, named by module path: the frontend
+# imports no engine code (torch, the model code); the child process does.
+ENGINE_ENTRY = "ferrox.engine.core_process:run_engine_core"
 
+
+def engine_process_main(options: dict[str, Any], input_address: str, output_address: str) -> None:
+    """The engine process's entry point (a local child or a Ray actor): runs
+    ENGINE_ENTRY."""
+    module, _, function = ENGINE_ENTRY.partition(":")
+    run_engine_core = getattr(importlib.import_module(module), function)
     run_engine_core(options, input_address, output_address)
 
 

@@ -15,10 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferrox.engine.protocol import PromptLogprobs, SequenceDelta, StopSequence, TokenLogprobs
-from ferrox.errors import InvalidArgumentError
-from ferrox.frontend.detokenizer import IncrementalDetokenizer
-from ferrox.outputs import (
+from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.outputs import (
     CompletionOutput,
     FinishReason,
     Logprob,
@@ -26,7 +24,9 @@ from ferrox.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from ferrox.sampling_params import SamplingParams
+from ferrox.common.protocol import PromptLogprobs, SequenceDelta, StopSequence, TokenLogprobs
+from ferrox.common.sampling_params import SamplingParams
+from ferrox.frontend.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)

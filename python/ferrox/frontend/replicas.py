@@ -29,8 +29,8 @@ from typing import Any
 
 import zmq
 
-from ferrox.engine import protocol as p
-from ferrox.errors import EngineDeadError, InvalidArgumentError, MissingDependencyError
+from ferrox.common import protocol as p
+from ferrox.common.errors import EngineDeadError, InvalidArgumentError, MissingDependencyError
 from ferrox.frontend.engine_client import AsyncEngineClient, engine_process_main
 
 logger = logging.getLogger("ferrox.replicas")

@@ -7,18 +7,43 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from ferrox.engine import protocol as p
-from ferrox.errors import EngineDeadError, RequestTimeoutError, error_class
+from ferrox.common import protocol as p
+from ferrox.common.errors import EngineDeadError, RequestTimeoutError, error_class
+from ferrox.common.outputs import PositionLogprobs
+from ferrox.common.sampling_params import SamplingParams
 from ferrox.frontend.engine_client import AsyncEngineClient, RequestStream, StreamItem
 from ferrox.frontend.output_processor import RequestState, SequenceOutput, SequenceUpdate
-from ferrox.outputs import PositionLogprobs
-from ferrox.sampling_params import SamplingParams
-from ferrox.server.metrics import Metrics
 
 logger = logging.getLogger("ferrox.server")
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A finished request's figures, for the server's metrics."""
+
+    finished_reason: str
+    ttft: float | None
+    itls: list[float]
+    frontend_latencies: Sequence[float]
+    e2e: float
+    queue_time: float | None
+    prompt_tokens: int
+    generation_tokens: int
+    prefill_time: float | None
+    decode_time: float | None
+    inference_time: float | None
+    n: int
+    max_tokens: int | None
+
+
+class RequestObserver(Protocol):
+    """Where finished requests' figures go (the server's Prometheus metrics)."""
+
+    def observe_request(self, request: FinishedRequest) -> None: ...
 
 
 class RequestRun:
@@ -159,7 +184,7 @@ class RequestRun:
             self.client.stop_sequence(self.state.stop_message(update))
         return update
 
-    def finish(self, metrics: Metrics) -> None:
+    def finish(self, metrics: RequestObserver) -> None:
         """Records metrics and the log line of a finished request."""
         end = time.time()
         reason = self.seqs[0].finish_reason or "abort"
@@ -167,7 +192,7 @@ class RequestRun:
         ttft, queue = m.time_to_first_token, m.time_in_queue
         gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
         n_out = self.num_output_tokens
-        metrics.observe_request(
+        figures = FinishedRequest(
             finished_reason=reason,
             ttft=ttft,
             itls=gaps,
@@ -182,6 +207,7 @@ class RequestRun:
             n=self.params.n,
             max_tokens=self.params.max_tokens,
         )
+        metrics.observe_request(figures)
         if not self.log_request:
             return
         duration = max(end - (m.first_token_time or end), 1e-9)

@@ -13,21 +13,23 @@ Other steps (prefill, large batches) take the module-by-module path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
 from ferrox._native import CpuDecoderLayer
 from ferrox.layers import quant_linear
-from ferrox.layers.attention.base import AttentionMetadata
+from ferrox.layers.attention.base import AttentionMetadata, KvCache
 from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBackend
-from ferrox.layers.cpu_kernels import kernel_threads, kv_array
 from ferrox.layers.cpu_linear import PackedLinear
+from ferrox.layers.native import kernel_threads, kv_array
 from ferrox.layers.quant_linear import QuantLinear
 
-if TYPE_CHECKING:
-    from ferrox.models.llama import DecoderLayer, KvCache
+# A Llama-style decoder layer (see models/llama.py): self_attn with a merged
+# qkv_proj, o_proj, rotary and a paged-attention backend; mlp with gate_up_proj
+# and down_proj; input_layernorm and post_attention_layernorm.
+DecoderLayer = Any
 
 
 def _float_weight(layer: torch.nn.Module) -> torch.Tensor | None:

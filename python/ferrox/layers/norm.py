@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrox._native import add_rms_norm_cpu
-from ferrox.layers.cpu_kernels import kernel_threads, on_cpu_fp32
+from ferrox.layers.native import kernel_threads, on_cpu_fp32
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +19,19 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + delta), residual + delta); with no residual yet,
         `delta` starts it. The sum is formed in place in `residual`."""
+        if residual is None and on_cpu_fp32(delta, self.weight) and delta.is_contiguous():
+            # The native kernel, as for every later layer (and as the fused
+            # decode runs the first layer): one numeric path whatever the step.
+            out = torch.empty_like(delta)
+            add_rms_norm_cpu(
+                delta.numpy(),
+                None,
+                self.weight.detach().numpy(),
+                self.eps,
+                out.numpy(),
+                kernel_threads(),
+            )
+            return out, delta
         if residual is None:
             return self.forward(delta), delta
         if on_cpu_fp32(residual, delta, self.weight) and residual.is_contiguous():

@@ -11,7 +11,7 @@ the weight once per call into a float32 scratch and use the float matmul:
 there the arithmetic dominates (`DEQUANTIZE_ABOVE_ROWS`).
 
 On a GPU the blocks are split once at load (`split_for_triton`) and every
-call runs the Triton dequantize-GEMM (`kernels/quant_matmul.py`) in the
+call runs the Triton dequantize-GEMM (`triton_kernels/quant_matmul.py`) in the
 model's dtype.
 """
 
@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrox._native import dequantize_rows_cpu, quant_matmul_cpu, quant_matmul_kernel_cpu
-from ferrox.errors import InvalidArgumentError
-from ferrox.layers.cpu_kernels import kernel_threads
+from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers.cpu_linear import packed_linear_supported
+from ferrox.layers.native import kernel_threads
 
 if TYPE_CHECKING:
-    from ferrox.kernels.quant_matmul import SplitBlocks
+    from ferrox.triton_kernels.quant_matmul import SplitBlocks
 
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
@@ -158,7 +158,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._split is not None:
-            from ferrox.kernels.quant_matmul import dequant_matmul
+            from ferrox.triton_kernels.quant_matmul import dequant_matmul
 
             return dequant_matmul(x, self._split, self.bias)
         shape = x.shape
@@ -229,7 +229,7 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64)
         if self._split is not None:
-            from ferrox.kernels.quant_matmul import dequantize_split
+            from ferrox.triton_kernels.quant_matmul import dequantize_split
 
             rows = dequantize_split(self._split, flat).to(self._dtype)
             return rows.view(*ids.shape, self.embedding_dim)
@@ -241,7 +241,7 @@ class QuantEmbedding(nn.Module):
 def _split_weight(
     weight: torch.Tensor, fmt: str, in_features: int, shared: dict[int, SplitBlocks]
 ) -> SplitBlocks:
-    from ferrox.kernels.quant_matmul import split_blocks
+    from ferrox.triton_kernels.quant_matmul import split_blocks
 
     key = weight.data_ptr()
     if key not in shared:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ferrox._native import rotary_in_place_cpu
-from ferrox.errors import UnsupportedModelError
-from ferrox.layers.cpu_kernels import kernel_threads, on_cpu_fp32
+from ferrox.common.errors import UnsupportedModelError
+from ferrox.layers.native import kernel_threads, on_cpu_fp32
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
-from ferrox.errors import UnsupportedModelError
+from ferrox.common.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)

@@ -14,27 +14,42 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from ferrox.config import EngineConfig
-from ferrox.errors import InvalidArgumentError, ModelLoadError
+from ferrox.common.config import EngineConfig
+from ferrox.common.errors import InvalidArgumentError, ModelLoadError
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
 from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize
-from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
 from ferrox.loader.gguf import load_gguf
 from ferrox.loader.gguf_dequant import BlockTensor
-from ferrox.loader.hub import resolve_model_path
-from ferrox.models.llama import LlamaForCausalLM, merged_target
+from ferrox.model_files.hub import resolve_model_path
+from ferrox.models.base import CausalLM
 from ferrox.models.registry import resolve_model_class
+from ferrox.parallel.device import torch_device, torch_dtype
 
 
 @dataclass
 class LoadedModel:
     hf_config: PretrainedConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Any | None  # a PreTrainedTokenizerFast, or None (token ids only)
     eos_token_ids: list[int]
     source: str
     load_seconds: float
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < model_max:
+        # Sliding-window attention is not implemented: stay inside the window.
+        model_max = int(window)
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise InvalidArgumentError(
+            f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max}"
+        )
+    return config.max_model_len
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -58,10 +73,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
                 or (config.quantization == "gguf" and kernels is not None)
             )
         )
-        gguf = load_gguf(path, dtype=config.torch_dtype, keep_blocks=keep_blocks)
+        gguf = load_gguf(path, dtype=torch_dtype(config), keep_blocks=keep_blocks)
         hf_config, tokenizer = gguf.config, gguf.tokenizer
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        plan = block_plan(gguf.state_dict, tied)
+        plan = block_plan(gguf.state_dict, tied, resolve_model_class(hf_config).module_of)
         state = gguf.state_dict
     else:
         hf_config = _read_config(path)
@@ -72,19 +87,20 @@ def load_model(config: EngineConfig) -> LoadedModel:
     weights: Iterator[tuple[str, torch.Tensor]] | None = None
     if fmt == "gguf":
         # (under tensor parallelism the file is read whole, then sliced)
-        weights = _sharded(model, _with_plan(state, plan, config.torch_dtype))
+        blocks_or_dense = _with_plan(state, plan, torch_dtype(config), model.module_of)
+        weights = _sharded(model, blocks_or_dense)
     elif fmt == "safetensors":
         weights = _safetensors_weights(path, model.shard_of)
     if weights is None:
         init_dummy_weights(model, config.seed)
     else:
-        with torch.device(config.torch_device):
+        with torch.device(torch_device(config)):
             model.load_weights(
                 (
                     name,
                     t
                     if t.dtype == torch.uint8  # block-format bytes, as stored
-                    else t.to(device=config.torch_device, dtype=config.torch_dtype),
+                    else t.to(device=torch_device(config), dtype=torch_dtype(config)),
                 )
                 for name, t in weights
             )
@@ -92,8 +108,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if quantize_to is not None:
         quantize_linear_layers(model, quantize_to)
     if _block_kernels(config) == "triton":
-        split_block_layers(model, config.torch_dtype)
-    if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32:
+        split_block_layers(model, torch_dtype(config))
+    if torch_device(config).type == "cpu" and torch_dtype(config) == torch.float32:
         pack_linear_layers(model)  # weights in oneDNN's layout (see cpu_linear.py)
     model.prepare_fused_decode()
     return LoadedModel(
@@ -109,9 +125,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def _block_kernels(config: EngineConfig) -> str | None:
     """What runs block-format weights: "native" (the CPU kernels, float32),
     "triton" (a GPU, any float dtype), or None."""
-    if config.torch_device.type == "cuda":
+    if torch_device(config).type == "cuda":
         return "triton"
-    if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32:
+    if torch_device(config).type == "cpu" and torch_dtype(config) == torch.float32:
         return "native"
     return None
 
@@ -124,18 +140,14 @@ def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
     if q in ("gguf", "q8_0", "q4_1") and _block_kernels(config) is None:
         raise InvalidArgumentError(
             f"quantization={q!r} runs on a GPU or on the CPU in float32; "
-            f"got device {config.torch_device.type}, dtype {config.torch_dtype}"
+            f"got device {torch_device(config).type}, dtype {torch_dtype(config)}"
         )
     return q if q in ("q8_0", "q4_1") else None
 
 
-def _module_of(name: str) -> str:
-    """The model module (our name) a checkpoint weight loads into."""
-    target, _ = merged_target(name)
-    return target.removeprefix("model.").removesuffix(".weight")
-
-
-def block_plan(state: dict[str, torch.Tensor | BlockTensor], tied: bool) -> dict[str, str]:
+def block_plan(
+    state: dict[str, torch.Tensor | BlockTensor], tied: bool, module_of: Callable[[str], str]
+) -> dict[str, str]:
     """Model modules (our names) that keep block-format weights, and their
     format: those whose every tensor part is in one block format. The merged
     q/k/v and gate/up projections need all their parts alike; a tied LM head
@@ -144,7 +156,7 @@ def block_plan(state: dict[str, torch.Tensor | BlockTensor], tied: bool) -> dict
     for name, t in state.items():
         if not name.endswith(".weight"):
             continue
-        parts.setdefault(_module_of(name), set()).add(t.fmt if isinstance(t, BlockTensor) else None)
+        parts.setdefault(module_of(name), set()).add(t.fmt if isinstance(t, BlockTensor) else None)
     plan: dict[str, str] = {}
     for module, formats in parts.items():
         (fmt,) = formats if len(formats) == 1 else (None,)
@@ -156,12 +168,15 @@ def block_plan(state: dict[str, torch.Tensor | BlockTensor], tied: bool) -> dict
 
 
 def _with_plan(
-    state: dict[str, torch.Tensor | BlockTensor], plan: dict[str, str], dtype: torch.dtype
+    state: dict[str, torch.Tensor | BlockTensor],
+    plan: dict[str, str],
+    dtype: torch.dtype,
+    module_of: Callable[[str], str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Block tensors of planned modules as their bytes; the others dense."""
     for name, t in state.items():
         if isinstance(t, BlockTensor):
-            if _module_of(name) in plan:
+            if module_of(name) in plan:
                 yield name, t.data
             else:
                 yield name, dequantize(t.data, t.fmt, t.in_features).to(dtype)
@@ -209,35 +224,22 @@ def _use_blocks(model: torch.nn.Module, plan: dict[str, str]) -> None:
 
 def build_model(
     hf_config: PretrainedConfig, config: EngineConfig, plan: dict[str, str] | None = None
-) -> LlamaForCausalLM:
+) -> CausalLM:
     cls = resolve_model_class(hf_config)
-    backend = get_attention_backend(config.attention_backend, config.torch_device)
+    backend = get_attention_backend(config.attention_backend, torch_device(config))
     # Parameters are created on the meta device, then materialised once on
     # the target device in the target dtype (no throwaway CPU init).
     previous_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(config.torch_dtype)
+    torch.set_default_dtype(torch_dtype(config))
     try:
         with torch.device("meta"):
             model = cls(hf_config, backend)
             _use_blocks(model, plan or {})
     finally:
         torch.set_default_dtype(previous_dtype)
-    model = model.to_empty(device=config.torch_device)
-    _reset_buffers(model, hf_config, config)
+    model = model.to_empty(device=torch_device(config))
+    model.reset_buffers(torch_device(config))
     return model
-
-
-def _reset_buffers(model: LlamaForCausalLM, hf_config: Any, config: EngineConfig) -> None:
-    # Buffers (rotary tables) were created on the meta device: rebuild them.
-    with torch.device(config.torch_device):
-        rotary = RotaryEmbedding(
-            model.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config)
-        )
-    model.rotary = rotary
-    for layer in model.decoder_layers():
-        layer.self_attn.rotary = rotary
-    if model.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
@@ -264,7 +266,7 @@ def _read_config(path: Path) -> PretrainedConfig:
 
 
 def _sharded(
-    model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]
+    model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole tensors narrowed to this rank's slices (tensor parallelism)."""
     for name, tensor in weights:

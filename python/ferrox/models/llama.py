@@ -1,11 +1,14 @@
 """Llama-family decoder (Llama 2/3/3.1, SmolLM, Mistral), also the base of
-Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on q and k).
+Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on q and k). Everything ferrox
+knows of the family is here: its layers, its weight names (Hugging Face and
+llama.cpp's GGUF), how its weights shard, the state its layers keep
+(see models/base.py for the contract).
 
 Q, K and V share one projection and so do the MLP's gate and up, so a layer
 runs three matmuls instead of five; `load_weights` fills the merged weights
 from Hugging Face's separate tensors.
 
-Under tensor parallelism (distributed.py) every module is built at its
+Under tensor parallelism (parallel/state.py) every module is built at its
 rank's size: the merged q/k/v and gate/up projections are column-parallel
 (this rank's heads and intermediate columns), o_proj and down_proj
 row-parallel (their partial sums all-reduced, the bias added by rank 0
@@ -14,20 +17,21 @@ of each checkpoint tensor a rank loads.
 """
 
 from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
 
-from ferrox import distributed
-from ferrox.errors import ModelLoadError
+from ferrox.common.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.activation import silu_and_mul
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
+from ferrox.layers.attention.base import KvCache
 from ferrox.layers.cpu_decoder import FusedCpuDecode
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
-
-KvCache = tuple[torch.Tensor, torch.Tensor]
+from ferrox.models.base import CausalLM, FullAttention, LayerState, gguf_value
+from ferrox.parallel import state as distributed
 
 
 def head_dim_of(config: Any) -> int:
@@ -122,9 +126,16 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    # Hugging Face `architectures` names this class serves.
+    architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "MistralForCausalLM")
     qkv_bias = False
     qk_norm = False
+    # GGUF: llama.cpp's architecture name, the config class its metadata
+    # fills, and whether its converter interleaved the Q/K rows of each head.
+    gguf_architecture: ClassVar[str | None] = "llama"
+    gguf_config_class: ClassVar[Any] = LlamaConfig
+    gguf_rotary_interleaved: ClassVar[bool] = True
 
     def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
         super().__init__()
@@ -159,6 +170,31 @@ class LlamaForCausalLM(nn.Module):
         fits = distributed.state().size == 1 and FusedCpuDecode.supports(layers)
         self.fused_decode = FusedCpuDecode(layers) if fits else None
         return self.fused_decode is not None
+
+    def layer_states(self) -> list[LayerState]:
+        """The per-request state of each layer: paged KV of every position."""
+        return [
+            FullAttention(layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+            for layer in self.decoder_layers()
+        ]
+
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        return self.decoder_layers()[0].self_attn.attn
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """After the parameters were materialised from the meta device: the
+        buffers (rotary tables) are built anew on `device`, the tied LM head
+        shares the embedding again."""
+        with torch.device(device):
+            rotary = RotaryEmbedding(
+                self.head_dim, self.config.max_position_embeddings, rope_parameters(self.config)
+            )
+        self.rotary = rotary
+        for layer in self.decoder_layers():
+            layer.self_attn.rotary = rotary
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
@@ -214,6 +250,12 @@ class LlamaForCausalLM(nn.Module):
             rows = min(self.vocab_rows, max(0, shape[0] - self.vocab_start))
             return 0, self.vocab_start, rows
         return None
+
+    @staticmethod
+    def module_of(name: str) -> str:
+        """The module (our name) checkpoint tensor `name` loads into."""
+        target, _ = merged_target(name)
+        return _param_name(target).removesuffix(".weight").removesuffix(".bias")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face-named tensors into the (merged) parameters."""
@@ -276,6 +318,119 @@ class LlamaForCausalLM(nn.Module):
             missing += [p for p in parts if p not in loaded]
         if missing:
             raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    # ---- GGUF (llama.cpp's names and metadata) ------------------------------
+
+    @classmethod
+    def config_from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str]) -> PretrainedConfig:
+        """The Hugging Face config a GGUF file's metadata describes."""
+        arch = cls.gguf_architecture
+        assert arch is not None
+
+        def value(key: str, default: Any = None) -> Any:
+            return gguf_value(metadata, arch, key, default)
+
+        hidden_size = value("embedding_length")
+        num_heads = value("attention.head_count")
+        num_kv_heads = value("attention.head_count_kv", num_heads)
+        if isinstance(num_kv_heads, list):
+            raise UnsupportedModelError(
+                "GGUF files with a per-layer KV head count are not supported"
+            )
+        head_dim = value("attention.key_length", hidden_size // num_heads)
+        if value("rope.dimension_count", head_dim) != head_dim:
+            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        if value("rope.scaling.type", "none") != "none" or "rope_freqs.weight" in tensor_names:
+            raise UnsupportedModelError("GGUF files with RoPE scaling are not supported yet")
+        return cls.gguf_config_class(
+            architectures=[cls.architectures[0]],
+            vocab_size=value("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ()))),
+            hidden_size=hidden_size,
+            intermediate_size=value("feed_forward_length"),
+            num_hidden_layers=value("block_count"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=value("context_length"),
+            rope_theta=float(value("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(value("attention.layer_norm_rms_epsilon")),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+            **cls._gguf_config_extra(tensor_names),
+        )
+
+    @classmethod
+    def _gguf_config_extra(cls, tensor_names: set[str]) -> dict[str, Any]:
+        """Config fields of this family that the tensors, not the metadata, tell."""
+        return {
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+            "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        }
+
+    @classmethod
+    def gguf_layer_tensors(cls) -> dict[str, str]:
+        """llama.cpp's per-layer tensor stems -> our checkpoint module names."""
+        return _GGUF_LAYER_TENSORS
+
+    @classmethod
+    def checkpoint_name(cls, gguf_name: str) -> str:
+        """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+        stem, _, suffix = gguf_name.rpartition(".")
+        if suffix in ("weight", "bias"):
+            if stem in _GGUF_GLOBAL_TENSORS:
+                return f"{_GGUF_GLOBAL_TENSORS[stem]}.{suffix}"
+            block, _, rest = stem.partition(".")
+            layer, _, part = rest.partition(".")
+            layer_tensors = cls.gguf_layer_tensors()
+            if block == "blk" and layer.isdigit() and part in layer_tensors:
+                return f"model.layers.{layer}.{layer_tensors[part]}.{suffix}"
+        raise UnsupportedModelError(
+            f"GGUF tensor {gguf_name!r} has no counterpart in {cls.architectures[0]}"
+        )
+
+    @classmethod
+    def from_gguf_tensor(
+        cls, name: str, weight: torch.Tensor, config: PretrainedConfig
+    ) -> torch.Tensor:
+        """A GGUF tensor (dense, or block rows) as the checkpoint's `name`
+        holds it: for Llama, llama.cpp's converter reordered the Q and K rows
+        of each head from the half-split rotary layout to the interleaved
+        one; this puts them back."""
+        if not cls.gguf_rotary_interleaved:
+            return weight
+        if ".q_proj." in name:
+            return _unpermute_rotary_rows(weight, config.num_attention_heads)
+        if ".k_proj." in name:
+            return _unpermute_rotary_rows(weight, config.num_key_value_heads)
+        return weight
+
+
+_GGUF_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row order: rows (j, 0), (j, 1) for j < half -> (0, j), (1, j)."""
+    rows = weight.shape[0]  # num_heads * head_dim
+    half = rows // num_heads // 2
+    per_head = weight.reshape(num_heads, half, 2, *weight.shape[1:])  # [heads, half, 2, ...]
+    return per_head.transpose(1, 2).reshape(weight.shape)  # [heads * 2 * half, ...]
 
 
 _MERGED = {

@@ -1,33 +1,53 @@
-"""Model classes by the Hugging Face `architectures` name."""
+"""The model families ferrox runs: one class each (subclasses for close
+relatives), found by the Hugging Face `architectures` name of a config or by
+the architecture name of a GGUF file. Adding a family is a file in models/
+and a line here."""
 
 from typing import Any
 
-from torch import nn
-
-from ferrox.errors import UnsupportedModelError
+from ferrox.common.errors import UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
 from ferrox.models.qwen3 import Qwen3ForCausalLM
 
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+_BY_ARCHITECTURE = {name: cls for cls in MODEL_CLASSES for name in cls.architectures}
+_BY_GGUF_ARCHITECTURE = {
+    cls.gguf_architecture: cls for cls in MODEL_CLASSES if cls.gguf_architecture is not None
 }
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_BY_ARCHITECTURE)
+
+
+def supported_gguf_architectures() -> list[str]:
+    return sorted(_BY_GGUF_ARCHITECTURE)
 
 
 def resolve_model_class(config: Any) -> type[LlamaForCausalLM]:
     names = list(getattr(config, "architectures", None) or [])
     for name in names:
-        cls = _MODELS.get(name)
+        cls = _BY_ARCHITECTURE.get(name)
         if cls is not None:
-            return cls  # type: ignore[return-value]
+            return cls
     raise UnsupportedModelError(
         f"unsupported model architecture {names or '(none given)'}; "
         f"ferrox supports {supported_architectures()}"
     )
+
+
+def resolve_gguf_model_class(arch_name: Any) -> type[LlamaForCausalLM]:
+    """The family of a GGUF file's `general.architecture`."""
+    cls = _BY_GGUF_ARCHITECTURE.get(arch_name) if isinstance(arch_name, str) else None
+    if cls is None:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch_name!r} is not supported; "
+            f"supported: {supported_gguf_architectures()}"
+        )
+    return cls

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ferrox.layers.attention import AttentionMetadata
-from ferrox.models.llama import LlamaForCausalLM
+from ferrox.models.base import CausalLM
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -35,7 +35,7 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         *,
         max_num_seqs: int,

@@ -24,7 +24,7 @@ import torch
 from ferrox._native import BatchPlan
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.loader.model_loader import LoadedModel
-from ferrox.runner.kv_cache import KVCache, bytes_per_block
+from ferrox.runner.kv_cache import KVCache, bytes_per_block, kv_layout
 
 
 class DraftRunner:
@@ -36,15 +36,15 @@ class DraftRunner:
         self.block_size = block_size
         self.kv_dtype = kv_dtype  # its KV cache's, as the target's
         self.device = device
-        self.num_layers = int(loaded.hf_config.num_hidden_layers)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(self.model)
         self.kv_cache: KVCache | None = None
 
     def bytes_per_block(self) -> int:
         return bytes_per_block(
             self.num_layers,
             self.block_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
+            self.num_kv_heads,
+            self.head_dim,
             self.kv_dtype,
         )
 
@@ -54,8 +54,8 @@ class DraftRunner:
             self.num_layers,
             num_blocks,
             self.block_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
+            self.num_kv_heads,
+            self.head_dim,
             self.kv_dtype,
             self.device,
         )

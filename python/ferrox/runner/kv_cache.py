@@ -5,7 +5,25 @@ from __future__ import annotations
 
 import torch
 
-from ferrox.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
+from ferrox.models.base import CausalLM, FullAttention
+
+
+def kv_layout(model: CausalLM) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of the paged KV pool a model's layers
+    need: every layer full attention, all of one shape (other kinds of
+    per-layer state are refused here until the pool manages them)."""
+    states = model.layer_states()
+    kinds = sorted({type(s).__name__ for s in states if not isinstance(s, FullAttention)})
+    if kinds:
+        raise UnsupportedModelError(f"layers with {kinds} state are not supported yet")
+    shapes = {(s.num_kv_heads, s.head_dim) for s in states}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(
+            f"layers of different KV shapes {sorted(shapes)} are not supported yet"
+        )
+    ((num_kv_heads, head_dim),) = shapes
+    return len(states), num_kv_heads, head_dim
 
 
 def bytes_per_block(

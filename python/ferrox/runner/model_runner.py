@@ -10,23 +10,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ferrox import distributed
 from ferrox._native import BatchPlan
-from ferrox.config import (
+from ferrox.common.config import (
     CPU_KV_CACHE_MAX_BYTES,
     CPU_KV_CACHE_MIN_BYTES,
     CPU_KV_CACHE_TOKENS,
     EngineConfig,
 )
-from ferrox.distributed import StepPlan
-from ferrox.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
 from ferrox.layers.quant_linear import QuantLinear
 from ferrox.loader.model_loader import LoadedModel
+from ferrox.parallel import state as distributed
+from ferrox.parallel.device import torch_device, torch_dtype
+from ferrox.parallel.step_message import StepPlan
 from ferrox.runner.cuda_graph import DecodeGraphs
 from ferrox.runner.draft import DraftRunner
-from ferrox.runner.kv_cache import KVCache, bytes_per_block
+from ferrox.runner.kv_cache import KVCache, bytes_per_block, kv_layout
 from ferrox.runner.sampler import Sampler
 from ferrox.runner.sampling_batch import SamplingBatch
 
@@ -81,9 +82,9 @@ def kv_cache_dtype(config: EngineConfig, model: torch.nn.Module) -> torch.dtype:
     if config.kv_cache_dtype != "auto":
         return getattr(torch, config.kv_cache_dtype)  # type: ignore[no-any-return]
     blocks = any(isinstance(m, QuantLinear) for m in model.modules())
-    if config.torch_device.type == "cpu" and config.torch_dtype == torch.float32 and blocks:
+    if torch_device(config).type == "cpu" and torch_dtype(config) == torch.float32 and blocks:
         return torch.float16
-    return config.torch_dtype
+    return torch_dtype(config)
 
 
 class ModelRunner:
@@ -98,8 +99,8 @@ class ModelRunner:
         shares the target's block layout (and its memory budget)."""
         self.config = config
         self.model = loaded.model
-        self.device = config.torch_device
-        self.dtype = config.torch_dtype
+        self.device = torch_device(config)
+        self.dtype = torch_dtype(config)
         self.kv_dtype = kv_cache_dtype(config, self.model)
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise InvalidArgumentError(
@@ -109,9 +110,7 @@ class ModelRunner:
         hf = loaded.hf_config
         self.vocab_size = int(hf.vocab_size)
         self.max_model_len = max_model_len
-        self.num_layers = int(hf.num_hidden_layers)
-        self.num_kv_heads = self.model.num_kv_heads
-        self.head_dim = self.model.head_dim
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(self.model)
         self.draft = (
             None
             if draft is None
@@ -133,7 +132,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._staging: dict[str, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
-        backend = self.model.decoder_layers()[0].self_attn.attn
+        backend = self.model.attention_backend
         if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model,
@@ -149,7 +148,7 @@ class ModelRunner:
     def _reads_written_slots_only(self) -> bool:
         """The CPU backend in float32 reads each row's own context, never a
         slot beyond it (other backends gather padded contexts and mask)."""
-        backend = self.model.decoder_layers()[0].self_attn.attn
+        backend = self.model.attention_backend
         return isinstance(backend, CpuAttentionBackend) and self.dtype == torch.float32
 
     @property
@@ -307,19 +306,13 @@ class ModelRunner:
         token) for prefill chunks whose prompt logprobs are wanted: each of
         their positions gets logits; `next token` is the prompt token after
         the chunk (-1 when the chunk ends the prompt)."""
-        try:
-            if distributed.state().size > 1:
-                distributed.send_step(plan, prompt_logprob_rows)
-            logits, hidden = self._forward(plan, prompt_logprob_rows)
-            out = self.sampler(logits, sampling)
-            prompt = [
-                self._prompt_logprobs(hidden, plan, row, k, nxt)
-                for row, k, nxt in (prompt_logprob_rows or [])
-                if hidden is not None
-            ]
-        except RuntimeError as exc:
-            distributed.raise_if_worker_lost(exc)
-            raise
+        logits, hidden = self._forward(plan, prompt_logprob_rows)
+        out = self.sampler(logits, sampling)
+        prompt = [
+            self._prompt_logprobs(hidden, plan, row, k, nxt)
+            for row, k, nxt in (prompt_logprob_rows or [])
+            if hidden is not None
+        ]
         return RunnerOutput(
             sampled=out.sampled.cpu().numpy(),
             sampled_logprobs=_np(out.sampled_logprobs),

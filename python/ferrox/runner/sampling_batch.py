@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from ferrox.sampling_params import SamplingParams
+from ferrox.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ferrox.engine.grammar import GrammarMask
+    from ferrox.runner.token_bitmask import GrammarMask
 
 
 class SampledSequence(Protocol):

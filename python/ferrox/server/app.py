@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import ferrox
+from ferrox.common.runtime import __version__
 from ferrox.server import openai_protocol as op
-from ferrox.server.errors import error_response, exception_response
+from ferrox.server.error_responses import error_response, exception_response
 from ferrox.server.middleware import GuardMiddleware
 from ferrox.server.serving import OpenAIServing, ServingContext
 
@@ -75,7 +75,7 @@ def build_app(
         return route
 
     async def version(_: Request) -> Response:
-        return _json({"version": ferrox.__version__})
+        return _json({"version": __version__})
 
     async def models(_: Request) -> Response:
         cards = [op.ModelCard(id=name, max_model_len=ctx.max_model_len) for name in ctx.model_names]

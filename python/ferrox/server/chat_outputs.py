@@ -24,8 +24,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferrox.common.structured_outputs import StructuredOutputsParams
 from ferrox.server import openai_protocol as op
-from ferrox.structured_outputs import StructuredOutputsParams
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")

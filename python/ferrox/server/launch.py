@@ -20,13 +20,13 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from ferrox.async_llm import AsyncLLM
-from ferrox.cli_options import add_engine_arguments, engine_options
-from ferrox.engine.protocol import Ready
-from ferrox.errors import ServerBusyError
+from ferrox.common.engine_args import add_engine_arguments, engine_options
+from ferrox.common.errors import ServerBusyError
+from ferrox.common.protocol import Ready
+from ferrox.frontend.async_llm import AsyncLLM
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S
 from ferrox.frontend.replicas import ROUTING_POLICIES
-from ferrox.loader.hub import is_hub_id
+from ferrox.model_files.hub import is_hub_id
 from ferrox.server.app import CorsOptions, build_app
 from ferrox.server.metrics import Metrics
 from ferrox.server.request_translation import ServerLimits

@@ -7,7 +7,7 @@ observed in the frontend as requests finish.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
@@ -17,7 +17,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from ferrox.engine.protocol import EngineStats
+from ferrox.common.protocol import EngineStats
+from ferrox.frontend.request_run import FinishedRequest
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -234,44 +235,29 @@ class Metrics:
         )
         return family.labels(self.model)
 
-    def observe_request(
-        self,
-        *,
-        finished_reason: str,
-        ttft: float | None,
-        itls: list[float],
-        frontend_latencies: Sequence[float] = (),
-        e2e: float,
-        queue_time: float | None,
-        prompt_tokens: int,
-        generation_tokens: int,
-        prefill_time: float | None = None,
-        decode_time: float | None = None,
-        inference_time: float | None = None,
-        n: int = 1,
-        max_tokens: int | None = None,
-    ) -> None:
-        self.request_success.labels(self.model, finished_reason).inc()
+    def observe_request(self, request: FinishedRequest) -> None:
+        r = request
+        self.request_success.labels(self.model, r.finished_reason).inc()
         for histogram, value in (
-            (self.prefill_time, prefill_time),
-            (self.decode_time, decode_time),
-            (self.inference_time, inference_time),
-            (self.params_max_tokens, max_tokens),
+            (self.prefill_time, r.prefill_time),
+            (self.decode_time, r.decode_time),
+            (self.inference_time, r.inference_time),
+            (self.params_max_tokens, r.max_tokens),
         ):
             if value is not None:
                 histogram.observe(max(value, 0.0))
-        self.params_n.observe(n)
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        for gap in itls:
+        self.params_n.observe(r.n)
+        if r.ttft is not None:
+            self.ttft.observe(r.ttft)
+        for gap in r.itls:
             self.itl.observe(gap)
-        for latency in frontend_latencies:
+        for latency in r.frontend_latencies:
             self.frontend_latency.observe(latency)
-        self.e2e.observe(e2e)
-        if queue_time is not None:
-            self.queue_time.observe(max(queue_time, 0.0))
-        self.prompt_tokens.observe(prompt_tokens)
-        self.generation_tokens.observe(generation_tokens)
+        self.e2e.observe(r.e2e)
+        if r.queue_time is not None:
+            self.queue_time.observe(max(r.queue_time, 0.0))
+        self.prompt_tokens.observe(r.prompt_tokens)
+        self.generation_tokens.observe(r.generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ferrox.server.errors import HTTPLimitError, error_response
+from ferrox.server.error_responses import HTTPLimitError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/ping"})
 MAX_HEADER_BYTES = 32 << 10

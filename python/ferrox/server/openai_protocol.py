@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ferrox.errors import ContextLengthExceededError, InvalidArgumentError
+from ferrox.common.errors import ContextLengthExceededError, InvalidArgumentError
 
 
 class BadRequest(InvalidArgumentError):

@@ -9,11 +9,11 @@ import json
 from dataclasses import dataclass
 from typing import cast
 
-from ferrox.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.structured_outputs import StructuredOutputsParams, check_grammar
 from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import tool_structured_outputs
 from ferrox.server.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest
-from ferrox.structured_outputs import StructuredOutputsParams, check_grammar
 
 # The request fields that constrain the output, at most one per request.
 STRUCTURED_FIELDS = (

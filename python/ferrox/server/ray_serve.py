@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ferrox.errors import InvalidArgumentError, MissingDependencyError
+from ferrox.common.errors import InvalidArgumentError, MissingDependencyError
 from ferrox.server.launch import ServerApp, build_parser, build_server_app
 from ferrox.server.vllm_options import UNSUPPORTED_VLLM_FLAGS
 

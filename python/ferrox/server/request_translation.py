@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
-from ferrox.config import EngineConfig
-from ferrox.errors import InvalidArgumentError
-from ferrox.sampling_params import SamplingParams, check_priority
+from ferrox.common.config import EngineConfig
+from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.sampling_params import SamplingParams, check_priority
+from ferrox.common.structured_outputs import StructuredOutputsParams
 from ferrox.server.openai_protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -21,7 +22,6 @@ from ferrox.server.openai_protocol import (
     TokenizeRequest,
 )
 from ferrox.server.output_constraints import structured_outputs_from
-from ferrox.structured_outputs import StructuredOutputsParams
 
 _SAMPLING_PARAM_NAMES = frozenset(field.name for field in fields(SamplingParams))
 # Longer keys cannot be token ids (and would trip Python's int-parsing digit limit).

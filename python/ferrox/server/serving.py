@@ -24,15 +24,15 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ferrox.errors import ServerBusyError
+from ferrox.common.errors import ServerBusyError
+from ferrox.common.outputs import PositionLogprobs
 from ferrox.frontend.engine_client import AsyncEngineClient
 from ferrox.frontend.output_processor import SequenceUpdate
 from ferrox.frontend.replicas import ReplicaPool
 from ferrox.frontend.request_run import RequestRun, merge, run_to_end
-from ferrox.outputs import PositionLogprobs
 from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import ChatOutput
-from ferrox.server.errors import error_response, exception_response, sse_error
+from ferrox.server.error_responses import error_response, exception_response, sse_error
 from ferrox.server.metrics import Metrics
 from ferrox.server.output_constraints import ToolPlan, tool_plan
 from ferrox.server.request_fields import check_fields

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ferrox.loader.hub import resolve_model_path
+from ferrox.model_files.hub import resolve_model_path
 from ferrox.server.chat_outputs import REASONING_PARSERS, TOOL_CALL_PARSERS
 from ferrox.server.output_constraints import GRAMMAR_BACKENDS
 

@@ -267,7 +267,7 @@ impl QuantKernel {
     }
 
     /// The fastest kernel this CPU has for `m` activation rows, by
-    /// `benches/quant_matmul.rs`: the panels cost an interleaving of the
+    /// `rust/ferrox-cpu/benches/quant_matmul.rs`: the panels cost an interleaving of the
     /// weight per call, which one Q4_1 row does not repay on AVX2 (its pair
     /// kernel ties at two rows); Q8_0's pair kernel widens every block
     /// twice, and the wide panels win from one row.

@@ -1,4 +1,4 @@
-//! Maps core errors onto the exception classes of `ferrox.errors`.
+//! Maps core errors onto the exception classes of `ferrox.common.errors`.
 
 use ferrox_core::CoreError;
 use pyo3::exceptions::PyRuntimeError;
@@ -25,7 +25,7 @@ pub fn to_py_err(err: CoreError) -> PyErr {
     let message = err.to_string();
     Python::attach(|py| {
         let class = py
-            .import("ferrox.errors")
+            .import("ferrox.common.errors")
             .and_then(|m| m.getattr(class_name(&err)))
             .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
         match class {

@@ -18,6 +18,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+# One layer's paged KV cache: (keys, values).
+KvCache = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass
 class AttentionMetadata:

@@ -10,7 +10,7 @@ import torch
 from ferrox._native import paged_attention_cpu
 from ferrox.layers.attention.base import AttentionMetadata
 from ferrox.layers.attention.torch_backend import TorchAttentionBackend, store_kv
-from ferrox.layers.cpu_kernels import kernel_threads, kv_array
+from ferrox.layers.native import kernel_threads, kv_array
 
 # Rows of at most this many query tokens go to the paged kernel: it reads the
 # cached keys once per query token, cheaper than gathering the context for

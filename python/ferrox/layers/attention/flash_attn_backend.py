@@ -7,7 +7,7 @@ Chosen by name, never by `auto`."""
 import torch
 import torch.nn.functional as F
 
-from ferrox.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers.attention.base import AttentionBackend, AttentionMetadata
 
 _PAGE_MULTIPLE = 256
@@ -20,7 +20,7 @@ class FlashAttnBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         from flash_attn import flash_attn_varlen_func
 
-        from ferrox.kernels.kv_store import store_kv
+        from ferrox.triton_kernels.kv_store import store_kv
 
         self._varlen = flash_attn_varlen_func
         self._store_kv = store_kv

@@ -2,7 +2,7 @@
 
 import torch
 
-from ferrox.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers.attention.base import AttentionBackend
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
 from ferrox.layers.attention.flash_attn_backend import FlashAttnBackend

@@ -19,8 +19,8 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         # Imported here, not with this module: whether the kernels are compiled
         # or interpreted is fixed when they are first imported (TRITON_INTERPRET).
-        from ferrox.kernels.kv_store import store_kv
-        from ferrox.kernels.paged_attention import paged_attention
+        from ferrox.triton_kernels.kv_store import store_kv
+        from ferrox.triton_kernels.paged_attention import paged_attention
 
         self._store_kv = store_kv
         self._paged_attention = paged_attention

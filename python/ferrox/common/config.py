@@ -1,0 +1,201 @@
+"""EngineConfig: every engine option in one frozen, validated dataclass.
+
+Option names follow vLLM's where the concept is the same. `"auto"` values are
+validated by `EngineConfig.create` without importing torch (a frontend process
+that runs no model never loads it); the torch device and dtype they name are
+resolved where the engine runs (`ferrox.parallel.device`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.speculative_config import SpeculativeConfig
+
+# dtype names and the torch dtype each stands for
+DTYPE_NAMES = {
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# How linear weights are held (see loader/model_loader.py): None keeps a GGUF
+# file's 4- and 8-bit blocks as stored (CPU) and loads other checkpoints in
+# `dtype`; "gguf" says the same of a GGUF file explicitly; "q8_0" / "q4_1"
+# quantize every linear layer at load; "none" dequantizes to `dtype`.
+QUANTIZATIONS = (None, "gguf", "q8_0", "q4_1", "none")
+# What the KV cache holds. "auto": the model's dtype, except float16 on the
+# CPU for a model whose linear layers run on 4- and 8-bit blocks (a GGUF
+# file's, or quantized at load), as llama.cpp holds its cache; "float16":
+# half of a float32 model's cache memory and of the bytes decode attention
+# reads (the CPU attention kernels widen it as they read); "float32" keeps
+# a float32 model's cache whole.
+KV_CACHEDTYPE_NAMES = ("auto", "float32", "float16")
+# The CPU KV pool, unless sized explicitly: room for this many tokens or one
+# max_model_len sequence, whichever is more, and at least
+# CPU_KV_CACHE_MIN_BYTES (a smaller pool saves nothing worth having and makes
+# a small model preempt), within CPU_KV_CACHE_MAX_BYTES. Pages cost memory
+# only once written.
+CPU_KV_CACHE_TOKENS = 16384
+CPU_KV_CACHE_MIN_BYTES = 256 << 20
+CPU_KV_CACHE_MAX_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    quantization: str | None = None  # one of QUANTIZATIONS
+    device: str = "auto"  # auto: CUDA when available
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's own limit
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"  # one of KV_CACHEDTYPE_NAMES
+    num_kv_blocks: int | None = None  # fixed pool size, or sized from memory:
+    kv_cache_memory_bytes: int | None = None  # ... an explicit budget, or
+    gpu_memory_utilization: float = 0.9  # ... this fraction of the GPU
+    max_num_seqs: int = 256
+    # Requests admitted beyond the running ones; -1: no bound (see engine_args).
+    max_queued_requests: int = 1024
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    # Speculative decoding: a dict (or its JSON text) as vLLM takes it; `create`
+    # turns it into a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    max_logprobs: int = 20
+    # Ranks a model is split over (see parallel/state.py); rank r of a CUDA
+    # engine runs on GPU r.
+    tensor_parallel_size: int = 1
+    profiler_dir: str | None = None  # enables start_profile / stop_profile
+
+    @property
+    def max_admitted_requests(self) -> int | None:
+        """Requests admitted at once (running and queued); None: no bound."""
+        if self.max_queued_requests < 0:
+            return None
+        return self.max_num_seqs + self.max_queued_requests
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def create(cls, **options: Any) -> EngineConfig:
+        unknown = sorted(set(options) - set(cls.field_names()))
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown engine option(s) {unknown}; valid options are {cls.field_names()}"
+            )
+        config = cls(**options)
+        config = dataclasses.replace(
+            config, speculative_config=SpeculativeConfig.parse(config.speculative_config)
+        )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        positive = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        queued = self.max_queued_requests
+        if isinstance(queued, bool) or not isinstance(queued, int) or queued < -1:
+            raise InvalidArgumentError(
+                f"max_queued_requests must be an int >= -1 (-1: no bound), got {queued!r}"
+            )
+        optional_positive = {
+            "max_model_len": self.max_model_len,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+        for name, optional in optional_positive.items():
+            if optional is not None and (not isinstance(optional, int) or optional <= 0):
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {optional!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise InvalidArgumentError(
+                f"block_size must be a power of two up to 128, got {self.block_size}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidArgumentError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidArgumentError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError(
+                f"quantization must be one of {QUANTIZATIONS[1:]} (or None), "
+                f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHEDTYPE_NAMES:
+            raise InvalidArgumentError(
+                f"kv_cache_dtype must be one of {KV_CACHEDTYPE_NAMES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidArgumentError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if not isinstance(self.device, str) or not (
+            self.device == "auto" or _DEVICE.fullmatch(self.device)
+        ):
+            raise InvalidArgumentError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        if not isinstance(self.dtype, str) or (
+            self.dtype != "auto" and self.dtype not in DTYPE_NAMES
+        ):
+            raise InvalidArgumentError(
+                f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}"
+            )
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise InvalidArgumentError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if tp > 1:
+            if self.speculative_config is not None:
+                raise InvalidArgumentError(
+                    "speculative decoding does not run with tensor_parallel_size > 1 yet"
+                )
+            if self.quantization in ("gguf", "q8_0", "q4_1"):
+                raise InvalidArgumentError(
+                    f"quantization={self.quantization!r} does not run with "
+                    "tensor_parallel_size > 1 yet (block-format weights are not sharded)"
+                )
+            if isinstance(self.device, str) and self.device.startswith("cuda:"):
+                raise InvalidArgumentError(
+                    "with tensor_parallel_size > 1 give device 'cuda' or 'auto': "
+                    "rank r runs on GPU r"
+                )
+        if self.max_logprobs < 0:
+            raise InvalidArgumentError("max_logprobs must be >= 0")
+        if not isinstance(self.seed, int):
+            raise InvalidArgumentError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """The parsed speculative config (`create` has parsed it)."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec)
+
+    def batched_tokens_limit(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        limit = max(8192, self.max_num_seqs)
+        return limit if self.enable_chunked_prefill else max(limit, max_model_len)

@@ -1,0 +1,185 @@
+"""The grammar engine of structured outputs (llguidance).
+
+Each constrained sequence holds a matcher: the grammar's parser state over
+the tokens it has sampled. Before the model runs, the step's matchers
+write their next-token masks (one bit per vocabulary entry) into one batch
+bitmask on a worker thread; llguidance computes them in Rust without the
+GIL, so the masks are ready by the time the forward pass has produced
+logits. The sampler then sets every token outside a row's mask to -inf.
+After sampling each matcher consumes its token; a matcher that accepts
+nothing more but the end of sequence ends its sequence.
+
+Compiled grammars are cached by their source: a request with the same
+schema as an earlier one copies the compiled matcher instead of compiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.structured_outputs import StructuredOutputsParams, check_grammar
+from ferrox.runner.token_bitmask import BITS_PER_WORD, GrammarMask, GrammarStats
+
+logger = logging.getLogger("ferrox")
+
+CACHE_SIZE = 256
+
+
+class GrammarEngine:
+    """Compiles structured-output constraints against the model's
+    vocabulary and computes the masks of a step."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer: Any = None  # llguidance's view of the vocabulary, built on first use
+        self._executor: Any = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrox-grammar")
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+        self.stats = GrammarStats()
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self._hf_tokenizer is None:
+                raise InvalidArgumentError(
+                    "structured outputs need the model's tokenizer; this model has none"
+                )
+            import llguidance
+            import llguidance.hf
+
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
+                )
+            except ValueError as e:
+                raise InvalidArgumentError(
+                    f"structured outputs are not available for this tokenizer: {e}"
+                ) from None
+            self._executor = llguidance.LLExecutor()
+        return self._tokenizer
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """The compiled matcher of `params`' constraint, shared through the
+        cache: `deep_copy` it for each sequence. Raises InvalidArgumentError
+        naming the field when it does not compile. Called from the engine's
+        thread only (the worker thread only fills masks)."""
+        from llguidance import LLMatcher
+
+        source = check_grammar(params)
+        compiled = self._compiled.get(source)
+        if compiled is not None:
+            self._compiled.move_to_end(source)
+            self.num_cache_hits += 1
+            return compiled
+        compiled = LLMatcher(self._llg_tokenizer(), source, log_level=0)
+        if compiled.is_error():
+            raise InvalidArgumentError(
+                f"{params.param} does not compile: {compiled.get_error().strip()}"
+            )
+        self.num_compiled += 1
+        self._compiled[source] = compiled
+        if len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def masks(
+        self, matchers: list[tuple[int, Any, list[int]]], device: torch.device
+    ) -> GrammarMask:
+        """Starts computing the next-token masks of (row, matcher, drafts)
+        entries: a row's mask is its matcher's after it consumed `drafts`
+        (the drafts before a verified position; empty for plain decoding)."""
+        from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+
+        words = (self._vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+        bitmask = torch.empty(len(matchers), words, dtype=torch.int32)
+        plain = [(m, i) for i, (_, m, drafts) in enumerate(matchers) if not drafts]
+        drafted = [(i, m, drafts) for i, (_, m, drafts) in enumerate(matchers) if drafts]
+
+        stats = self.stats
+        stats.steps += 1
+
+        def fill() -> torch.Tensor:
+            start = time.perf_counter()
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
+            # After the parallel fill: these share matchers with plain rows.
+            for i, matcher, drafts in drafted:
+                # A refused draft: the mask of the state before it.
+                consumed = matcher.validate_tokens(drafts)
+                if consumed:
+                    matcher.consume_tokens(drafts[:consumed])
+                fill_next_token_bitmask(matcher, bitmask, i)
+                if consumed:
+                    matcher.rollback(consumed)
+            stats.fill_seconds += time.perf_counter() - start
+            return bitmask
+
+        future = self._worker.submit(fill)
+        return GrammarMask([row for row, _, _ in matchers], future, device, stats)
+
+    def constrain(
+        self, seqs: list[Any], prefixes: list[list[int]] | None, device: torch.device
+    ) -> GrammarMask | None:
+        """Starts the masks of a step's constrained rows (`seqs[i]` samples
+        row i; `prefixes[i]`: the drafts its view has consumed), computed
+        while the model runs; None when no row is constrained."""
+        constrained = [
+            (i, s.grammar, prefixes[i] if prefixes else [])
+            for i, s in enumerate(seqs)
+            if s.grammar is not None
+        ]
+        return self.masks(constrained, device) if constrained else None
+
+    def advance(self, seqs: list[Any]) -> GrammarAdvance:
+        """Each constrained sequence's matcher takes its new tokens. A token
+        the grammar refuses fails the request. A complete grammar allows only
+        EOS next, which ends the sequence in the scheduler; under
+        `ignore_eos` the sequence ends here, and tokens verified past that
+        EOS are dropped."""
+        start = time.perf_counter()
+        result = GrammarAdvance()
+        eos = self._eos_token_ids
+        for seq in seqs:
+            matcher = seq.grammar
+            if matcher is None or seq.request.request_id in result.failed:
+                continue
+            output = seq.output_token_ids
+            accepted = True
+            for i in range(seq.num_grammar_tokens, len(output)):
+                if i and output[i - 1] in eos and matcher.is_stopped():
+                    # Ended by its EOS under ignore_eos: tokens verified past it go.
+                    result.num_dropped += len(output) - i
+                    del output[i:]
+                    break
+                if not matcher.consume_token(output[i]):
+                    accepted = False
+                    break
+            seq.num_grammar_tokens = len(output)
+            if not accepted:
+                result.failed.add(seq.request.request_id)
+                logger.error(
+                    "request %s left its grammar: %s", seq.request.request_id, matcher.get_error()
+                )
+            elif not seq.is_finished and matcher.is_stopped() and output[-1] in eos:
+                result.completed.append(seq)
+        self.stats.advance_seconds += time.perf_counter() - start
+        return result
+
+
+@dataclass
+class GrammarAdvance:
+    """What the matchers' new tokens decided."""
+
+    failed: set[str] = field(default_factory=set)  # requests whose output left the grammar
+    completed: list[Any] = field(default_factory=list)  # sequences the grammar ended
+    num_dropped: int = 0  # tokens removed after an ending EOS

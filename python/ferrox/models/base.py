@@ -1,0 +1,121 @@
+"""What a model family's file declares, and what the generic loader and the
+runner ask of a model (`models/llama.py` is the reference implementation;
+docs/adding-a-model.md walks through adding one).
+
+A family is one class (with subclasses for close relatives) that says:
+- its Hugging Face `architectures` names and, if llama.cpp has it, its GGUF
+  architecture name, how GGUF metadata becomes its config and how llama.cpp's
+  tensor names become checkpoint names (`config_from_gguf`, `checkpoint_name`,
+  `from_gguf_tensor`);
+- its layers (the module tree built in `__init__` at this rank's size);
+- where each checkpoint tensor goes (`module_of`, `load_weights`) and which
+  slice of it a tensor-parallel rank loads (`shard_of`);
+- the per-request state each layer needs (`layer_states`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ferrox.common.errors import ModelLoadError, UnsupportedModelError
+from ferrox.layers.attention.base import AttentionBackend, AttentionMetadata, KvCache
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """A layer whose per-request state is the paged KV of every position
+    (this rank's KV heads)."""
+
+    num_kv_heads: int
+    head_dim: int
+
+
+# The kinds of per-layer state the runner and the Rust core manage. Sliding-
+# window KV and recurrent (linear-attention) state are the next kinds.
+LayerState = FullAttention
+
+
+def gguf_value(metadata: dict[str, Any], arch: str, key: str, default: Any = None) -> Any:
+    """`{arch}.{key}` from GGUF metadata; a missing key without a default is
+    a ModelLoadError."""
+    found = metadata.get(f"{arch}.{key}", default)
+    if found is None:
+        raise ModelLoadError(f"GGUF metadata lacks '{arch}.{key}'")
+    return found
+
+
+class CausalLM(nn.Module):
+    """The interface of a model family's class. The loader builds it on the
+    meta device (`cls(hf_config, attention_backend)`), materialises it, calls
+    `reset_buffers`, feeds `load_weights` the checkpoint's (name, tensor)
+    pairs (each narrowed by `shard_of` under tensor parallelism) and
+    `prepare_fused_decode`; the runner sizes the KV cache from
+    `layer_states` and calls `forward` and `compute_logits`."""
+
+    # Hugging Face `architectures` names the class serves.
+    architectures: ClassVar[tuple[str, ...]] = ()
+    # llama.cpp's name for the family in GGUF files; None: no GGUF support.
+    gguf_architecture: ClassVar[str | None] = None
+    vocab_size: int
+    fused_decode: Any
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KvCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> [S, vocab] float32 (every rank's vocabulary)."""
+        raise NotImplementedError
+
+    def layer_states(self) -> list[LayerState]:
+        raise NotImplementedError
+
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        """The attention backend the layers run (one for the whole model)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def module_of(name: str) -> str:
+        """The module (our name) checkpoint tensor `name` loads into."""
+        raise NotImplementedError
+
+    def shard_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """The (dim, start, length) slice of checkpoint tensor `name` this
+        rank loads, or None for the whole tensor."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def reset_buffers(self, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def prepare_fused_decode(self) -> bool:
+        """Once the weights are loaded: whether decode steps run one native
+        call per layer (the CPU's fused decode)."""
+        return False
+
+    # GGUF (only for a family with a gguf_architecture)
+
+    @classmethod
+    def config_from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str]) -> Any:
+        raise UnsupportedModelError(f"{cls.__name__} has no GGUF support")
+
+    @classmethod
+    def checkpoint_name(cls, gguf_name: str) -> str:
+        raise UnsupportedModelError(f"{cls.__name__} has no GGUF support")
+
+    @classmethod
+    def from_gguf_tensor(cls, name: str, weight: torch.Tensor, config: Any) -> torch.Tensor:
+        return weight

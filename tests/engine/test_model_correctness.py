@@ -1,0 +1,122 @@
+"""ferrox against transformers on the same weights: greedy tokens equal and
+logprobs close, for tiny Llama / Qwen2 / Qwen3 models and the bundled
+SmolLM2, in one batch, with prefix caching, under preemption and with
+chunked prefill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrox import LLM, SamplingParams
+from tests import models
+
+MAX_TOKENS = 10
+# Eight prompts of different lengths; two share a long prefix.
+PROMPT_LENGTHS = [3, 7, 12, 17, 24, 31, 40, 53]
+
+
+def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = [torch.randint(2, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    out[-1] = out[-2][:36] + out[-1][:17]  # shares 36 tokens with the previous prompt
+    return out
+
+
+def greedy(max_tokens: int = MAX_TOKENS, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
+    )
+
+
+def assert_matches_hf(outputs, hf, batch: list[list[int]], check_logprobs: bool) -> None:
+    for prompt, out in zip(batch, outputs, strict=True):
+        expected, expected_lp = models.hf_greedy(hf, prompt, MAX_TOKENS)
+        completion = out.outputs[0]
+        assert completion.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        if check_logprobs:
+            got = [lp[t].logprob for lp, t in zip(completion.logprobs, expected, strict=True)]
+            assert got == pytest.approx(expected_lp, abs=1e-3)
+
+
+@pytest.mark.parametrize("name", list(models.TINY_SPECS))
+def test_tiny_models_match_transformers(tiny_models: dict[str, Path], name: str) -> None:
+    path = tiny_models[name]
+    hf = models.hf_model(path)
+    batch = prompts(models.VOCAB_SIZE)
+    llm = LLM(str(path), max_num_seqs=8, num_kv_blocks=256)
+    outputs = llm.generate(batch, greedy(logprobs=2), use_tqdm=False)
+    assert_matches_hf(outputs, hf, batch, check_logprobs=True)
+    # Prompt tokens in the top-k entries are consistent: the sampled token is
+    # rank 1 under greedy decoding.
+    assert all(
+        lp[t].rank == 1
+        for lp, t in zip(
+            outputs[0].outputs[0].logprobs, outputs[0].outputs[0].token_ids, strict=True
+        )
+    )
+    stats = llm.engine.stats()
+    assert stats.num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("label", "options"),
+    [
+        ("prefix-cache", dict(enable_prefix_caching=True, block_size=4)),
+        ("no-prefix-cache", dict(enable_prefix_caching=False)),
+        ("preemption", dict(num_kv_blocks=12, block_size=8, max_model_len=96)),
+        ("chunked-prefill", dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)),
+    ],
+)
+def test_scheduling_regimes_match_transformers(
+    tiny_models: dict[str, Path], label: str, options: dict
+) -> None:
+    path = tiny_models["llama-gqa-tied"]
+    hf = models.hf_model(path)
+    batch = prompts(models.VOCAB_SIZE, seed=1)
+    llm = LLM(str(path), **{"num_kv_blocks": 256, "max_num_seqs": 8, **options})
+    outputs = llm.generate(batch, greedy(), use_tqdm=False)
+    assert_matches_hf(outputs, hf, batch, check_logprobs=False)
+    stats = llm.engine.stats()
+    if label == "prefix-cache":
+        # Run again: the prompts now come from the cache.
+        again = llm.generate(batch, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
+        assert llm.engine.stats().prefix_hit_tokens > sum(PROMPT_LENGTHS) // 2
+        assert sum(o.metrics.num_cached_tokens for o in again) > 0
+    if label == "preemption":
+        assert stats.num_preemptions > 0
+    assert llm.engine.stats().num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_smollm2_matches_transformers(smollm2_path: Path) -> None:
+    from transformers import LlamaForCausalLM as HfLlama
+
+    from ferrox.loader.gguf import load_gguf
+
+    gguf = load_gguf(smollm2_path)
+    hf = HfLlama(gguf.config).eval()
+    hf.load_state_dict(gguf.state_dict, strict=False)
+    hf.tie_weights()
+    tokenizer = gguf.tokenizer
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea,",
+        "1, 2, 3, 4,",
+        "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+        "Translate to French: good morning",
+        "The three primary colors are",
+        "import numpy as np\nx = np.",
+    ]
+    batch = [tokenizer.encode(t) for t in texts]
+    # Dequantized to float32: the dense path matches transformers token for
+    # token (the default keeps the blocks: tests/kernels/test_quantized_weights.py).
+    llm = LLM(str(smollm2_path), max_num_seqs=8, quantization="none")
+    outputs = llm.generate(batch, greedy(logprobs=1), use_tqdm=False)
+    assert_matches_hf(outputs, hf, batch, check_logprobs=True)
+    assert outputs[0].outputs[0].text == tokenizer.decode(outputs[0].outputs[0].token_ids)

@@ -1,0 +1,115 @@
+"""Synthetic GGUF files for tests: llama.cpp's tensor names and Q/K row
+order, written with the gguf package from random Hugging Face weights."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+_GGUF_PARTS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBALS = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_SMALL = dict(
+    vocab_size=258,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GGUF_GLOBALS:
+        return _GGUF_GLOBALS[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_PARTS[module]}.{suffix}"
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable spelling of the 256 byte values, in byte order."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to Llama's Q/K rows: half-split -> interleaved."""
+    half = weight.shape[0] // num_heads // 2
+    return (
+        weight.reshape(num_heads, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    )
+
+
+def _write_gguf(
+    path: Path,
+    arch: str,
+    config: PretrainedConfig,
+    tensors: dict[str, np.ndarray],
+    types: dict[str, Q] | None = None,
+    tokenizer_model: str = "gpt2",
+    pre: str = "qwen2",
+) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.block_count", config.num_hidden_layers)
+    writer.add_uint32(f"{arch}.context_length", config.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", config.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", config.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
+    writer.add_uint32(f"{arch}.attention.key_length", config.head_dim)
+    writer.add_uint32(f"{arch}.rope.dimension_count", config.head_dim)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list([*_byte_alphabet(), "\u0120t", "<|endoftext|>"])
+    writer.add_token_types([1] * 257 + [3])
+    writer.add_token_merges(["\u0120 t"])
+    writer.add_eos_token_id(257)
+    for name, array in tensors.items():
+        qtype = (types or {}).get(name, Q.F32)
+        if qtype == Q.F32:
+            writer.add_tensor(name, array.astype(np.float32))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _random_model(
+    config_class: type[PretrainedConfig], tied: bool, **overrides: object
+) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
+    config = config_class(**{**_SMALL, "tie_word_embeddings": tied, **overrides})
+    model = AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        name: torch.randn(tensor.shape, generator=generator)
+        for name, tensor in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    return config, weights

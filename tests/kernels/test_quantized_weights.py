@@ -1,0 +1,439 @@
+"""Block-quantized weights on the CPU (q4_1 / q8_0): the layers against the
+float matmul on the dequantized weight, GGUF blocks kept as stored against
+the GGUF reference dequantization, and whole engines against their dense
+twins (same weights, dequantized) and transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from ferrox import LLM, SamplingParams
+from ferrox.common.config import EngineConfig
+from ferrox.common.errors import InvalidArgumentError
+from ferrox.layers import cpu_linear, quant_linear
+from ferrox.layers.quant_linear import (
+    QuantEmbedding,
+    QuantLinear,
+    dequantize,
+    quantize,
+)
+from ferrox.loader.gguf import load_gguf
+from ferrox.loader.gguf_dequant import BlockTensor
+from ferrox.loader.model_loader import block_plan
+from ferrox.models.llama import LlamaForCausalLM
+from tests import models
+from tests.gguf_files import _gguf_name, _llama_cpp_permute, _random_model, _write_gguf
+
+FORMATS = ["q4_1", "q8_0"]
+
+
+def _activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far x @ w.T may move when each 32-wide block of x is rounded to
+    int8 with scale max|x| / 127 (the kernel's activation quantization):
+    |x - x~| <= scale / 2 per element, so per output at most
+    sum over blocks of scale / 2 * sum |w| over the block."""
+    rows, k = x.shape
+    scale = x.reshape(rows, k // 32, 32).abs().amax(-1) / 127  # [rows, blocks]
+    w_abs = w.abs().reshape(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
+    return (scale / 2) @ w_abs.T  # [rows, n]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 256, generator=gen) * torch.rand(40, 1, generator=gen) * 3
+    w[3] = 0.0  # an all-zero row has scale 0
+    blocks = quantize(w, fmt)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (
+        40,
+        256 // 32 * {"q4_1": 20, "q8_0": 34}[fmt],
+    )
+    back = dequantize(blocks, fmt, 256)
+    raw = blocks.numpy().reshape(40, 8, -1)
+    step = torch.from_numpy(raw[..., :2].copy().view(np.float16).astype(np.float32))  # [40, 8, 1]
+    err = (back - w).abs().reshape(40, 8, 32)
+    # Half a step, plus the float16 rounding of the stored scale and offset.
+    assert bool((err <= step / 2 + 2e-3 * w.abs().max()).all())
+    assert torch.equal(back[3], torch.zeros(256))
+    # Requantizing the dequantized weight reproduces it.
+    assert torch.equal(dequantize(quantize(back, fmt), fmt, 256), back)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17, 33])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_rows", [None, 10])
+@pytest.mark.parametrize("dequantized", [False, True])
+def test_quant_linear_matches_float_linear(
+    fmt: str,
+    rows: int,
+    bias: bool,
+    chunk_rows: int | None,
+    dequantized: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both paths whatever this CPU's crossover: the integer kernel, or the
+    # weight dequantized (10 rows at a time with chunk_rows: 47 = 4 x 10 + 7)
+    # and a float GEMM.
+    monkeypatch.setattr(quant_linear, "DEQUANTIZE_ABOVE_ROWS", 0 if dequantized else rows)
+    if chunk_rows is not None:
+        monkeypatch.setattr(quant_linear, "DEQUANTIZE_CHUNK_ELEMENTS", 160 * chunk_rows)
+    gen = torch.Generator().manual_seed(rows)
+    dense = torch.nn.Linear(160, 47, bias=bias)  # an odd number of outputs
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(47, 160, generator=gen))
+        if bias:
+            dense.bias.copy_(torch.randn(47, generator=gen))
+    layer = QuantLinear.from_linear(dense, fmt)
+    w = dequantize(layer.weight, fmt, 160)
+    x = torch.randn(rows, 160, generator=gen)
+    x[0, :32] = 0.0  # a block of zeros quantizes to scale 0
+    expected = F.linear(x.double(), w.double(), None if layer.bias is None else layer.bias.double())
+    got = layer(x.view(1, rows, 160))
+    assert got.shape == (1, rows, 47) and got.dtype == torch.float32
+    diff = (got[0].double() - expected).abs()
+    if dequantized:  # float GEMM
+        assert float(diff.max()) < 1e-3
+    else:  # the integer kernel: within the activation rounding bound
+        bound = _activation_bound(x.double(), w.double()) + 1e-3
+        assert bool((diff <= bound).all()), float((diff - bound).max())
+        # and not vacuously: the bound is well below the outputs' size
+        assert float(bound.mean()) < 0.25 * float(expected.abs().mean())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_embedding_looks_up_dequantized_rows(fmt: str) -> None:
+    table = torch.randn(50, 64, generator=torch.Generator().manual_seed(1))
+    emb = QuantEmbedding(50, 64, fmt)
+    emb.weight.data = quantize(table, fmt)
+    ids = torch.tensor([[0, 49, 7], [7, 7, 3]])
+    assert torch.equal(emb(ids), dequantize(emb.weight, fmt, 64)[ids])
+    with pytest.raises(InvalidArgumentError):
+        emb(torch.tensor([50]))
+
+
+def test_formats_need_block_multiples() -> None:
+    with pytest.raises(InvalidArgumentError, match="multiples of 32"):
+        QuantLinear(80, 16, bias=False, fmt="q8_0")
+    with pytest.raises(InvalidArgumentError, match="unknown block format"):
+        QuantLinear(64, 16, bias=False, fmt="q5_k")
+
+
+# ---- GGUF files: blocks kept as stored ------------------------------------------------------
+
+_BLOCK_TYPES = {
+    "q_proj": Q.Q4_0,
+    "k_proj": Q.Q4_0,
+    "v_proj": Q.Q4_0,
+    "o_proj": Q.Q4_1,
+    "gate_proj": Q.Q8_0,
+    "up_proj": Q.Q8_0,
+    "down_proj": Q.Q4_1,
+}
+
+
+def _quantized_gguf(path: Path, tied: bool = True, overrides: dict[str, Q] | None = None) -> None:
+    """A small Llama GGUF whose linear weights are in the block formats
+    (and the embedding in Q8_0)."""
+    config, weights = _random_model(LlamaConfig, tied, head_dim=16, intermediate_size=128)
+    tensors, types = {}, {}
+    for name, weight in weights.items():
+        if ".q_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_attention_heads)
+        elif ".k_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_key_value_heads)
+        gguf_name = _gguf_name(name)
+        tensors[gguf_name] = weight.numpy()
+        module = name.rsplit(".", 2)[-2]
+        if module in _BLOCK_TYPES:
+            types[gguf_name] = _BLOCK_TYPES[module]
+        elif module in ("embed_tokens", "lm_head"):
+            types[gguf_name] = Q.Q8_0
+    types.update(overrides or {})
+    _write_gguf(path, "llama", config, tensors, types)
+
+
+def test_kept_blocks_dequantize_to_the_reference(tmp_path: Path) -> None:
+    path = tmp_path / "blocks.gguf"
+    _quantized_gguf(path, overrides={"blk.1.ffn_up.weight": Q.Q5_0})
+    dense = load_gguf(path)
+    kept = load_gguf(path, keep_blocks=True)
+    assert set(kept.state_dict) == set(dense.state_dict)
+    formats = {}
+    for name, tensor in kept.state_dict.items():
+        if isinstance(tensor, BlockTensor):
+            formats[name] = tensor.fmt
+            assert tensor.data.dtype == torch.uint8 and tensor.shape == dense.state_dict[name].shape
+            got = dequantize(tensor.data, tensor.fmt, tensor.in_features)
+        else:
+            got = tensor
+        # Q4_0 rewritten as Q4_1 and the Q/K rows unpermuted on the bytes:
+        # exactly the reference dequantization of the file.
+        assert torch.equal(got, dense.state_dict[name]), name
+    assert formats["model.layers.0.self_attn.q_proj.weight"] == "q4_1"  # from Q4_0
+    assert formats["model.layers.0.mlp.gate_proj.weight"] == "q8_0"
+    assert formats["model.embed_tokens.weight"] == "q8_0"
+    assert "model.layers.1.mlp.up_proj.weight" not in formats  # Q5_0 has no kernel
+    assert "model.norm.weight" not in formats
+
+    plan = block_plan(kept.state_dict, tied=True, module_of=LlamaForCausalLM.module_of)
+    assert plan["layers.0.self_attn.qkv_proj"] == "q4_1"
+    assert plan["layers.0.mlp.gate_up_proj"] == "q8_0"
+    assert plan["layers.1.mlp.down_proj"] == "q4_1"
+    # gate (Q8_0) and up (Q5_0, dequantized) are unlike: the merged layer stays dense
+    assert "layers.1.mlp.gate_up_proj" not in plan
+    assert plan["embed_tokens"] == plan["lm_head"] == "q8_0"
+
+
+Greedy = list[tuple[list[int], list[float]]]  # per prompt: tokens and their logprobs
+
+
+def _run(path: Path, prompts: list[list[int]], **options) -> tuple[LLM, Greedy]:
+    """Greedy runs: per prompt, the sampled tokens and their logprobs. The
+    KV cache stays float32 unless asked (these tests measure the weights;
+    tests/kernels/test_kv_cache_dtype.py the cache)."""
+    options.setdefault("kv_cache_dtype", "float32")
+    llm = LLM(str(path), num_kv_blocks=64, max_num_seqs=4, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats().num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+    runs = []
+    for o in outputs:
+        tokens = o.outputs[0].token_ids
+        runs.append(
+            (tokens, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, tokens, strict=True)])
+        )
+    return llm, runs
+
+
+def _round_like_the_kernel(module: torch.nn.Module, args: tuple) -> tuple:
+    """A transformers Linear's input rounded the way the block kernel rounds
+    activations: per 32-wide block, int8 with scale max|x| / 127."""
+    (x,) = args
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return ((blocks * inverse).round() * scale).reshape(x.shape)
+
+
+def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], round_inputs: bool) -> Greedy:
+    """transformers' greedy logprobs; with `round_inputs`, every Linear's
+    input rounded as the kernel rounds it (then only summation order differs)."""
+    hooks = [
+        module.register_forward_pre_hook(_round_like_the_kernel)
+        for module in hf.modules()
+        if round_inputs and isinstance(module, torch.nn.Linear)
+    ]
+    try:
+        return [models.hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _assert_same_greedy(got: Greedy, expected: Greedy, tolerance: float = 1e-3) -> None:
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=tolerance)
+
+
+MAX_TOKENS = 6
+# Every step of these runs has at most 32 tokens (DEQUANTIZE_ABOVE_ROWS is 32
+# or more on every CPU), so each linear layer runs the integer kernel (and rounds its input).
+# Summation order moves an activation across a rounding boundary now and
+# then: one step of int8 in one element, which the following positions
+# inherit. A wrong scale or block moves logprobs by whole units.
+ROUNDING_DRIFT = 0.03
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_engine_keeps_blocks_and_tracks_transformers(tmp_path: Path, tied: bool) -> None:
+    path = tmp_path / "blocks.gguf"
+    _quantized_gguf(path, tied=tied)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 11, 16)]
+    # transformers on the file's weights, dequantized by the GGUF reference
+    dense = load_gguf(path)
+    hf = AutoModelForCausalLM.from_config(dense.config).eval()
+    hf.load_state_dict(dense.state_dict, strict=False)
+    hf.tie_weights()
+
+    llm, blocks = _run(path, prompts)
+    model = llm.engine.runner.model
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert isinstance(model.lm_head, QuantLinear)
+    _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
+    # Dequantized at load ("none"), ferrox matches transformers as closely as on any checkpoint.
+    llm, none = _run(path, prompts, quantization="none")
+    assert not any(
+        isinstance(m, (QuantLinear, QuantEmbedding)) for m in llm.engine.runner.model.modules()
+    )
+    _assert_same_greedy(none, _hf_greedy(hf, prompts, round_inputs=False))
+    _, explicit = _run(path, prompts, quantization="gguf")
+    assert explicit == blocks
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt: str) -> None:
+    path = tiny_models["llama-gqa-tied"]  # hidden 96
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (4, 28)]
+    llm, got = _run(path, prompts, quantization=fmt)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    # qkv, o, gate_up and down in every layer, and the LM head
+    assert len(layers) == 4 * len(model.layers) + 1
+    hf = models.hf_model_with_rounded_weights(path, fmt)
+    _assert_same_greedy(got, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"),
+    [("q8_0", "float32"), (None, "auto"), ("q8_0", "auto")],  # auto: float16 under blocks
+)
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2"])
+def test_fused_decode_layers_match_the_module_path(
+    tiny_models: dict[str, Path],
+    name: str,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode steps run each layer in one native call; the same kernels one
+    module at a time give the same tokens and logprobs (Qwen2: q/k/v bias),
+    over blocks and over float32 weights (a small model keeps them as well
+    as their oneDNN packing), with a float32 or a float16 KV cache."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 9, 20)
+    ]
+    llm, fused = _run(
+        tiny_models[name], prompts, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None
+    calls: list[int] = []
+    monkeypatch.setattr(model.fused_decode, "run", _counted(model.fused_decode.run, calls))
+    again = _run_again(llm, prompts)
+    if llm.engine.runner.kv_dtype == torch.float32:
+        # (a float16 cache holds rounded K/V the first prefill had whole)
+        _assert_close(again, fused)
+    # Every step: the prompts' full blocks now come from the prefix cache,
+    # so even the first step computes at most 16 tokens a row.
+    assert len(calls) == MAX_TOKENS
+    model.fused_decode = None
+    _assert_close(_run_again(llm, prompts), again)
+    assert len(calls) == MAX_TOKENS
+
+
+def _assert_close(got: Greedy, expected: Greedy) -> None:
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
+def _counted(fn, calls: list):  # type: ignore[no-untyped-def]
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _run_again(llm: LLM, prompts: list[list[int]]) -> Greedy:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats().num_used_blocks == 0
+    return [
+        (
+            o.outputs[0].token_ids,
+            [
+                lp[t].logprob
+                for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+            ],
+        )
+        for o in outputs
+    ]
+
+
+def test_fused_decode_needs_weights_it_can_read(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tiny_models["llama-gqa-tied"])
+    assert LLM(path, num_kv_blocks=16).engine.runner.model.fused_decode is not None
+    qwen3 = LLM(str(tiny_models["qwen3"]), num_kv_blocks=16, quantization="q8_0")  # q/k norms
+    assert qwen3.engine.runner.model.fused_decode is None
+    # Weights too large to keep twice live only in oneDNN's layout: the
+    # module path runs them.
+    monkeypatch.setattr(cpu_linear, "SMALL_WEIGHT", 0)
+    assert LLM(path, num_kv_blocks=16).engine.runner.model.fused_decode is None
+
+
+def test_quantization_options_are_checked(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="quantization must be one of"):
+        EngineConfig.create(model="x", quantization="awq")
+    path = tiny_models["llama-gqa-tied"]
+    with pytest.raises(InvalidArgumentError, match="needs a GGUF model file"):
+        LLM(str(path), quantization="gguf")
+    with pytest.raises(InvalidArgumentError, match="float32"):
+        LLM(str(path), quantization="q8_0", dtype="bfloat16")
+    with pytest.raises(InvalidArgumentError, match="multiples of 32"):
+        LLM(str(tiny_models["llama-mha-untied"]), quantization="q4_1")  # hidden 80
+    # The file's blocks run on the CPU in float32 only: asked for elsewhere,
+    # refused rather than silently dequantized.
+    gguf_path = tmp_path / "blocks.gguf"
+    _quantized_gguf(gguf_path)
+    with pytest.raises(InvalidArgumentError, match="float32"):
+        LLM(str(gguf_path), quantization="gguf", dtype="bfloat16")
+    with pytest.raises(InvalidArgumentError, match="needs a GGUF model file"):
+        LLM(str(gguf_path), quantization="gguf", load_format="dummy")
+
+
+# ---- the default model ----------------------------------------------------------------------
+
+
+def test_default_model_keeps_blocks_close_to_transformers(smollm2_path: Path) -> None:
+    """The bundled SmolLM2 file runs on its blocks by default; its prompt
+    log-likelihood stays within a few percent of transformers on the
+    dequantized weights (the kernel rounds activations to int8)."""
+    from transformers import LlamaForCausalLM as HfLlama
+
+    reader = gguf.GGUFReader(str(smollm2_path))
+    stored = {t.name: Q(t.tensor_type) for t in reader.tensors}
+    assert stored["blk.0.attn_q.weight"] in (Q.Q8_0, Q.Q4_0, Q.Q4_1)
+
+    dense = load_gguf(smollm2_path)
+    hf = HfLlama(dense.config).eval()
+    hf.load_state_dict(dense.state_dict, strict=False)
+    hf.tie_weights()
+    text = (
+        "The sun rose over the hills, and the farmers walked out to their fields. "
+        "By noon the heat was heavy, so they rested in the shade of an old oak tree "
+        "and shared bread, cheese and cold water from the well."
+    )
+    ids = dense.tokenizer.encode(text)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    expected = logits.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+    llm = LLM(str(smollm2_path), max_num_seqs=2)
+    assert isinstance(llm.engine.runner.model.layers[0].mlp.down_proj, QuantLinear)
+    out = llm.generate(
+        [ids], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False
+    )[0]
+    got = torch.tensor([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]])
+    assert got.shape == expected.shape
+    nll_ours, nll_hf = float(-got.mean()), float(-expected.mean())
+    assert abs(nll_ours - nll_hf) < 0.03 * nll_hf, (nll_ours, nll_hf)
+    assert float((got - expected).abs().mean()) < 0.1
+    assert llm.engine.stats().num_used_blocks == 0
