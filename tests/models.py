@@ -14,6 +14,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 VOCAB_SIZE = 320
@@ -62,6 +63,18 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
             num_key_value_heads=2,
             head_dim=32,
             tie_word_embeddings=True,
+        ),
+    ),
+    # The second of its two layers has no position encoding (NoPE).
+    "smollm3": (
+        SmolLM3Config,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            no_rope_layers=[1, 0],
+            pad_token_id=None,  # its default, 128004, lies outside this vocabulary
         ),
     ),
 }

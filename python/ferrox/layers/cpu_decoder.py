@@ -63,8 +63,14 @@ class FusedCpuDecode:
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = [self._native(layer) for layer in layers]
         rotary = layers[0].self_attn.rotary
-        self.cos = rotary.cos_cache.numpy()
-        self.sin = rotary.sin_cache.numpy()
+        cos, sin = rotary.cos_cache.numpy(), rotary.sin_cache.numpy()
+        # A layer without position encoding (`use_rope` False) rotates by
+        # cos 1, sin 0: exactly the identity.
+        identity = (np.ones_like(cos), np.zeros_like(sin))
+        self.tables = [
+            (cos, sin) if getattr(layer.self_attn, "use_rope", True) else identity
+            for layer in layers
+        ]
         self.num_threads = kernel_threads()
 
     @staticmethod
@@ -124,9 +130,6 @@ class FusedCpuDecode:
             meta.block_table_cpu if meta.block_table_cpu is not None else meta.block_table.numpy()
         )
         step = (
-            positions.numpy(),
-            self.cos,
-            self.sin,
             meta.slot_mapping.numpy(),
             block_table,
             meta.query_start_loc_cpu,
@@ -134,6 +137,9 @@ class FusedCpuDecode:
             self.num_threads,
         )
         res, out = residual.numpy(), x.numpy()
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            layer.forward(res, out, kv_array(k_cache), kv_array(v_cache), *step)
+        pos = positions.numpy()
+        for layer, (cos, sin), (k_cache, v_cache) in zip(
+            self.layers, self.tables, kv_caches, strict=True
+        ):
+            layer.forward(res, out, kv_array(k_cache), kv_array(v_cache), pos, cos, sin, *step)
         return x, residual

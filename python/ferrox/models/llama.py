@@ -64,6 +64,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
+        self.use_rope = True  # False: a layer without position encoding (NoPE)
         self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
@@ -76,7 +77,8 @@ class DecoderAttention(nn.Module):
             qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv])), dim=1)
         else:
             qk = qkv
-        self.rotary.rotate_(positions, qk, h + hkv)  # queries and keys, in place
+        if self.use_rope:
+            self.rotary.rotate_(positions, qk, h + hkv)  # queries and keys, in place
         q, k = qk[:, :h], qk[:, h : h + hkv]
         o = self.attn.forward(q, k, v, kv[0], kv[1], meta)  # [T, H, D]
         return distributed.all_reduce(self.o_proj(o.reshape(t, -1)))

@@ -9,11 +9,13 @@ from ferrox.common.errors import UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
 from ferrox.models.qwen3 import Qwen3ForCausalLM
+from ferrox.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     LlamaForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    SmolLM3ForCausalLM,
 )
 
 _BY_ARCHITECTURE = {name: cls for cls in MODEL_CLASSES for name in cls.architectures}
