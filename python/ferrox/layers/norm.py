@@ -19,19 +19,6 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + delta), residual + delta); with no residual yet,
         `delta` starts it. The sum is formed in place in `residual`."""
-        if residual is None and on_cpu_fp32(delta, self.weight) and delta.is_contiguous():
-            # The native kernel, as for every later layer (and as the fused
-            # decode runs the first layer): one numeric path whatever the step.
-            out = torch.empty_like(delta)
-            add_rms_norm_cpu(
-                delta.numpy(),
-                None,
-                self.weight.detach().numpy(),
-                self.eps,
-                out.numpy(),
-                kernel_threads(),
-            )
-            return out, delta
         if residual is None:
             return self.forward(delta), delta
         if on_cpu_fp32(residual, delta, self.weight) and residual.is_contiguous():
@@ -50,6 +37,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., hidden]
+        if on_cpu_fp32(x, self.weight):
+            # The native kernel, as `add_forward` and the fused decode run it:
+            # one numeric path whatever the step (a different summation could
+            # move a block kernel's int8 activation across a rounding step).
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            add_rms_norm_cpu(
+                x.numpy(), None, self.weight.detach().numpy(), self.eps, out.numpy(),
+                kernel_threads(),
+            )  # fmt: skip
+            return out
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op, the same arithmetic as below.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
