@@ -47,7 +47,7 @@ from ferrox.engine.faults import StepFaults, StepResult
 from ferrox.engine.profiler import EngineProfiler
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, prompt_logprobs_of
 from ferrox.engine.sequence import EngineRequest, SequenceState, append_sampled, delta_of, now
-from ferrox.engine.speculation import Speculator, load_draft_model
+from ferrox.engine.speculation import Speculator, load_draft_model, sampling_rows
 from ferrox.engine.structured_output import GrammarEngine
 from ferrox.executor.executor import Executor
 from ferrox.loader.model_loader import LoadedModel
@@ -398,7 +398,7 @@ class EngineCore:
             if self._features.any():
                 # A verified position samples as if its drafts were output (all-
                 # greedy batches without features read no row: they need no views).
-                rows, prefixes = self.speculator.sampling_rows(plan, seqs)
+                rows, prefixes = sampling_rows(plan, seqs)
         batch = self._batch_builder.build(rows, self._features)
         if "grammar" in self._features:
             batch.grammar = self.grammar.constrain(seqs, prefixes, self.runner.device)

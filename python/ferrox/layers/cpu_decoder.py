@@ -67,10 +67,7 @@ class FusedCpuDecode:
         # A layer without position encoding (`use_rope` False) rotates by
         # cos 1, sin 0: exactly the identity.
         identity = (np.ones_like(cos), np.zeros_like(sin))
-        self.tables = [
-            (cos, sin) if getattr(layer.self_attn, "use_rope", True) else identity
-            for layer in layers
-        ]
+        self.tables = [(cos, sin) if layer.self_attn.use_rope else identity for layer in layers]
         self.num_threads = kernel_threads()
 
     @staticmethod

@@ -162,7 +162,6 @@ class LlamaForCausalLM(CausalLM):
         # The rotary tables are shared by every layer; keep them out of the
         # per-layer modules' parameter lists.
         self.rotary = rotary
-        self.num_kv_heads = self.decoder_layers()[0].self_attn.num_kv_heads  # this rank's
         self.fused_decode: FusedCpuDecode | None = None
 
     def prepare_fused_decode(self) -> bool:

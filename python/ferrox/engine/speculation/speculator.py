@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from ferrox._native import BatchPlan, Scheduler, StepEvents
 from ferrox.engine.sequence import SequenceState, add_logprobs, now
 from ferrox.engine.speculation.cost_model import StepCostModel
-from ferrox.engine.speculation.verification import sampling_rows
 from ferrox.runner.draft import DraftRunner
 from ferrox.runner.model_runner import RunnerOutput
 
@@ -59,14 +57,6 @@ class Speculator:
         self._draft_seconds = time.perf_counter() - start
         self.cost.observe_drafts(len(drafts), self._draft_seconds)
         return drafts
-
-    @staticmethod
-    def sampling_rows(
-        plan: BatchPlan, seqs: list[SequenceState]
-    ) -> tuple[list[Any], list[list[int]]]:
-        """One row per sampled position (see verification.py), and the drafts
-        each row's view has consumed (for grammar masks)."""
-        return sampling_rows(plan, seqs)
 
     @staticmethod
     def append_verified(
