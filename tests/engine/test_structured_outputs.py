@@ -18,9 +18,14 @@ import torch
 
 from ferrox import LLM, SamplingParams
 from ferrox.common import errors
-from ferrox.common.structured_outputs import StructuredOutputsParams, check_grammar
+from ferrox.common.structured_outputs import (
+    StructuredOutputsParams,
+    check_grammar,
+    closed_objects,
+)
 from ferrox.runner.token_bitmask import apply_token_bitmask, apply_token_bitmask_torch
-from ferrox.server.chat_outputs import ChatOutput
+from ferrox.server import openai_protocol as op
+from ferrox.server.chat_outputs import ChatOutput, tool_structured_outputs
 from tests.live_server import Server
 
 # ---- parameters -------------------------------------------------------------
@@ -50,11 +55,67 @@ def test_params_are_checked(fields: dict[str, Any], message: str) -> None:
         ({"json": {"type": "objectx"}}, "structured_outputs.json"),
         ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
         ({"grammar": 'root ::= "a'}, "structured_outputs.grammar"),
+        # No finite string: every output would run to max_tokens.
+        ({"grammar": 'start: "x" start'}, "structured_outputs.grammar"),
+        ({"grammar": 'root ::= "a" root'}, "structured_outputs.grammar"),
     ],
 )
 def test_a_grammar_that_does_not_compile_names_its_field(fields: dict, field: str) -> None:
     with pytest.raises(errors.InvalidArgumentError, match=re.escape(field)):
         check_grammar(StructuredOutputsParams(**fields))
+
+
+def test_closed_objects_close_only_objects_that_say_nothing() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "inner": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "list": {"type": "array", "items": {"anyOf": [{"properties": {"c": {}}}]}},
+        },
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["inner"]["additionalProperties"] is False
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["properties"]["list"]["items"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy
+
+    def arguments(strict: bool | None) -> Any:
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        if strict is not None:
+            tool["function"]["strict"] = strict
+        tools = [msgspec.convert(tool, op.ToolDefinition)]
+        calls = json.loads(str(tool_structured_outputs(tools, "required", parallel=True).json))
+        return calls["items"]["anyOf"][0]["properties"]["parameters"]
+
+    assert arguments(True)["additionalProperties"] is False
+    assert "additionalProperties" not in arguments(None)
+    assert "additionalProperties" not in arguments(False)
+
+
+_STRICT = {"schema": {}, "strict": True}
+
+
+@pytest.mark.parametrize(
+    ("fields", "server_default", "closed"),
+    [
+        ({"guided_json": {"type": "object"}}, False, False),
+        ({"guided_json": {"type": "object"}}, True, True),
+        ({"structured_outputs": {"json": {}, "disable_additional_properties": True}}, False, True),
+        ({"structured_outputs": {"regex": "a"}}, True, False),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, False, False),
+        ({"response_format": {"type": "json_schema", "json_schema": _STRICT}}, False, True),
+    ],
+)
+def test_strict_and_the_server_default_close_json_schemas(
+    fields: dict[str, Any], server_default: bool, closed: bool
+) -> None:
+    from ferrox.server.output_constraints import structured_outputs_from
+
+    request = msgspec.convert({"prompt": "x", **fields}, op.CompletionRequest)
+    params = structured_outputs_from(request, server_default)
+    assert params is not None and params.disable_additional_properties is closed
 
 
 def test_params_travel_to_the_engine_process_and_back() -> None:
@@ -233,6 +294,48 @@ def test_a_bad_grammar_fails_before_any_work(smol: LLM) -> None:
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
     with pytest.raises(errors.InvalidArgumentError, match=r"structured_outputs\.regex"):
         smol.generate(["a", "b"], [SamplingParams(max_tokens=2), bad])
+    _assert_idle(smol)
+
+
+def _one_more_property(smol: LLM, closed: bool) -> Any:
+    """A schema of one property; a bias towards "," pushes the model to add another."""
+    comma = smol.get_tokenizer().encode(",", add_special_tokens=False)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        logit_bias={comma[0]: 40.0},
+        structured_outputs=StructuredOutputsParams(
+            json=schema, disable_any_whitespace=True, disable_additional_properties=closed
+        ),
+    )
+    return smol.generate(["A JSON object:"], params)[0].outputs[0]
+
+
+def test_a_closed_schema_allows_no_other_property(smol: LLM) -> None:
+    loose = _one_more_property(smol, closed=False)
+    assert re.match(r'\{"ok":(true|false),', loose.text), loose.text  # the bias works
+    closed = _one_more_property(smol, closed=True)
+    assert closed.finish_reason == "stop", closed.text
+    assert list(json.loads(closed.text)) == ["ok"]
+    _assert_idle(smol)
+
+
+def test_a_grammar_dead_end_ends_the_sequence_with_error(smol: LLM) -> None:
+    """An empty lexeme (an intersection of two strings) compiles, but no
+    token continues the output: the sequence ends, nothing is held."""
+    empty = StructuredOutputsParams(grammar='start: "a" B\nB: "b" & "c"')
+    outputs = smol.generate(
+        ["x", "y"],
+        [
+            SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=empty),
+            SamplingParams(temperature=0.0, max_tokens=8),
+        ],
+    )
+    dead = outputs[0].outputs[0]
+    assert dead.finish_reason == "error" and dead.text == "a", dead
+    assert not set(dead.token_ids) & set(smol.engine.eos_token_ids)  # no EOS: it did not end
+    assert outputs[1].outputs[0].finish_reason == "length"
     _assert_idle(smol)
 
 
@@ -453,6 +556,41 @@ def test_response_format_through_the_sdk(server: Server) -> None:
     server.wait_idle()
 
 
+def test_strict_schemas_and_unending_grammars_through_the_sdk(server: Server) -> None:
+    import openai
+
+    client = server.client()
+    comma = server.post("/tokenize", {"model": "smol", "prompt": ","}).json()["tokens"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    ask = [{"role": "user", "content": "Reply with a JSON object."}]
+
+    def reply(strict: bool) -> str:
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": "r", "schema": schema, "strict": strict},
+        }
+        out = client.chat.completions.create(
+            model="smol",
+            messages=ask,
+            max_tokens=40,
+            temperature=0,
+            logit_bias={str(comma[0]): 40},
+            response_format=fmt,
+        )
+        return str(out.choices[0].message.content)
+
+    assert re.match(r'\{\s*"ok"\s*:\s*(true|false)\s*,', reply(strict=False))
+    assert list(json.loads(reply(strict=True))) == ["ok"]
+    with pytest.raises(openai.BadRequestError, match="no finite string"):
+        client.completions.create(
+            model="smol",
+            prompt="x",
+            max_tokens=4,
+            extra_body={"structured_outputs": {"grammar": 'start: "x" start'}},
+        )
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_calls_parse_and_validate(server: Server, stream: bool) -> None:
     client = server.client()
@@ -666,7 +804,7 @@ def test_ignored_fields_are_accepted(server: Server) -> None:
 
 def test_tool_and_backend_flags_are_checked(capsys: pytest.CaptureFixture) -> None:
     from ferrox.server.launch import build_parser
-    from ferrox.server.vllm_options import tool_parser_option
+    from ferrox.server.vllm_options import disable_additional_properties_option, tool_parser_option
 
     parser = build_parser()
     with pytest.raises(SystemExit, match="go together"):
@@ -674,8 +812,14 @@ def test_tool_and_backend_flags_are_checked(capsys: pytest.CaptureFixture) -> No
     args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert tool_parser_option(args) == "hermes"
     assert parser.parse_args(["--structured-outputs-config", '{"backend": "guidance"}'])
+    assert not disable_additional_properties_option(parser.parse_args([]))
+    closed = parser.parse_args(
+        ["--structured-outputs-config", '{"disable_additional_properties": true}']
+    )
+    assert disable_additional_properties_option(closed)
     for bad in (
         ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+        ["--structured-outputs-config", '{"disable_additional_properties": "yes"}'],
         ["--tool-call-parser", "mistral"],
         ["--reasoning-parser", "nope"],
     ):

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 # "stop": EOS, a stop token id or a stop string; "length": max_tokens or the context
-# limit; "abort": cancelled by the client or the engine.
-FinishReason = Literal["stop", "length", "abort"]
-FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
+# limit; "abort": cancelled by the client or the engine; "error": the engine could
+# not go on (no token continues the output under its structured-output grammar).
+FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
 
 
 @dataclass

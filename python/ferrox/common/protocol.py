@@ -86,7 +86,7 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     index: int
     token_ids: list[int]
     logprobs: TokenLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None  # the stop token id, when one ended it
     # Sent with a sequence's first tokens:
     first_scheduled_time: float | None = None

@@ -4,8 +4,11 @@
 JSON object, a regular expression, a choice among strings, or a grammar
 (Lark, or GBNF / EBNF with ``::=`` rules). `grammar_source()` turns it into
 the grammar text of the grammar engine (llguidance); `check_grammar()` says
-whether that text compiles, without a tokenizer, so that the server can
-answer a bad grammar with a 400 before the engine sees it. The engine
+whether that text compiles and whether it can end, without a tokenizer, so
+that the server can answer a bad grammar with a 400 before the engine sees
+it. With `disable_additional_properties` (OpenAI's `strict: true`) a JSON
+schema's objects that list their properties allow no others unless they
+say so. The engine
 compiles it against the model's vocabulary (`ferrox.engine.structured_output.grammar`).
 """
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.grammar_check import unending_rules
 
 # The fields that each name one kind of constraint.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -35,7 +39,10 @@ class StructuredOutputsParams:
     `json_object` (any JSON object), `regex`, `choice` (one of these strings)
     or `grammar`. Between two JSON tokens the output may put what
     pretty-printing does (one line break at most, indentation); with
-    `disable_any_whitespace` nothing."""
+    `disable_any_whitespace` nothing. With `disable_additional_properties`
+    an object of the `json` schema that lists `properties` and says nothing
+    of `additionalProperties` allows no other property (JSON Schema's
+    default allows any: a model can then add keys until max_tokens)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -43,6 +50,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -90,7 +98,7 @@ class StructuredOutputsParams:
                     f"got {len(choice)}"
                 )
             self.choice = list(choice)
-        for name in ("json_object", "disable_any_whitespace"):
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"structured_outputs.{name} must be a bool")
 
@@ -105,9 +113,12 @@ class StructuredOutputsParams:
 
     def grammar_source(self) -> str:
         """The constraint as a grammar of the grammar engine."""
+        schema = self.json if isinstance(self.json, str) else ""
+        if schema and self.disable_additional_properties:
+            schema = json.dumps(closed_objects(json.loads(schema)))
         return _grammar_source(
             self.kind,
-            self.json if isinstance(self.json, str) else "",
+            schema,
             self.regex or "",
             tuple(self.choice or ()),
             self.grammar or "",
@@ -149,11 +160,51 @@ def _grammar_source(
     return str(LLMatcher.grammar_from_lark(grammar))
 
 
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object schema
+    that lists `properties` or `patternProperties` and does not say whether
+    others are allowed (a copy; `schema` is unchanged)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    if ("properties" in closed or "patternProperties" in closed) and (
+        "additionalProperties" not in closed
+    ):
+        closed["additionalProperties"] = False
+    return closed
+
+
 @functools.lru_cache(maxsize=256)
 def _grammar_error(source: str) -> str:
     from llguidance import LLMatcher
 
-    return str(LLMatcher.validate_grammar(source))
+    error = str(LLMatcher.validate_grammar(source))
+    if error:
+        return error
+    stuck = unending_rules(lark) if (lark := _lark_text(source)) is not None else None
+    if stuck:
+        rules = ", ".join(repr(name) for name in stuck)
+        return (
+            "it has no finite string, so no output could ever complete it: "
+            f"{'rule' if len(stuck) == 1 else 'rules'} {rules} derive only strings that go on "
+            "(give each recursion an alternative that ends)"
+        )
+    return ""
+
+
+def _lark_text(source: str) -> str | None:
+    """The Lark text of a grammar engine source: the source itself, or the
+    `lark_grammar` of its first grammar when it is JSON; None if neither."""
+    if not source.lstrip().startswith("{"):
+        return source
+    try:
+        grammars = json.loads(source).get("grammars") or [{}]
+    except (ValueError, AttributeError):
+        return None
+    lark = grammars[0].get("lark_grammar") if isinstance(grammars[0], dict) else None
+    return lark if isinstance(lark, str) else None
 
 
 def check_grammar(params: StructuredOutputsParams) -> str:

@@ -433,19 +433,18 @@ class EngineCore:
         return seqs
 
     def _advance_grammars(self, seqs: list[SequenceState]) -> list[SequenceState]:
-        """The matchers take the new tokens; a request whose output left its
-        grammar fails, a sequence whose grammar completed ends."""
+        """The matchers take the new tokens; a sequence whose grammar
+        completed ends ("stop"), one whose grammar reached a dead end ends
+        without the refused token ("error")."""
         advance = self.grammar.advance(seqs)
         self.num_generated_tokens -= advance.num_dropped
         for seq in advance.completed:
             self._stop(seq)
             seq.finish_reason = "stop"
-        if not advance.failed:
-            return seqs
-        self.faults.end_failed(
-            sorted(advance.failed), "the output left its structured-output grammar"
-        )
-        return [s for s in seqs if s.request.request_id not in advance.failed]
+        for seq in advance.dead_ends:
+            self._stop(seq)
+            seq.finish_reason = "error"
+        return seqs
 
     def _outputs(self, seqs: list[SequenceState]) -> list[SequenceDelta]:
         """The step's deltas; siblings start, finished requests are forgotten."""

@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferrox.common.structured_outputs import StructuredOutputsParams
+from ferrox.common.structured_outputs import StructuredOutputsParams, closed_objects
 from ferrox.server import openai_protocol as op
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -222,20 +222,30 @@ def _parameters(tool: op.ToolDefinition) -> dict[str, Any]:
 
 
 def tool_structured_outputs(
-    tools: list[op.ToolDefinition], choice: op.ToolChoice, parallel: bool
+    tools: list[op.ToolDefinition],
+    choice: op.ToolChoice,
+    parallel: bool,
+    disable_additional_properties: bool = False,
 ) -> StructuredOutputsParams:
     """The grammar of tool_choice "required" (a JSON list of calls to the
     tools; one call when `parallel` is false) or of a named function (its
-    arguments)."""
+    arguments). A `strict` function's arguments (every function's with
+    `disable_additional_properties`) have no properties beyond those listed."""
+
+    def parameters(tool: op.ToolDefinition) -> Any:
+        schema = _parameters(tool)
+        strict = disable_additional_properties or tool.function.strict is True
+        return closed_objects(schema) if strict else schema
+
     if isinstance(choice, op.NamedToolChoice):
         tool = next(t for t in tools if t.function.name == choice.function.name)
-        return StructuredOutputsParams(json=_parameters(tool))
+        return StructuredOutputsParams(json=parameters(tool))
     call_schemas = [
         {
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": _parameters(t),
+                "parameters": parameters(t),
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,

@@ -35,6 +35,7 @@ from ferrox.server.vllm_options import (
     add_chat_output_arguments,
     chat_template_text,
     check_unsupported_flags,
+    disable_additional_properties_option,
     generation_defaults,
     json_list,
     non_negative_int,
@@ -303,6 +304,7 @@ def build_server_app(
         trust_request_chat_template=args.trust_request_chat_template,
         tool_parser=tool_parser,
         reasoning_parser=args.reasoning_parser,
+        disable_additional_properties=disable_additional_properties_option(args),
     )
 
     @contextlib.asynccontextmanager

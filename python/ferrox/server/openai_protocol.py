@@ -78,6 +78,7 @@ class StructuredOutputsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fiel
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False  # with `json`
 
 
 class _SamplingRequest(msgspec.Struct, kw_only=True):

@@ -30,10 +30,13 @@ MAX_TOOLS = 128
 
 
 def structured_outputs_from(
-    request: CompletionRequest | ChatCompletionRequest,
+    request: CompletionRequest | ChatCompletionRequest, disable_additional_properties: bool = False
 ) -> StructuredOutputsParams | None:
     """The request's output constraint, compiled once to check it (a
-    constraint that does not compile is a 400 naming its field)."""
+    constraint that does not compile is a 400 naming its field). A JSON
+    schema's objects allow no properties beyond those they list under
+    `strict: true`, `structured_outputs.disable_additional_properties`, or
+    `disable_additional_properties` (the server's default)."""
     text_format = request.response_format is not None and request.response_format.type == "text"
     given = [
         name
@@ -55,7 +58,7 @@ def structured_outputs_from(
         )
     name = given[0]
     try:
-        params = _structured_params(request, name)
+        params = _structured_params(request, name, disable_additional_properties)
         check_grammar(params)
     except InvalidArgumentError as exc:
         raise BadRequest(str(exc), param=name) from exc
@@ -63,7 +66,7 @@ def structured_outputs_from(
 
 
 def _structured_params(
-    request: CompletionRequest | ChatCompletionRequest, name: str
+    request: CompletionRequest | ChatCompletionRequest, name: str, closed: bool
 ) -> StructuredOutputsParams:
     if name == "response_format":
         fmt = cast(op.ResponseFormat, request.response_format)
@@ -74,7 +77,10 @@ def _structured_params(
                 "response_format of type json_schema needs json_schema.schema",
                 param="response_format",
             )
-        return StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_))
+        return StructuredOutputsParams(
+            json=json.dumps(fmt.json_schema.schema_),
+            disable_additional_properties=closed or fmt.json_schema.strict is True,
+        )
     if name == "structured_outputs":
         so = cast(op.StructuredOutputsRequest, request.structured_outputs)
         return StructuredOutputsParams(
@@ -84,8 +90,13 @@ def _structured_params(
             grammar=so.grammar,
             json_object=bool(so.json_object),
             disable_any_whitespace=so.disable_any_whitespace,
+            disable_additional_properties=so.json is not None
+            and (closed or so.disable_additional_properties),
         )
     kind = name.removeprefix("guided_")
+    if kind == "json":
+        json_schema = request.guided_json
+        return StructuredOutputsParams(json=json_schema, disable_additional_properties=closed)
     return StructuredOutputsParams(**{kind: getattr(request, name)})
 
 
@@ -99,9 +110,15 @@ class ToolPlan:
     structured: StructuredOutputsParams | None = None
 
 
-def tool_plan(request: ChatCompletionRequest, tool_parser: str | None) -> ToolPlan:
+def tool_plan(
+    request: ChatCompletionRequest,
+    tool_parser: str | None,
+    disable_additional_properties: bool = False,
+) -> ToolPlan:
     """Checks `tools` and `tool_choice`; `tool_parser` is the server's
-    (--tool-call-parser with --enable-auto-tool-choice), or None."""
+    (--tool-call-parser with --enable-auto-tool-choice), or None. The
+    arguments of a `strict` function (of every function with
+    `disable_additional_properties`) have no properties beyond those listed."""
     tools = request.tools or []
     if len(tools) > MAX_TOOLS:
         raise BadRequest(f"tools may hold at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
@@ -130,7 +147,7 @@ def tool_plan(request: ChatCompletionRequest, tool_parser: str | None) -> ToolPl
             raise BadRequest(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
     try:
         structured = tool_structured_outputs(
-            tools, choice, request.parallel_tool_calls is not False
+            tools, choice, request.parallel_tool_calls is not False, disable_additional_properties
         )
         check_grammar(structured)
     except InvalidArgumentError as exc:

@@ -56,6 +56,7 @@ def sampling_params_from(
     limits: ServerLimits,
     defaults: Mapping[str, Any] | None = None,
     tool_outputs: StructuredOutputsParams | None = None,
+    disable_additional_properties: bool = False,
 ) -> SamplingParams:
     """The SamplingParams of one prompt of ``request``, which has ``prompt_len`` tokens.
 
@@ -64,6 +65,8 @@ def sampling_params_from(
     ``max_tokens`` becomes the default's, at most the room the prompt leaves
     in the context, else that room. `tool_outputs`: the grammar of a
     required or named tool_choice (see `output_constraints.tool_plan`).
+    `disable_additional_properties`: the server's default for JSON schemas
+    (see `output_constraints.structured_outputs_from`).
     """
     defaults = defaults or {}
     requested: int | None
@@ -127,7 +130,7 @@ def sampling_params_from(
             param="stop_token_ids",
         )
     logit_bias = _logit_bias(request.logit_bias)
-    structured = structured_outputs_from(request)
+    structured = structured_outputs_from(request, disable_additional_properties)
     if tool_outputs is not None:
         if structured is not None:
             raise BadRequest(

@@ -79,6 +79,8 @@ class ServingContext:
     # --tool-call-parser (with --enable-auto-tool-choice) and --reasoning-parser.
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # JSON schemas' objects allow no unlisted properties (as under strict: true).
+    disable_additional_properties: bool = False
     draining: bool = False
     in_flight: int = 0
     executor: ThreadPoolExecutor = field(
@@ -179,6 +181,7 @@ class OpenAIServing:
             limits=self.ctx.limits,
             defaults=self.ctx.sampling_defaults,
             tool_outputs=tools.structured if tools is not None else None,
+            disable_additional_properties=self.ctx.disable_additional_properties,
         )
         timeout = self.ctx.request_timeout
         return RequestRun(
@@ -442,7 +445,7 @@ class OpenAIServing:
         req = self.decode(body, op.ChatCompletionRequest)
         if (missing := self.check_model(req.model)) is not None:
             return missing
-        tools = tool_plan(req, self.ctx.tool_parser)
+        tools = tool_plan(req, self.ctx.tool_parser, self.ctx.disable_additional_properties)
         self.ctx.admit(1)
         admitted.append(1)
         prompt_ids = await self.chat_prompt_async(req)

@@ -155,7 +155,9 @@ def add_chat_output_arguments(group: argparse._ArgumentGroup) -> None:
         "--structured-outputs-config",
         type=_structured_outputs_config,
         default=None,
-        help='JSON, e.g. {"backend": "guidance"}: ferrox\'s grammar engine is llguidance',
+        help='JSON, e.g. {"backend": "guidance", "disable_additional_properties": true}: '
+        "ferrox's grammar engine is llguidance; disable_additional_properties makes every "
+        "JSON schema's objects that list their properties allow no others (as strict: true)",
     )
     group.add_argument(
         "--guided-decoding-backend",
@@ -174,14 +176,24 @@ def tool_parser_option(args: argparse.Namespace) -> str | None:
     return args.tool_call_parser
 
 
+def disable_additional_properties_option(args: argparse.Namespace) -> bool:
+    """--structured-outputs-config's disable_additional_properties."""
+    return bool((args.structured_outputs_config or {}).get("disable_additional_properties"))
+
+
 def _structured_outputs_config(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError:
         value = None
-    if not isinstance(value, dict) or set(value) - {"backend"}:
+    if not isinstance(value, dict) or set(value) - {"backend", "disable_additional_properties"}:
         raise argparse.ArgumentTypeError(
-            f'expected a JSON object with at most a "backend" key, got {text!r}'
+            'expected a JSON object with at most the keys "backend" and '
+            f'"disable_additional_properties", got {text!r}'
+        )
+    if not isinstance(value.get("disable_additional_properties", False), bool):
+        raise argparse.ArgumentTypeError(
+            f"disable_additional_properties must be true or false, got {text!r}"
         )
     if value.get("backend", "auto") not in GRAMMAR_BACKENDS:
         raise argparse.ArgumentTypeError(

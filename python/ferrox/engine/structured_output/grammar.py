@@ -7,7 +7,8 @@ bitmask on a worker thread; llguidance computes them in Rust without the
 GIL, so the masks are ready by the time the forward pass has produced
 logits. The sampler then sets every token outside a row's mask to -inf.
 After sampling each matcher consumes its token; a matcher that accepts
-nothing more but the end of sequence ends its sequence.
+nothing more but the end of sequence ends its sequence, and one that allows
+no token at all (a dead end) ends it with finish reason "error".
 
 Compiled grammars are cached by their source: a request with the same
 schema as an earlier one copies the compiled matcher instead of compiling.
@@ -141,36 +142,46 @@ class GrammarEngine:
         return self.masks(constrained, device) if constrained else None
 
     def advance(self, seqs: list[Any]) -> GrammarAdvance:
-        """Each constrained sequence's matcher takes its new tokens. A token
-        the grammar refuses fails the request. A complete grammar allows only
-        EOS next, which ends the sequence in the scheduler; under
-        `ignore_eos` the sequence ends here, and tokens verified past that
-        EOS are dropped."""
+        """Each constrained sequence's matcher takes its new tokens. A
+        complete grammar allows only EOS next, which ends the sequence in the
+        scheduler; under `ignore_eos` the sequence ends here, and tokens
+        verified past that EOS are dropped. A token the grammar refuses, or
+        one sampled after the matcher found that no token continues the
+        output (llguidance then allows only EOS), is a dead end: the
+        sequence ends without that token."""
         start = time.perf_counter()
         result = GrammarAdvance()
         eos = self._eos_token_ids
         for seq in seqs:
             matcher = seq.grammar
-            if matcher is None or seq.request.request_id in result.failed:
+            if matcher is None:
                 continue
             output = seq.output_token_ids
-            accepted = True
+            refused = False
             for i in range(seq.num_grammar_tokens, len(output)):
                 if i and output[i - 1] in eos and matcher.is_stopped():
                     # Ended by its EOS under ignore_eos: tokens verified past it go.
                     result.num_dropped += len(output) - i
                     del output[i:]
                     break
-                if not matcher.consume_token(output[i]):
-                    accepted = False
+                # An error state (found when the mask was computed) lets only EOS
+                # through: that EOS does not complete the grammar.
+                if matcher.is_error() or not matcher.consume_token(output[i]):
+                    logger.warning(
+                        "request %s: its grammar allows no token after %d output tokens (%s); "
+                        "the sequence ends there",
+                        seq.request.request_id,
+                        i,
+                        ((matcher.get_error() or "").strip().splitlines() or ["an empty mask"])[0],
+                    )
+                    result.num_dropped += len(output) - i
+                    del output[i:]
+                    refused = True
                     break
             seq.num_grammar_tokens = len(output)
-            if not accepted:
-                result.failed.add(seq.request.request_id)
-                logger.error(
-                    "request %s left its grammar: %s", seq.request.request_id, matcher.get_error()
-                )
-            elif not seq.is_finished and matcher.is_stopped() and output[-1] in eos:
+            if refused:
+                result.dead_ends.append(seq)
+            elif not seq.is_finished and matcher.is_stopped() and output and output[-1] in eos:
                 result.completed.append(seq)
         self.stats.advance_seconds += time.perf_counter() - start
         return result
@@ -180,6 +191,6 @@ class GrammarEngine:
 class GrammarAdvance:
     """What the matchers' new tokens decided."""
 
-    failed: set[str] = field(default_factory=set)  # requests whose output left the grammar
     completed: list[Any] = field(default_factory=list)  # sequences the grammar ended
-    num_dropped: int = 0  # tokens removed after an ending EOS
+    dead_ends: list[Any] = field(default_factory=list)  # sequences no token can continue
+    num_dropped: int = 0  # tokens removed: after an ending EOS, or refused
