@@ -126,12 +126,12 @@ class Server:
 
 
 def engine_processes_of(pid: int) -> list[psutil.Process]:
-    """The engine-core child (not multiprocessing's resource tracker)."""
+    """The engine-core child (its command runs engine_process_main)."""
     try:
         children = psutil.Process(pid).children()
     except psutil.NoSuchProcess:
         return []
-    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    return [c for c in children if "engine_process_main" in " ".join(c.cmdline())]
 
 
 def engine_processes(server: Server) -> list[psutil.Process]:

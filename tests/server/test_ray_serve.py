@@ -161,7 +161,7 @@ def _engine_pids() -> list[int]:
             if (
                 parent is not None
                 and "ServeReplica:ferrox" in " ".join(parent.cmdline())
-                and "spawn_main" in " ".join(proc.info["cmdline"] or [])
+                and "engine_process_main" in " ".join(proc.info["cmdline"] or [])
             ):
                 pids.append(proc.pid)
         except psutil.Error:

@@ -142,6 +142,11 @@ def test_other_endpoints(server: Server) -> None:
     assert httpx.get(server.url + "/version", headers=h).json()["version"]
     models = httpx.get(server.url + "/v1/models", headers=h).json()
     assert models["data"][0]["id"] == MODEL
+    card = server.client().models.retrieve(MODEL)  # GET /v1/models/{id}
+    assert card.id == MODEL and card.object == "model"
+    missing = httpx.get(server.url + "/v1/models/org/absent", headers=h)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
     toks = server.post("/tokenize", {"prompt": "Hello world"}).json()
     assert toks["count"] == len(toks["tokens"]) > 0
     assert server.post("/detokenize", {"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"

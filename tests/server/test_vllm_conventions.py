@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,6 +231,43 @@ def test_generation_config_supplies_sampling_defaults(
     assert (chosen.temperature, chosen.top_p, chosen.max_tokens) == (0.7, 0.8, 20)
     with pytest.raises(SystemExit, match="no generation config"):
         generation_defaults(str(tmp_path / "nothing"), None)
+
+
+_UNGUARDED_SCRIPT = """
+import asyncio
+from ferrox import AsyncLLM, SamplingParams
+
+async def main():
+    async with AsyncLLM(MODEL, num_kv_blocks=64, block_size=4) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        outputs = [o async for o in llm.generate([5, 6, 7], params, "a")]
+        print("TOKENS", outputs[-1].outputs[0].token_ids)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_async_llm_runs_from_a_script_without_a_main_guard(
+    tiny_models: dict[str, Path], tmp_path: Path, how: str
+) -> None:
+    """The engine process never imports the caller's main module again."""
+    path = str(tiny_models["llama-gqa-tied"])
+    script = f"MODEL = {path!r}\n" + _UNGUARDED_SCRIPT
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = LLM(path, num_kv_blocks=64, block_size=4).generate([[5, 6, 7]], greedy, False)
+    if how == "file":
+        (tmp_path / "script.py").write_text(script)
+        run = subprocess.run(
+            [sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+    else:
+        run = subprocess.run(
+            [sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300
+        )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("TOKENS") == 1  # one engine, one run of main
+    assert f"TOKENS {expected[0].outputs[0].token_ids}" in run.stdout
 
 
 def test_async_llm_streams_cumulative_outputs_and_aborts(tiny_models: dict[str, Path]) -> None:

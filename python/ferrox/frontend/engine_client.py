@@ -21,8 +21,10 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import multiprocessing
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,13 +54,28 @@ def engine_process_main(options: dict[str, Any], input_address: str, output_addr
     run_engine_core(options, input_address, output_address)
 
 
+# What the engine process runs: its arguments come pickled on standard input.
+# A fresh interpreter, not multiprocessing's spawn, so that the caller's main
+# module is never imported again in the child (a script without a main guard,
+# or one read from standard input, would otherwise start a second engine or
+# fail to load).
+_CHILD_MAIN = (
+    "import pickle, sys\n"
+    "path, args = pickle.load(sys.stdin.buffer)\n"
+    "sys.path[:] = path\n"
+    "from ferrox.frontend.engine_client import engine_process_main\n"
+    "engine_process_main(*args)\n"
+)
+
+
 class LocalEngineProcess:
-    """The engine-core process on this machine (a spawned child), reached
-    over ipc:// sockets in a private temporary directory."""
+    """The engine-core process on this machine (a child interpreter),
+    reached over ipc:// sockets in a private temporary directory. It ends
+    itself when this process is gone."""
 
     def __init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="ferrox-ipc-")
-        self._process: Any = None
+        self._process: subprocess.Popen[bytes] | None = None
 
     def bind(self, to_engine: zmq.Socket, from_engine: zmq.Socket) -> tuple[str, str]:
         """Binds the client's sockets; the addresses the engine connects to."""
@@ -69,33 +86,38 @@ class LocalEngineProcess:
         return input_address, output_address
 
     def start(self, options: dict[str, Any], input_address: str, output_address: str) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(
-            target=engine_process_main,
-            args=(options, input_address, output_address),
-            name="ferrox-engine-core",
-            daemon=True,
-        )
-        self._process.start()
+        payload = pickle.dumps((list(sys.path), (options, input_address, output_address)))
+        process = subprocess.Popen([sys.executable, "-c", _CHILD_MAIN], stdin=subprocess.PIPE)
+        assert process.stdin is not None
+        try:
+            process.stdin.write(payload)
+            process.stdin.close()
+        except OSError:  # it died at once; is_alive and exit_description say so
+            pass
+        self._process = process
 
     def is_alive(self) -> bool:
-        return self._process is not None and bool(self._process.is_alive())
+        return self._process is not None and self._process.poll() is None
 
     def exit_description(self) -> str:
-        return f"the engine process exited with code {self._process.exitcode}"
+        code = None if self._process is None else self._process.poll()
+        return f"the engine process exited with code {code}"
 
     def kill(self) -> None:
-        self._process.kill()
+        if self._process is not None:
+            self._process.kill()
 
     def join(self, timeout: float) -> None:
-        self._process.join(timeout=timeout)
+        if self._process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=timeout)
 
     def cleanup(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else int(self._process.pid)
+        return None if self._process is None else self._process.pid
 
 
 StreamItem = p.SequenceDelta | p.PromptLogprobs | p.RequestFailed | Exception

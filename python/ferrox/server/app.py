@@ -77,9 +77,18 @@ def build_app(
     async def version(_: Request) -> Response:
         return _json({"version": __version__})
 
+    def card(name: str) -> op.ModelCard:
+        return op.ModelCard(id=name, max_model_len=ctx.max_model_len)
+
     async def models(_: Request) -> Response:
-        cards = [op.ModelCard(id=name, max_model_len=ctx.max_model_len) for name in ctx.model_names]
-        return _json(op.ModelList(data=cards))
+        return _json(op.ModelList(data=[card(name) for name in ctx.model_names]))
+
+    async def model(http: Request) -> Response:
+        """One model by its id (ids may hold "/": `models.retrieve`)."""
+        name = http.path_params["model"]
+        if (missing := serving.check_model(name)) is not None:
+            return missing
+        return _json(card(name))
 
     async def metrics(_: Request) -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -135,6 +144,7 @@ def build_app(
         Route("/reset_prefix_cache", control(ctx.client.reset_prefix_cache), methods=["POST"]),
         Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
