@@ -15,6 +15,8 @@ _GGUF_PARTS = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused tensors
+    "mlp.gate_up_proj": "ffn_up",
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",

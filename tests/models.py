@@ -10,7 +10,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -77,6 +79,55 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
             pad_token_id=None,  # its default, 128004, lies outside this vocabulary
         ),
     ),
+    # Fused qkv and gate/up tensors.
+    "phi3": (
+        Phi3Config,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            pad_token_id=None,
+        ),
+    ),
+    # Four norms a layer (1 + w), GeGLU, a local and a global layer with their
+    # own rotary bases (the global one scaled); the window lies beyond the test
+    # prompts (ferrox caps the context at it).
+    "gemma3": (
+        Gemma3TextConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=128,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+    # LongRoPE, inside the pretraining length: the short factors.
+    "phi3-longrope": (
+        Phi3Config,
+        dict(
+            hidden_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            pad_token_id=None,
+            original_max_position_embeddings=256,
+            rope_scaling=dict(
+                rope_type="longrope",
+                short_factor=[1.0 + 0.25 * i for i in range(16)],
+                long_factor=[1.0 + 3.0 * i for i in range(16)],
+                original_max_position_embeddings=256,
+            ),
+        ),
+    ),
 }
 
 TEXT = [
@@ -131,6 +182,11 @@ def build_tiny_model(path: Path, name: str, **overrides: Any) -> Path:
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0.0, 0.5)
+    if "gemma" in name:
+        with torch.no_grad():  # its norms start at 1 + 0: make them matter
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

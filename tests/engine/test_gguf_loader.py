@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -264,6 +265,7 @@ def test_wheel_with_wrong_checksum_is_rejected(
         ("llama", LlamaConfig, {"head_dim": 16, "attention_bias": True}),
         ("qwen2", Qwen2Config, {"head_dim": 16}),
         ("qwen3", Qwen3Config, {"head_dim": 32}),
+        ("phi3", Phi3Config, {"head_dim": 16, "pad_token_id": None}),
     ],
 )
 @pytest.mark.parametrize("tied", [True, False])
@@ -347,6 +349,10 @@ def _mutated(
         ({"tokenizer_model": "llama"}, "tokenizer model 'llama'"),
         ({"pre": "no-such-pre-tokenizer"}, "pre-tokenizer 'no-such-pre-tokenizer'"),
         ({"extra_tensors": {"rope_freqs.weight": np.ones(8, np.float32)}}, "RoPE scaling"),
+        (
+            {"arch": "phi3", "extra_tensors": {"rope_factors_long.weight": np.ones(8, np.float32)}},
+            "LongRoPE factors",
+        ),
         ({"extra_tensors": {"blk.0.ffn_gate_exps.weight": np.ones(64, np.float32)}}, "counterpart"),
     ],
 )

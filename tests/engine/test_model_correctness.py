@@ -1,5 +1,6 @@
 """ferrox against transformers on the same weights: greedy tokens equal and
-logprobs close, for tiny Llama / Qwen2 / Qwen3 models and the bundled
+logprobs close, for tiny Llama / Qwen2 / Qwen3 / SmolLM3 / Phi-3 / Gemma 3
+models and the bundled
 SmolLM2, in one batch, with prefix caching, under preemption and with
 chunked prefill."""
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from ferrox import LLM, SamplingParams
+from ferrox.common.errors import InvalidArgumentError
 from tests import models
 
 MAX_TOKENS = 10
@@ -91,6 +93,40 @@ def test_scheduling_regimes_match_transformers(
         assert stats.num_preemptions > 0
     assert llm.engine.stats().num_used_blocks == 0
     llm.engine.scheduler.check_integrity()
+
+
+def test_a_sliding_window_caps_the_context(tiny_models: dict[str, Path]) -> None:
+    """Gemma 3's local layers see 128 positions: until windows are
+    implemented, the context stays inside the window, and a longer one is
+    refused naming it."""
+    path = str(tiny_models["gemma3"])
+    assert LLM(path, num_kv_blocks=64).engine.max_model_len == 128
+    with pytest.raises(InvalidArgumentError, match="sliding window of 128 tokens"):
+        LLM(path, max_model_len=200)
+
+
+def test_longrope_picks_its_factors_by_the_context_length(tmp_path: Path) -> None:
+    """Pretrained on 16 positions: an engine whose context fits them uses
+    the short factors, a longer one the long factors and the attention
+    factor (transformers switches by the forward's longest position, so the
+    prompts of each case stay on one side of 16)."""
+    _, spec = models.TINY_SPECS["phi3-longrope"]
+    rope = dict(spec["rope_scaling"], original_max_position_embeddings=16)
+    path = models.build_tiny_model(
+        tmp_path / "phi3-long", "phi3-longrope", original_max_position_embeddings=16,
+        rope_scaling=rope,
+    )  # fmt: skip
+    hf = models.hf_model(path)
+    batch = [p for p in prompts(models.VOCAB_SIZE, seed=2) if len(p) > 16]
+    long = LLM(str(path), max_num_seqs=8, num_kv_blocks=256).generate(
+        batch, greedy(logprobs=1), use_tqdm=False
+    )
+    assert_matches_hf(long, hf, batch, check_logprobs=True)
+    batch = [p[:6] for p in batch[:2]]  # 6 + MAX_TOKENS = 16 positions
+    short = LLM(str(path), max_model_len=16, num_kv_blocks=64).generate(
+        batch, greedy(logprobs=1), use_tqdm=False
+    )
+    assert_matches_hf(short, hf, batch, check_logprobs=True)
 
 
 def test_smollm2_matches_transformers(smollm2_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks): the same greedy tokens and
-logprobs as one rank on tiny Llama, Qwen2 and Qwen3 models (split and
+logprobs as one rank on tiny Llama, Qwen2, Qwen3 and Phi-3 models (split and
 replicated KV heads, tied and untied and odd-sized vocabularies, row-parallel
 biases), through `LLM` and `ferrox serve`; bad sizes refused; no worker
 process outlives its engine, and a lost worker stops the engine."""
@@ -32,6 +32,7 @@ def tp_models(
         "llama, KV heads split": tiny_models["llama-gqa-tied"],
         "llama, one KV head replicated": tiny_models["llama3-rope-scaling"],
         "qwen3, q/k norms": tiny_models["qwen3"],
+        "phi3, fused qkv and gate/up split per rank": tiny_models["phi3"],
         "qwen2, q/k/v biases": models.build_tiny_model(
             root / "qwen2", "qwen2", num_attention_heads=4, num_key_value_heads=2
         ),
@@ -97,6 +98,7 @@ def _run(path: Path, tp: int) -> list[tuple[list[int], list[float], list[float]]
         "llama, KV heads split",
         "llama, one KV head replicated",
         "qwen3, q/k norms",
+        "phi3, fused qkv and gate/up split per rank",
         "qwen2, q/k/v biases",
         "llama, o/down biases, odd vocabulary",
     ],

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
 from ferrox import LLM, SamplingParams
 from ferrox.common.config import EngineConfig
@@ -130,6 +130,8 @@ def test_formats_need_block_multiples() -> None:
 # ---- GGUF files: blocks kept as stored ------------------------------------------------------
 
 _BLOCK_TYPES = {
+    "qkv_proj": Q.Q4_0,  # Phi-3's fused tensors
+    "gate_up_proj": Q.Q8_0,
     "q_proj": Q.Q4_0,
     "k_proj": Q.Q4_0,
     "v_proj": Q.Q4_0,
@@ -140,13 +142,23 @@ _BLOCK_TYPES = {
 }
 
 
-def _quantized_gguf(path: Path, tied: bool = True, overrides: dict[str, Q] | None = None) -> None:
-    """A small Llama GGUF whose linear weights are in the block formats
-    (and the embedding in Q8_0)."""
-    config, weights = _random_model(LlamaConfig, tied, head_dim=16, intermediate_size=128)
+def _quantized_gguf(
+    path: Path, tied: bool = True, overrides: dict[str, Q] | None = None, arch: str = "llama"
+) -> None:
+    """A small Llama (or Phi-3: fused q/k/v and gate/up, llama.cpp's `phi3`
+    names) GGUF whose linear weights are in the block formats (and the
+    embedding in Q8_0)."""
+    config_class, options = (
+        (Phi3Config, {"pad_token_id": None}) if arch == "phi3" else (LlamaConfig, {})
+    )
+    config, weights = _random_model(
+        config_class, tied, head_dim=16, intermediate_size=128, **options
+    )
     tensors, types = {}, {}
     for name, weight in weights.items():
-        if ".q_proj." in name:
+        if arch == "phi3":
+            pass  # llama.cpp keeps Phi-3's rotary rows as they are
+        elif ".q_proj." in name:
             weight = _llama_cpp_permute(weight, config.num_attention_heads)
         elif ".k_proj." in name:
             weight = _llama_cpp_permute(weight, config.num_key_value_heads)
@@ -158,7 +170,7 @@ def _quantized_gguf(path: Path, tied: bool = True, overrides: dict[str, Q] | Non
         elif module in ("embed_tokens", "lm_head"):
             types[gguf_name] = Q.Q8_0
     types.update(overrides or {})
-    _write_gguf(path, "llama", config, tensors, types)
+    _write_gguf(path, arch, config, tensors, types)
 
 
 def test_kept_blocks_dequantize_to_the_reference(tmp_path: Path) -> None:
@@ -255,10 +267,12 @@ MAX_TOKENS = 6
 ROUNDING_DRIFT = 0.03
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_gguf_engine_keeps_blocks_and_tracks_transformers(tmp_path: Path, tied: bool) -> None:
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("llama", False), ("phi3", False)])
+def test_gguf_engine_keeps_blocks_and_tracks_transformers(
+    tmp_path: Path, arch: str, tied: bool
+) -> None:
     path = tmp_path / "blocks.gguf"
-    _quantized_gguf(path, tied=tied)
+    _quantized_gguf(path, tied=tied, arch=arch)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 11, 16)]
     # transformers on the file's weights, dequantized by the GGUF reference

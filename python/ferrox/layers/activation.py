@@ -11,3 +11,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         # `x` is a temporary of the forward pass: activate the gate in place.
         return F.silu(gate, inplace=True).mul_(up)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma): gate then up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -1,6 +1,15 @@
-"""Rotary position embeddings (half-split layout), with the `llama3` frequency
-scaling. Reads both the older (`rope_theta` / `rope_scaling`) and the newer
-(`rope_parameters`) Hugging Face config styles."""
+"""Rotary position embeddings (half-split layout), with the `linear` and
+`llama3` frequency scalings and LongRoPE (`longrope`: Phi-3). Reads both the older (`rope_theta`
+/ `rope_scaling`) and the newer (`rope_parameters`) Hugging Face config
+styles.
+
+LongRoPE divides each frequency by a factor: the short factors while the
+context fits the pretraining length (`original_max_position_embeddings`),
+the long ones beyond it, and scales cos and sin by an attention factor.
+transformers switches per forward pass, by the longest position in it;
+ferrox decides once, by the engine's context length (as llama.cpp does by
+its context size), so that a request's keys never mix the two sets and its
+tokens do not depend on what else runs."""
 
 import math
 from typing import Any
@@ -13,9 +22,13 @@ from ferrox.common.errors import UnsupportedModelError
 from ferrox.layers.native import kernel_threads, on_cpu_fp32
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The rope settings of a HF config as one dict with `rope_type` and `rope_theta`."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope settings of a HF config as one dict with `rope_type` and
+    `rope_theta`; `layer_type`: those of one kind of layer, for configs that
+    give each its own (Gemma 3: "sliding_attention", "full_attention")."""
     params = getattr(config, "rope_parameters", None)
+    if layer_type is not None and isinstance(params, dict) and layer_type in params:
+        params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
         out = dict(params)
     else:
@@ -40,21 +53,60 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope(
+    head_dim: int, max_position: int, params: dict[str, Any], context_length: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE's per-frequency factors (short or long, by `context_length`)
+    and its attention factor."""
+    original = int(params["original_max_position_embeddings"])
+    key = "long_factor" if context_length > original else "short_factor"
+    factors = torch.tensor(params[key], dtype=torch.float32)
+    if factors.shape != (head_dim // 2,):
+        raise UnsupportedModelError(
+            f"rope {key} has {factors.numel()} entries, expected {head_dim // 2}"
+        )
+    attention = params.get("attention_factor")
+    if attention is None:
+        scale = params.get("factor") or max_position / original
+        attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    return factors, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        context_length: int | None = None,
+    ) -> None:
+        """`context_length`: the longest sequence the engine runs (LongRoPE
+        picks its factors by it; default `max_position`)."""
         super().__init__()
         rope_type = params["rope_type"]
-        if rope_type not in ("default", "llama3"):
+        if rope_type not in ("default", "linear", "llama3", "longrope"):
             raise UnsupportedModelError(f"rope type {rope_type!r} is not supported")
+        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnsupportedModelError(
+                "partial rotary embeddings (partial_rotary_factor < 1) are not supported yet"
+            )
         base = float(params["rope_theta"])
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (base**exponents)  # [head_dim / 2]
-        if rope_type == "llama3":
+        attention = 1.0
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(params["factor"])
+        elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type == "longrope":
+            factors, attention = _longrope(
+                head_dim, max_position, params, context_length or max_position
+            )
+            inv_freq = inv_freq / factors
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", freqs.cos() * attention, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention, persistent=False)
 
     cos_cache: torch.Tensor  # [max_position, head_dim / 2]
     sin_cache: torch.Tensor

@@ -40,15 +40,20 @@ class LoadedModel:
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < model_max:
+    windowed = bool(window and getattr(hf_config, "use_sliding_window", True) and window < model_max)
+    if windowed:
         # Sliding-window attention is not implemented: stay inside the window.
         model_max = int(window)
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
-        raise InvalidArgumentError(
-            f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max}"
+        why = (
+            f"the model's sliding window of {model_max} tokens (ferrox does not implement "
+            "sliding-window attention yet, so the context stays inside the window)"
+            if windowed
+            else f"the model's limit of {model_max}"
         )
+        raise InvalidArgumentError(f"max_model_len={config.max_model_len} exceeds {why}")
     return config.max_model_len
 
 
@@ -238,7 +243,7 @@ def build_model(
     finally:
         torch.set_default_dtype(previous_dtype)
     model = model.to_empty(device=torch_device(config))
-    model.reset_buffers(torch_device(config))
+    model.reset_buffers(torch_device(config), resolve_max_model_len(config, hf_config))
     return model
 
 

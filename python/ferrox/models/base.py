@@ -98,7 +98,10 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
-    def reset_buffers(self, device: torch.device) -> None:
+    def reset_buffers(self, device: torch.device, context_length: int) -> None:
+        """After the parameters were materialised: builds the buffers on
+        `device`. `context_length`: the engine's longest sequence
+        (max_model_len), for schemes that depend on it (LongRoPE)."""
         raise NotImplementedError
 
     def prepare_fused_decode(self) -> bool:

@@ -47,7 +47,9 @@ class DecoderAttention(nn.Module):
         backend: type[AttentionBackend],
         qkv_bias: bool,
         qk_norm: bool,
+        scale: float | None = None,
     ) -> None:
+        """`scale`: of the attention scores (default head_dim ** -0.5)."""
         super().__init__()
         o_bias = bool(getattr(config, "attention_bias", False))
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -65,7 +67,8 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.use_rope = True  # False: a layer without position encoding (NoPE)
-        self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5 if scale is None else scale
+        self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, scale)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KvCache, meta: AttentionMetadata
@@ -183,13 +186,16 @@ class LlamaForCausalLM(CausalLM):
     def attention_backend(self) -> AttentionBackend:
         return self.decoder_layers()[0].self_attn.attn
 
-    def reset_buffers(self, device: torch.device) -> None:
+    def reset_buffers(self, device: torch.device, context_length: int) -> None:
         """After the parameters were materialised from the meta device: the
-        buffers (rotary tables) are built anew on `device`, the tied LM head
-        shares the embedding again."""
+        buffers (rotary tables, for `context_length`) are built anew on
+        `device`, the tied LM head shares the embedding again."""
         with torch.device(device):
             rotary = RotaryEmbedding(
-                self.head_dim, self.config.max_position_embeddings, rope_parameters(self.config)
+                self.head_dim,
+                self.config.max_position_embeddings,
+                rope_parameters(self.config),
+                context_length,
             )
         self.rotary = rotary
         for layer in self.decoder_layers():
@@ -308,8 +314,8 @@ class LlamaForCausalLM(CausalLM):
     def _check_complete(self, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
         missing = []
         for key in params:
-            if key == "lm_head.weight" and self.tie_word_embeddings:
-                continue
+            if key in loaded or (key == "lm_head.weight" and self.tie_word_embeddings):
+                continue  # (a merged parameter may come whole: Phi-3's fused tensors)
             if ".qkv_proj." in key:
                 parts = [f"{key}#{p}" for p in "qkv"]
             elif ".gate_up_proj." in key:

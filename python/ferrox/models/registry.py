@@ -6,7 +6,9 @@ and a line here."""
 from typing import Any
 
 from ferrox.common.errors import UnsupportedModelError
+from ferrox.models.gemma3 import Gemma3ForCausalLM
 from ferrox.models.llama import LlamaForCausalLM
+from ferrox.models.phi3 import Phi3ForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
 from ferrox.models.qwen3 import Qwen3ForCausalLM
 from ferrox.models.smollm3 import SmolLM3ForCausalLM
@@ -16,6 +18,8 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     SmolLM3ForCausalLM,
+    Phi3ForCausalLM,
+    Gemma3ForCausalLM,
 )
 
 _BY_ARCHITECTURE = {name: cls for cls in MODEL_CLASSES for name in cls.architectures}
