@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +289,83 @@ def test_a_cached_grammar_is_not_compiled_again(smol: LLM) -> None:
     out = smol.generate(["x", "y"], params)
     assert grammar.num_compiled == compiled and grammar.num_cache_hits >= 2
     assert all(re.fullmatch("(ab){1,2}c", o.outputs[0].text) for o in out)
+
+
+def _slow_compiles(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    from ferrox.engine.structured_output.grammar import GrammarEngine
+
+    compile_now = GrammarEngine._compile
+
+    def slow(self: GrammarEngine, source: str, param: str) -> Any:
+        time.sleep(seconds)
+        return compile_now(self, source, param)
+
+    monkeypatch.setattr(GrammarEngine, "_compile", slow)
+
+
+def test_grammars_compile_off_the_step(smol: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new grammar compiles on its own thread: the running request goes on
+    decoding meanwhile; the constrained one joins when its grammar is ready."""
+    _slow_compiles(monkeypatch, 1.0)
+    engine = smol.engine
+    plain = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    engine.add_request("plain", [1, 2, 3, 4], plain)
+    schema = {"type": "object", "properties": {"late": {"type": "boolean"}}, "required": ["late"]}
+    constrained = SamplingParams(
+        temperature=0.0,
+        max_tokens=30,
+        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+    )
+    started = time.monotonic()
+    engine.add_request("late", [5, 6, 7], constrained)
+    assert time.monotonic() - started < 0.5  # adding it did not wait for the compile
+    assert sorted(engine.request_ids()) == ["late", "plain"]
+    plain_tokens, waited, late, finish = 0, None, [], None
+    while engine.has_unfinished_requests():
+        deltas, _ = engine.step()
+        for delta in deltas:
+            if delta.request_id == "plain":
+                plain_tokens += len(delta.token_ids)
+                continue
+            if waited is None:
+                waited = plain_tokens  # the plain tokens decoded before "late" joined
+            late += delta.token_ids
+            finish = delta.finish_reason or finish
+        if finish is not None:
+            engine.abort_request("plain")
+    assert waited is not None and waited >= 5, waited
+    assert finish == "stop" and not engine.take_failures()
+    text = smol.get_tokenizer().decode(late, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), schema)
+    _assert_idle(smol)
+
+
+def test_a_grammar_compile_past_its_bound_fails_the_request(
+    smol: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ferrox.engine.core as core
+
+    _slow_compiles(monkeypatch, 1.0)
+    monkeypatch.setattr(core, "COMPILE_TIMEOUT_S", 0.2)
+    engine = smol.engine
+    params = SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(slow){1,3}")
+    )
+    engine.add_request("slow", [5, 6, 7], params)
+    engine.add_request("gone", [5, 6], SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(gone){1,3}")
+    ))  # fmt: skip
+    assert engine.abort_request("gone")  # aborted while it waits: nothing held
+    deadline = time.monotonic() + 10
+    failures: list[tuple[str, str, str]] = []
+    while not failures and time.monotonic() < deadline:
+        engine.step()
+        failures = engine.take_failures()
+    assert failures == [
+        ("slow", "InvalidArgumentError", "structured_outputs.regex did not compile within 0.2 s")
+    ]
+    assert not engine.has_unfinished_requests()
+    _assert_idle(smol)
 
 
 def test_a_bad_grammar_fails_before_any_work(smol: LLM) -> None:

@@ -207,15 +207,21 @@ def _lark_text(source: str) -> str | None:
     return lark if isinstance(lark, str) else None
 
 
-def check_grammar(params: StructuredOutputsParams) -> str:
-    """The grammar text of `params`; raises InvalidArgumentError naming the
-    field when it does not compile (results are cached by source)."""
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The grammar text of `params`, unchecked (cheap: cached); raises
+    InvalidArgumentError naming the field when it cannot be written."""
     try:
-        source = params.grammar_source()
+        return params.grammar_source()
     except InvalidArgumentError:
         raise
     except (ValueError, TypeError) as e:
         raise InvalidArgumentError(f"{params.param}: {e}") from None
+
+
+def check_grammar(params: StructuredOutputsParams) -> str:
+    """The grammar text of `params`; raises InvalidArgumentError naming the
+    field when it does not compile (results are cached by source)."""
+    source = grammar_text(params)
     error = _grammar_error(source)
     if error:
         raise InvalidArgumentError(f"{params.param} does not compile: {error.strip()}")

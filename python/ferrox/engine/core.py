@@ -17,7 +17,10 @@ engine process (`engine/core_process.py`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,13 +45,13 @@ from ferrox.common.outputs import FinishReason
 from ferrox.common.protocol import SequenceDelta
 from ferrox.common.sampling_params import SamplingParams, check_priority
 from ferrox.common.speculative_config import SpeculativeConfig
-from ferrox.common.structured_outputs import check_grammar
+from ferrox.common.structured_outputs import StructuredOutputsParams, check_grammar
 from ferrox.engine.faults import StepFaults, StepResult
 from ferrox.engine.profiler import EngineProfiler
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, prompt_logprobs_of
 from ferrox.engine.sequence import EngineRequest, SequenceState, append_sampled, delta_of, now
 from ferrox.engine.speculation import Speculator, load_draft_model, sampling_rows
-from ferrox.engine.structured_output import GrammarEngine
+from ferrox.engine.structured_output import COMPILE_TIMEOUT_S, GrammarEngine
 from ferrox.executor.executor import Executor
 from ferrox.loader.model_loader import LoadedModel
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
@@ -115,6 +118,7 @@ class EngineCore:
         self.faults = StepFaults(self)
         self.profiler = EngineProfiler(config.profiler_dir, self.runner.device)
         self._requests: dict[str, EngineRequest] = {}
+        self._compiling: dict[str, _Compiling] = {}  # requests waiting for their grammar
         self._seqs: dict[int, SequenceState] = {}
         self._next_seq_id = 0
         # Requests whose prompt logprobs are still to come: a step scans its
@@ -139,9 +143,13 @@ class EngineCore:
 
     # ---- requests --------------------------------------------------------
 
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, grammar: bool = True
+    ) -> None:
         """Raises a typed error for a request the engine cannot serve: the one
-        check of a prompt's length and vocabulary and of the output's room."""
+        check of a prompt's length and vocabulary and of the output's room.
+        `grammar`: whether the output grammar is checked here too (else where
+        it compiles, off the step)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidArgumentError("the prompt is empty")
@@ -166,7 +174,7 @@ class EngineCore:
                 raise InvalidArgumentError(
                     f"{name}={value} exceeds the limit of {self.config.max_logprobs}"
                 )
-        if params.structured_outputs is not None:
+        if grammar and params.structured_outputs is not None:
             check_grammar(params.structured_outputs)
         bad_stop = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
         bad_bias = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
@@ -189,17 +197,37 @@ class EngineCore:
         """`final_only`: the caller wants each sequence's tokens once, when it
         finishes (no stop strings, no streaming): no delta before that.
         `validated`: the caller has run `validate` on this prompt and params."""
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._compiling:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_token_ids]
-        if not validated:
-            self.validate(prompt_ids, params)
+        if not validated:  # (a grammar is checked where it compiles, off the step)
+            self.validate(prompt_ids, params, grammar=False)
         priority = check_priority(priority)
-        # Compiled (or found in the cache) before anything is submitted: a bad
-        # grammar fails this request alone. Each completion copies it.
+        # A grammar the cache lacks compiles off the step; the request waits
+        # for it outside the scheduler (`_admit_compiled`).
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self.grammar.matcher(params.structured_outputs)
+            grammar = self.grammar.cached(params.structured_outputs)
+            if grammar is None:
+                future = self.grammar.compile_later(params.structured_outputs)
+                deadline = time.monotonic() + COMPILE_TIMEOUT_S
+                self._compiling[request_id] = _Compiling(
+                    prompt_ids, params, priority, final_only, future, deadline
+                )
+                return
+        self._admit(request_id, prompt_ids, params, priority, final_only, grammar)
+
+    def _admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        final_only: bool,
+        grammar: Any,
+    ) -> None:
+        """The request's sequences reach the scheduler (each completion
+        copies the compiled grammar)."""
         req = EngineRequest(request_id, prompt_ids, params, final_only=final_only)
         if params.prompt_logprobs is not None:
             req.num_prompt_logprobs = 1
@@ -268,6 +296,8 @@ class EngineCore:
     def abort_request(self, request_id: str) -> bool:
         """Stops a request in any state; its KV blocks return to the pool or
         the prefix cache. False for an unknown id."""
+        if self._compiling.pop(request_id, None) is not None:
+            return True  # its grammar's compile goes on; the cache keeps it
         req = self._requests.get(request_id)
         if req is None:
             return False
@@ -325,14 +355,14 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def request_ids(self) -> list[str]:
-        return list(self._requests)
+        return [*self._requests, *self._compiling]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests or self._compiling)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._compiling)
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters now (`latest_stats` is free after a step)."""
@@ -343,11 +373,19 @@ class EngineCore:
     def step(self) -> StepResult:
         """Runs one scheduler step; returns each progressed sequence's new
         tokens (and finish), and the prompt logprobs computed in it."""
+        if self._compiling:
+            self._admit_compiled()
         plan = self.scheduler.schedule()
         self._note_preemptions(plan)
         self.last_step_tokens = plan.num_tokens
         if plan.num_reqs == 0:
             self.latest_stats = self.scheduler.update(plan, _NO_TOKENS).stats
+            if self._compiling:  # nothing to run but grammars to wait for
+                futures.wait(
+                    [c.future for c in self._compiling.values()],
+                    timeout=0.01,
+                    return_when=futures.FIRST_COMPLETED,
+                )
             return [], []
         return self.faults.run(plan, self._run_plan)
 
@@ -371,6 +409,34 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.end_step(plan)
         return result
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled reach the scheduler; one whose
+        grammar failed to compile, or is still compiling at its deadline,
+        fails (InvalidArgumentError: a 400)."""
+        t = time.monotonic()
+        for rid, waiting in list(self._compiling.items()):
+            if waiting.future.done():
+                del self._compiling[rid]
+                try:
+                    grammar = self.grammar.finish(waiting.future)
+                    self._admit(
+                        rid,
+                        waiting.prompt_ids,
+                        waiting.params,
+                        waiting.priority,
+                        waiting.final_only,
+                        grammar,
+                    )
+                except Exception as exc:
+                    if self.executor.is_fatal(exc):
+                        raise
+                    self.faults.record(rid, exc)
+            elif t > waiting.deadline:
+                del self._compiling[rid]
+                param = cast(StructuredOutputsParams, waiting.params.structured_outputs).param
+                message = f"{param} did not compile within {COMPILE_TIMEOUT_S:g} s"
+                self.faults.record(rid, InvalidArgumentError(message))
 
     def _note_preemptions(self, plan: BatchPlan) -> None:
         for sid in plan.preempted_ids.tolist():
@@ -493,3 +559,15 @@ class EngineCore:
                     self._submit(sibling)
                 req.sequences += req.pending_siblings
                 req.pending_siblings = []
+
+
+@dataclass
+class _Compiling:
+    """A request waiting for its grammar to compile."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    final_only: bool
+    future: futures.Future[Any]
+    deadline: float  # time.monotonic()

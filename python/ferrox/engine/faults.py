@@ -109,6 +109,11 @@ class StepFaults:
             self._engine.abort_request(rid)
             self._failures.append((rid, RequestFailedError.__name__, message))
 
+    def record(self, request_id: str, exc: Exception) -> None:
+        """A request that failed before it reached the scheduler (its
+        grammar did not compile): its caller gets `exc`."""
+        self._failures.append((request_id, type(exc).__name__, str(exc)))
+
     def take_failures(self) -> list[tuple[str, str, str]]:
         """(request id, error class name, message) of each request a failed
         step ended since the last call."""

@@ -39,11 +39,12 @@ class LoadedModel:
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
-    window = getattr(hf_config, "sliding_window", None)
-    windowed = bool(window and getattr(hf_config, "use_sliding_window", True) and window < model_max)
+    window = int(getattr(hf_config, "sliding_window", None) or 0)
+    uses_window = getattr(hf_config, "use_sliding_window", True)
+    windowed = bool(window and uses_window and window < model_max)
     if windowed:
         # Sliding-window attention is not implemented: stay inside the window.
-        model_max = int(window)
+        model_max = window
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:

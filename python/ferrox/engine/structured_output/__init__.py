@@ -2,6 +2,10 @@
 against the vocabulary, a step's masks computed while the model runs, the
 matchers advanced by the sampled tokens."""
 
-from ferrox.engine.structured_output.grammar import GrammarAdvance, GrammarEngine
+from ferrox.engine.structured_output.grammar import (
+    COMPILE_TIMEOUT_S,
+    GrammarAdvance,
+    GrammarEngine,
+)
 
-__all__ = ["GrammarAdvance", "GrammarEngine"]
+__all__ = ["COMPILE_TIMEOUT_S", "GrammarAdvance", "GrammarEngine"]

@@ -10,8 +10,11 @@ After sampling each matcher consumes its token; a matcher that accepts
 nothing more but the end of sequence ends its sequence, and one that allows
 no token at all (a dead end) ends it with finish reason "error".
 
-Compiled grammars are cached by their source: a request with the same
-schema as an earlier one copies the compiled matcher instead of compiling.
+Grammars compile on a thread of their own, off the engine's step: a request
+whose grammar is new waits, outside the scheduler, until it has compiled
+(at most `COMPILE_TIMEOUT_S`), while the step goes on. Compiled grammars are
+cached by their source: a request with the same schema as an earlier one
+copies the compiled matcher instead of compiling.
 """
 
 from __future__ import annotations
@@ -19,19 +22,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ferrox.common.errors import InvalidArgumentError
-from ferrox.common.structured_outputs import StructuredOutputsParams, check_grammar
+from ferrox.common.structured_outputs import (
+    StructuredOutputsParams,
+    check_grammar,
+    grammar_text,
+)
 from ferrox.runner.token_bitmask import BITS_PER_WORD, GrammarMask, GrammarStats
 
 logger = logging.getLogger("ferrox")
 
 CACHE_SIZE = 256
+# A request whose grammar has not compiled after this long fails with a 400.
+COMPILE_TIMEOUT_S = 30.0
 
 
 class GrammarEngine:
@@ -46,6 +55,10 @@ class GrammarEngine:
         self._executor: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrox-grammar")
+        # Grammars compile here, off the step; one thread: llguidance's view of
+        # the vocabulary is built once, by the first compile.
+        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrox-compile")
+        self._inflight: dict[str, Future[Any]] = {}
         self.num_compiled = 0
         self.num_cache_hits = 0
         self.stats = GrammarStats()
@@ -71,23 +84,62 @@ class GrammarEngine:
         return self._tokenizer
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
-        """The compiled matcher of `params`' constraint, shared through the
-        cache: `deep_copy` it for each sequence. Raises InvalidArgumentError
-        naming the field when it does not compile. Called from the engine's
-        thread only (the worker thread only fills masks)."""
-        from llguidance import LLMatcher
+        """The compiled matcher of `params`' constraint, compiled here if
+        the cache lacks it (`deep_copy` it for each sequence). Raises
+        InvalidArgumentError naming the field when it does not compile.
+        Called from the engine's thread only."""
+        compiled = self.cached(params)
+        if compiled is None:
+            compiled = self._store(grammar_text(params), self._check_and_compile(params))
+        return compiled
 
-        source = check_grammar(params)
+    def cached(self, params: StructuredOutputsParams) -> Any | None:
+        """The compiled matcher of `params`' constraint if the cache holds
+        it, else None."""
+        source = grammar_text(params)
         compiled = self._compiled.get(source)
         if compiled is not None:
             self._compiled.move_to_end(source)
             self.num_cache_hits += 1
+        return compiled
+
+    def compile_later(self, params: StructuredOutputsParams) -> Future[Any]:
+        """Checks and compiles `params`' constraint on the compile thread,
+        off the engine's step; `finish(future)` on the engine thread takes
+        the result into the cache. Requests with one source share one
+        compile."""
+        source = grammar_text(params)
+        future = self._inflight.get(source)
+        if future is None:
+            future = self._compiler.submit(self._check_and_compile, params)
+            future.source = source  # type: ignore[attr-defined]
+            self._inflight[source] = future
+        return future
+
+    def _check_and_compile(self, params: StructuredOutputsParams) -> Any:
+        return self._compile(check_grammar(params), params.param)
+
+    def finish(self, future: Future[Any]) -> Any:
+        """The matcher a finished `compile_later` future compiled, now in the
+        cache (raises its InvalidArgumentError)."""
+        source = future.source  # type: ignore[attr-defined]
+        if self._inflight.get(source) is future:
+            del self._inflight[source]
+        compiled = self._compiled.get(source)
+        if compiled is not None:  # a sibling request's finish stored it
+            self._compiled.move_to_end(source)
             return compiled
+        return self._store(source, future.result())
+
+    def _compile(self, source: str, param: str) -> Any:
+        from llguidance import LLMatcher
+
         compiled = LLMatcher(self._llg_tokenizer(), source, log_level=0)
         if compiled.is_error():
-            raise InvalidArgumentError(
-                f"{params.param} does not compile: {compiled.get_error().strip()}"
-            )
+            raise InvalidArgumentError(f"{param} does not compile: {compiled.get_error().strip()}")
+        return compiled
+
+    def _store(self, source: str, compiled: Any) -> Any:
         self.num_compiled += 1
         self._compiled[source] = compiled
         if len(self._compiled) > CACHE_SIZE:
