@@ -95,6 +95,24 @@ def test_scheduling_regimes_match_transformers(
     llm.engine.scheduler.check_integrity()
 
 
+def test_a_fan_out_computes_its_shared_prefix_once(tiny_models: dict[str, Path]) -> None:
+    """Six requests that share 48 prompt tokens arrive together: one computes
+    them, the others wait a step and find them in the prefix cache; every
+    output is what transformers gives for its prompt alone."""
+    path = tiny_models["llama-gqa-tied"]
+    hf = models.hf_model(path)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(2, models.VOCAB_SIZE, (48,), generator=gen).tolist()
+    batch = [[*prefix, 10 + i, 20 + i] for i in range(6)]
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_seqs=8)
+    outputs = llm.generate(batch, greedy(), use_tqdm=False)
+    assert_matches_hf(outputs, hf, batch, check_logprobs=False)
+    assert llm.engine.stats().prefix_hit_tokens == 5 * 48
+    assert [o.metrics.num_cached_tokens for o in outputs] == [0] + [48] * 5
+    assert llm.engine.stats().num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+
+
 def test_a_sliding_window_caps_the_context(tiny_models: dict[str, Path]) -> None:
     """Gemma 3's local layers see 128 positions: until windows are
     implemented, the context stays inside the window, and a longer one is

@@ -72,6 +72,9 @@ pub struct Request {
     /// Set on preemption: output length at that moment; the request is not
     /// preempted again before it has produced a token past it.
     pub protected_until: Option<usize>,
+    /// Steps this request has waited for another request to compute the
+    /// prefix they share (bounded: see `scheduler::MAX_PREFIX_WAIT_STEPS`).
+    pub num_prefix_wait_steps: u32,
     /// Draft tokens of the outstanding plan (empty outside a step).
     pub draft: Vec<u32>,
     pub spec: SpecState,

@@ -13,6 +13,13 @@
 //! lowest-priority, latest-arriving request is preempted by recompute: its
 //! computed full blocks go to the prefix cache, so that its return is mostly
 //! a cache hit.
+//!
+//! Requests that arrive together with a shared prefix (an agent's fan-out)
+//! compute it once: a waiting request whose prompt shares more full blocks
+//! with a running request's uncomputed prompt than the cache holds waits
+//! (at most `MAX_PREFIX_WAIT_STEPS` steps) until that request has computed
+//! them and put them in the cache, and requests behind it are admitted
+//! meanwhile.
 
 use std::collections::BTreeSet;
 
@@ -25,6 +32,10 @@ use crate::plan::{BatchPlan, SchedulerStats};
 use crate::radix_cache::RadixCache;
 use crate::request::{Request, RequestParams, RequestStatus};
 use crate::speculation::{ngram_proposal, SpecCost, SpecState, SpecStats};
+
+/// Steps a waiting request may wait for another request to compute the
+/// prefix they share before it computes its own copy.
+pub const MAX_PREFIX_WAIT_STEPS: u32 = 64;
 
 pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
@@ -197,6 +208,7 @@ impl Scheduler {
             num_prefix_hit_tokens: 0,
             num_preemptions: 0,
             protected_until: None,
+            num_prefix_wait_steps: 0,
             draft: Vec::new(),
             spec: SpecState::starting_at(self.spec_stats.accept_rate),
         };
@@ -438,7 +450,8 @@ impl Scheduler {
     }
 
     /// Admits waiting requests in service order while budget, sequence slots
-    /// and blocks last. The head of the queue blocks those behind it.
+    /// and blocks last. The first that does not fit blocks those behind it;
+    /// one that waits for a running request's prefix does not.
     fn admit_waiting(
         &mut self,
         chosen: &mut Vec<Chosen>,
@@ -446,10 +459,11 @@ impl Scheduler {
         preempted: &mut Vec<u64>,
     ) -> Result<()> {
         let bs = self.config.block_size;
-        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
-            let Some(&(key, arrival, slot)) = self.waiting.first() else {
+        let queue: Vec<(i64, u64, usize)> = self.waiting.iter().copied().collect();
+        for (key, arrival, slot) in queue {
+            if *budget == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
-            };
+            }
             let req = self.slots[slot].as_ref().expect("live slot");
             let total = req.num_tokens();
             let found = if self.config.enable_prefix_caching {
@@ -465,6 +479,10 @@ impl Scheduler {
             let (hit_tokens, hit_blocks) = found
                 .as_ref()
                 .map_or((0, 0), |m| (m.num_tokens, m.blocks.len()));
+            if found.is_some() && self.waits_for_shared_prefix(slot, hit_tokens) {
+                self.req_mut(slot).num_prefix_wait_steps += 1;
+                continue;
+            }
             if let Some(m) = &found {
                 self.cache.lock(m.handle)?;
             }
@@ -520,6 +538,29 @@ impl Scheduler {
             *budget -= num_tokens;
         }
         Ok(())
+    }
+
+    /// Whether the waiting request in `slot`, whose cache hit is `hit_tokens`,
+    /// shares full blocks beyond it with the uncomputed prompt of a running
+    /// request: then it waits for that request to compute them (a bounded
+    /// number of steps) instead of computing a copy of its own.
+    fn waits_for_shared_prefix(&self, slot: usize, hit_tokens: usize) -> bool {
+        let req = self.req(slot);
+        if !req.params.use_prefix_cache || req.num_prefix_wait_steps >= MAX_PREFIX_WAIT_STEPS {
+            return false;
+        }
+        let bs = self.config.block_size;
+        let own = &req.tokens[..req.num_tokens() - 1];
+        if own.len() < hit_tokens + bs {
+            return false;
+        }
+        self.running.iter().any(|&other| {
+            let leader = self.req(other);
+            let prompt = &leader.tokens[..leader.num_prompt_tokens];
+            let common = own.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let shared = common / bs * bs;
+            shared > hit_tokens && leader.num_computed_tokens < shared
+        })
     }
 
     /// The acceptance probability a draft position must reach this step, or

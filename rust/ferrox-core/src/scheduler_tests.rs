@@ -381,6 +381,98 @@ fn concurrent_requests_share_a_prefilled_prompt() {
 }
 
 #[test]
+fn a_fan_out_computes_its_shared_prefix_once() {
+    let cfg = config(64, 64);
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let prefix: Vec<u32> = (1..=12).collect(); // three full blocks
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| [prefix.clone(), vec![20 + i, 30 + i]].concat())
+        .collect();
+    for (i, prompt) in prompts.iter().enumerate() {
+        sched.add_request(i as u64, prompt, params(3)).unwrap();
+    }
+    // The first computes the prefix; the others wait for it, though the
+    // budget would fit them all.
+    let plan = sched.schedule().unwrap();
+    assert_eq!(plan.req_ids.to_vec(), vec![0]);
+    assert_eq!(sched.request(1).unwrap().num_prefix_wait_steps, 1);
+    let out = model.run(&plan);
+    sched.update(&plan, &out, &[], None).unwrap();
+    // Then they join with the prefix served by the cache.
+    let plan = sched.schedule().unwrap();
+    for id in 1..4u64 {
+        let row = plan.req_ids.iter().position(|&r| r == id).unwrap();
+        assert_eq!(plan.num_computed_tokens[row], 12, "request {id}");
+    }
+    let out = model.run(&plan);
+    let events = sched.update(&plan, &out, &[], None).unwrap();
+    let first: std::collections::HashMap<u64, u32> = (0..events.len())
+        .map(|i| (events.req_ids[i], events.token_ids[i] as u32))
+        .collect();
+    let finished = drive(&mut sched, &mut model, |_, _| {});
+    for (i, prompt) in prompts.iter().enumerate().skip(1) {
+        let id = i as u64;
+        let (rest, reason) = finished[&id].clone();
+        assert_eq!(
+            ([vec![first[&id]], rest].concat(), reason),
+            run_alone(prompt, params(3))
+        );
+    }
+    assert_idle(&sched);
+}
+
+#[test]
+fn a_follower_waits_out_a_chunked_prefix_then_hits_it() {
+    // The leader's 600-token prompt is computed in chunks of 16 tokens; a
+    // request sharing it, arriving meanwhile, joins once the whole prompt is
+    // in the cache. Past MAX_PREFIX_WAIT_STEPS it would stop waiting.
+    let cfg = SchedulerConfig {
+        max_model_len: 1024,
+        max_num_seqs: 2,
+        ..config(512, 16)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let prompt: Vec<u32> = (0..600).map(|i| 1 + (i % 40) as u32).collect();
+    let follower = [prompt.clone(), vec![7]].concat();
+    sched.add_request(1, &prompt, params(2)).unwrap();
+    let mut joined_with = None;
+    let mut on_step = |s: &mut Scheduler, step: usize| {
+        if step == 1 {
+            s.add_request(2, &follower, params(2)).unwrap();
+        }
+        if let Some(r) = s.request(2) {
+            assert!(r.num_prefix_wait_steps <= MAX_PREFIX_WAIT_STEPS);
+            if r.status == RequestStatus::Running && joined_with.is_none() {
+                joined_with = Some(r.num_prefix_hit_tokens);
+            }
+        }
+    };
+    let finished = drive_for(&mut sched, &mut model, 0, &mut on_step);
+    assert_eq!(joined_with, Some(600));
+    let solo_cfg = SchedulerConfig {
+        enable_prefix_caching: false,
+        ..cfg.clone()
+    };
+    let mut solo = Scheduler::new(solo_cfg.clone()).unwrap();
+    solo.add_request(2, &follower, params(2)).unwrap();
+    let alone = drive(&mut solo, &mut FakeModel::new(&solo_cfg), |_, _| {});
+    assert_eq!(finished[&2], alone[&2]);
+    assert_idle(&sched);
+
+    let mut sched = Scheduler::new(cfg).unwrap();
+    sched.add_request(1, &prompt, params(2)).unwrap();
+    let plan = sched.schedule().unwrap();
+    sched.update(&plan, &[], &[], None).unwrap();
+    sched.add_request(2, &follower, params(2)).unwrap();
+    let slot = sched.index[&2];
+    assert!(sched.waits_for_shared_prefix(slot, 0));
+    sched.req_mut(slot).num_prefix_wait_steps = MAX_PREFIX_WAIT_STEPS;
+    assert!(!sched.waits_for_shared_prefix(slot, 0));
+}
+
+#[test]
 fn preemption_recomputes_and_prefers_latest_arrival() {
     // 5 blocks of 4 tokens: two requests growing to 11 computed tokens (3
     // blocks each) cannot both fit.
