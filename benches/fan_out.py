@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from typing import Any
 
 import ferrox  # noqa: F401 (before torch work: ferrox tunes OpenMP for its CPU kernels)
 from ferrox import LLM, SamplingParams
+from machine import cpu_description
 
 
 def round_prompts(llm: LLM, round_no: int, requests: int, prefix_tokens: int) -> list[list[int]]:
@@ -62,16 +61,7 @@ def main() -> None:
         llm.reset_prefix_cache()
         runs["cold"].append(timed(llm, prompts, params))
         runs["warm"].append(timed(llm, prompts, params))
-    flags = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    cpu = {
-        "machine": platform.processor() or platform.machine(),
-        "avx2": " avx2" in flags,
-        "avx512f": " avx512f" in flags,
-        "cores": os.cpu_count(),
-    }
+    cpu = cpu_description()
     print(f"CPU: {cpu}")
     print(
         f"{args.requests} requests, a {args.prefix_tokens}-token shared prefix, "

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import time
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import ferrox  # noqa: F401 (before torch work: ferrox tunes OpenMP for its CPU kernels)
 from ferrox import AsyncLLM, SamplingParams
 from ferrox.common.structured_outputs import StructuredOutputsParams
+from machine import cpu_description
 
 STREAM_TOKENS = 160
 ARRIVAL_TOKENS = 24
@@ -133,16 +132,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
     figures = asyncio.run(run(args))
-    flags = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    cpu = {
-        "machine": platform.processor() or platform.machine(),
-        "avx2": " avx2" in flags,
-        "avx512f": " avx512f" in flags,
-        "cores": os.cpu_count(),
-    }
+    cpu = cpu_description()
     print(f"CPU: {cpu}")
     print(f"4 streams running; {args.arrivals} requests arrive together. Largest token gap:")
     for name, f in figures.items():

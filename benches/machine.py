@@ -1,0 +1,26 @@
+"""The machine a benchmark ran on, as the result files record it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU's architecture, core count and vector extensions (AVX2,
+    AVX-512, VNNI), read from /proc/cpuinfo where there is one."""
+    flags: set[str] = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    return {
+        "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "avx2": "avx2" in flags,
+        "avx512f": "avx512f" in flags,
+        "avx512_vnni": "avx512_vnni" in flags,
+    }
