@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,23 +85,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The Ray driver runs in a process of its own: Ray started and shut down more
+# than once in one process (the test process) may crash it at exit.
+_SERVE_DRIVER = """
+import sys
+import ray
+from ray import serve
+from ferrox.server.ray_serve import build_app
+
+model, name, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+try:
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({"model": model, "served-model-name": name, "num-kv-blocks": 64})
+    serve.run(app, name="ferrox", route_prefix="/", blocking=False)
+    sys.stdin.read()  # until the test closes it
+finally:
+    serve.shutdown()
+    ray.shutdown()
+"""
+
+
 @pytest.fixture(scope="module")
 def serve_url(model_dir: Path) -> Iterator[str]:
     pytest.importorskip("ray.serve")
-    import ray
-    from ray import serve
-
-    from ferrox.server.ray_serve import build_app
-
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_DRIVER, str(model_dir), MODEL, str(port)],
+        stdin=subprocess.PIPE,
+    )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app({"model": str(model_dir), "served-model-name": MODEL, "num-kv-blocks": 64})
-        serve.run(app, name="ferrox", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and driver.poll() is None:
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
                     break
@@ -110,8 +128,13 @@ def serve_url(model_dir: Path) -> Iterator[str]:
             pytest.fail("the Serve application did not become healthy")
         yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        assert driver.stdin is not None
+        driver.stdin.close()
+        try:
+            driver.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            driver.wait()
 
 
 def test_serve_application_answers_like_ferrox_serve(serve_url: str) -> None:
