@@ -42,12 +42,21 @@ _SMALL = dict(
 )
 
 
-def _gguf_name(hf_name: str) -> str:
+# Gemma 3's four norms, as llama.cpp names them.
+_GEMMA3_GGUF_PARTS = _GGUF_PARTS | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GGUF_GLOBALS:
         return _GGUF_GLOBALS[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_PARTS[module]}.{suffix}"
+    parts = _GEMMA3_GGUF_PARTS if arch == "gemma3" else _GGUF_PARTS
+    return f"blk.{layer}.{parts[module]}.{suffix}"
 
 
 def _byte_alphabet() -> list[str]:
@@ -73,6 +82,8 @@ def _write_gguf(
     types: dict[str, Q] | None = None,
     tokenizer_model: str = "gpt2",
     pre: str = "qwen2",
+    rope_freq_base: float = 10000.0,
+    extra_metadata: dict[str, int | float | str] | None = None,
 ) -> None:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.block_count", config.num_hidden_layers)
@@ -83,7 +94,14 @@ def _write_gguf(
     writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
     writer.add_uint32(f"{arch}.attention.key_length", config.head_dim)
     writer.add_uint32(f"{arch}.rope.dimension_count", config.head_dim)
-    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch}.rope.freq_base", rope_freq_base)
+    for key, value in (extra_metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, int):
+            writer.add_uint32(f"{arch}.{key}", value)
+        else:
+            writer.add_float32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)

@@ -303,6 +303,51 @@ def test_synthetic_round_trip(
     assert loaded.tokenizer.eos_token == "<|endoftext|>"
 
 
+def test_gemma3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -> None:
+    """A Gemma 3 GGUF as llama.cpp's converter writes it (norms stored as
+    1 + w, the local rotary base and the layer pattern in its own keys, the
+    score scale left to the reader): ferrox's greedy tokens and logprobs
+    equal transformers' on the checkpoint's weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from ferrox import LLM, SamplingParams
+    from tests import models
+
+    # The tiny Gemma 3 of the model tests (a local and a global layer, window
+    # 128, a scaled global rotary table), scaled by head_dim as llama.cpp
+    # scales every size but 27B, over the 258 tokens _write_gguf writes.
+    source = models.build_tiny_model(
+        tmp_path / "hf", "gemma3", query_pre_attn_scalar=16, vocab_size=258
+    )
+    config = AutoConfig.from_pretrained(source)
+    weights = load_file(source / "model.safetensors")
+    tensors = {
+        _gguf_name(name, "gemma3"): (weight + 1 if name.endswith("norm.weight") else weight).numpy()
+        for name, weight in weights.items()
+    }
+    path = tmp_path / "gemma3.gguf"
+    metadata = {
+        "attention.sliding_window": 128,
+        "attention.sliding_window_pattern": 2,  # local, then global
+        "rope.freq_base_swa": 10000.0,
+        "rope.scaling.type": "linear",
+        "rope.scaling.factor": 4.0,
+    }
+    _write_gguf(path, "gemma3", config, tensors, rope_freq_base=1e6, extra_metadata=metadata)
+
+    hf = models.hf_model(source)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4)
+    prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40)), [200, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        expected, expected_lp = models.hf_greedy(hf, prompt, 8)
+        completion = out.outputs[0]
+        assert completion.token_ids == expected
+        got = [lp[t].logprob for lp, t in zip(completion.logprobs or [], expected, strict=True)]
+        assert got == pytest.approx(expected_lp, abs=1e-3)
+
+
 def test_quantization_types_match_gguf_reference(tmp_path: Path) -> None:
     config, weights = _random_model(LlamaConfig, tied=True, head_dim=16)
     tensors = {_gguf_name(name): weight.numpy() for name, weight in weights.items()}

@@ -18,6 +18,12 @@ checkpoints): the Llama decoder with
 Layers run on the module path (the CPU's fused decode chains Llama's layer
 shape). Logit soft-capping (Gemma 2) and bidirectional attention are
 refused.
+
+GGUF (llama.cpp's `gemma3`): its files store the norms as `1 + w` and leave
+three things to the reader, which this family reads as llama.cpp does: the
+layer pattern (`attention.sliding_window_pattern`, default every sixth layer
+global), the local rotary base (`rope.freq_base_swa`, default 10000), and
+the score scale (head_dim, except the 62-layer 27B model's hidden / heads).
 """
 
 from collections.abc import Iterable, Iterator
@@ -33,6 +39,7 @@ from ferrox.layers.attention import AttentionBackend, AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
+from ferrox.models.base import gguf_value
 from ferrox.models.llama import DecoderAttention, GatedMlp, LlamaForCausalLM
 from ferrox.parallel import state as distributed
 
@@ -74,7 +81,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     architectures: ClassVar[tuple[str, ...]] = ("Gemma3ForCausalLM",)
-    gguf_architecture: ClassVar[str | None] = None
+    gguf_architecture: ClassVar[str | None] = "gemma3"
     gguf_config_class: ClassVar[Any] = Gemma3TextConfig
     gguf_rotary_interleaved: ClassVar[bool] = False
 
@@ -143,6 +150,70 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_norms_plus_one(weights))
+
+    # ---- GGUF --------------------------------------------------------------
+
+    @classmethod
+    def config_from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str]) -> Any:
+        def value(key: str, default: Any = None) -> Any:
+            return gguf_value(metadata, "gemma3", key, default)
+
+        hidden, heads = int(value("embedding_length")), int(value("attention.head_count"))
+        num_layers = int(value("block_count"))
+        head_dim = int(value("attention.key_length", 256))
+        window = int(value("attention.sliding_window", 0) or 0)
+        pattern = value("attention.sliding_window_pattern", 6)
+        if not window:
+            local = [False] * num_layers
+        elif isinstance(pattern, list):
+            local = [bool(p) for p in pattern][:num_layers]
+        else:
+            n = int(pattern)
+            local = [n == 0 or i % n < n - 1 for i in range(num_layers)]
+        scaling = value("rope.scaling.type", "none")
+        global_rope: dict[str, Any] = {"rope_type": "default"}
+        if scaling == "linear":
+            global_rope = {"rope_type": "linear", "factor": float(value("rope.scaling.factor"))}
+        elif scaling != "none":
+            raise UnsupportedModelError(f"Gemma 3 GGUF with rope scaling {scaling!r}")
+        global_rope["rope_theta"] = float(value("rope.freq_base", 1_000_000.0))
+        local_rope = {"rope_type": "default", "rope_theta": float(value("rope.freq_base_swa", 1e4))}
+        return Gemma3TextConfig(
+            architectures=[cls.architectures[0]],
+            vocab_size=value("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ()))),
+            hidden_size=hidden,
+            intermediate_size=int(value("feed_forward_length")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(value("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            query_pre_attn_scalar=hidden // heads if num_layers == 62 else head_dim,
+            max_position_embeddings=int(value("context_length")),
+            rms_norm_eps=float(value("attention.layer_norm_rms_epsilon")),
+            sliding_window=window or None,
+            layer_types=["sliding_attention" if w else "full_attention" for w in local],
+            rope_parameters={"sliding_attention": local_rope, "full_attention": global_rope},
+            final_logit_softcapping=metadata.get("gemma3.final_logit_softcapping"),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        )
+
+    @classmethod
+    def gguf_layer_tensors(cls) -> dict[str, str]:
+        return super().gguf_layer_tensors() | {
+            "attn_q_norm": "self_attn.q_norm",
+            "attn_k_norm": "self_attn.k_norm",
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        }
+
+    @classmethod
+    def from_gguf_tensor(cls, name: str, weight: torch.Tensor, config: Any) -> torch.Tensor:
+        """llama.cpp stores Gemma's norms as 1 + w: back to the checkpoint's w."""
+        return weight - 1 if name.endswith("norm.weight") else weight
 
 
 def _norms_plus_one(
