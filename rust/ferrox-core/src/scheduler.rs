@@ -22,6 +22,7 @@
 //! meanwhile.
 
 use std::collections::BTreeSet;
+use std::ops::Bound::{Excluded, Unbounded};
 
 use rustc_hash::FxHashMap;
 
@@ -459,11 +460,21 @@ impl Scheduler {
         preempted: &mut Vec<u64>,
     ) -> Result<()> {
         let bs = self.config.block_size;
-        let queue: Vec<(i64, u64, usize)> = self.waiting.iter().copied().collect();
-        for (key, arrival, slot) in queue {
-            if *budget == 0 || self.running.len() >= self.config.max_num_seqs {
+        let mut leaders = if self.config.enable_prefix_caching {
+            self.prefix_leaders()
+        } else {
+            Vec::new()
+        };
+        let mut after: Option<(i64, u64, usize)> = None;
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let next = match after {
+                None => self.waiting.first(),
+                Some(last) => self.waiting.range((Excluded(last), Unbounded)).next(),
+            };
+            let Some(&(key, arrival, slot)) = next else {
                 break;
-            }
+            };
+            after = Some((key, arrival, slot));
             let req = self.slots[slot].as_ref().expect("live slot");
             let total = req.num_tokens();
             let found = if self.config.enable_prefix_caching {
@@ -479,7 +490,7 @@ impl Scheduler {
             let (hit_tokens, hit_blocks) = found
                 .as_ref()
                 .map_or((0, 0), |m| (m.num_tokens, m.blocks.len()));
-            if found.is_some() && self.waits_for_shared_prefix(slot, hit_tokens) {
+            if found.is_some() && self.waits_for_shared_prefix(slot, hit_tokens, &leaders) {
                 self.req_mut(slot).num_prefix_wait_steps += 1;
                 continue;
             }
@@ -530,6 +541,9 @@ impl Scheduler {
             }
             debug_assert_eq!(hit_tokens % bs, 0);
             self.running.push(slot);
+            if self.is_prefix_leader(slot) {
+                leaders.push(slot);
+            }
             chosen.push(Chosen {
                 slot,
                 num_tokens,
@@ -540,26 +554,54 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Running requests with full prompt blocks still to compute: those a
+    /// waiting request may wait for (few: the prompts being prefilled).
+    pub(crate) fn prefix_leaders(&self) -> Vec<usize> {
+        let running = self.running.iter().copied();
+        running
+            .filter(|&slot| self.is_prefix_leader(slot))
+            .collect()
+    }
+
+    fn is_prefix_leader(&self, slot: usize) -> bool {
+        let req = self.req(slot);
+        req.num_computed_tokens
+            < req.num_prompt_tokens / self.config.block_size * self.config.block_size
+    }
+
     /// Whether the waiting request in `slot`, whose cache hit is `hit_tokens`,
-    /// shares full blocks beyond it with the uncomputed prompt of a running
-    /// request: then it waits for that request to compute them (a bounded
+    /// shares full blocks beyond it with the uncomputed prompt of one of
+    /// `leaders`: then it waits for that request to compute them (a bounded
     /// number of steps) instead of computing a copy of its own.
-    fn waits_for_shared_prefix(&self, slot: usize, hit_tokens: usize) -> bool {
+    pub(crate) fn waits_for_shared_prefix(
+        &self,
+        slot: usize,
+        hit_tokens: usize,
+        leaders: &[usize],
+    ) -> bool {
         let req = self.req(slot);
         if !req.params.use_prefix_cache || req.num_prefix_wait_steps >= MAX_PREFIX_WAIT_STEPS {
             return false;
         }
         let bs = self.config.block_size;
         let own = &req.tokens[..req.num_tokens() - 1];
-        if own.len() < hit_tokens + bs {
-            return false;
-        }
-        self.running.iter().any(|&other| {
+        let first_new = hit_tokens + bs; // the shared prefix must reach past the cache hit
+        leaders.iter().any(|&other| {
             let leader = self.req(other);
             let prompt = &leader.tokens[..leader.num_prompt_tokens];
-            let common = own.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-            let shared = common / bs * bs;
-            shared > hit_tokens && leader.num_computed_tokens < shared
+            if own.len() < first_new || prompt.len() < first_new {
+                return false;
+            }
+            if own[..first_new] != prompt[..first_new] {
+                return false; // (a slice compare: most prompts differ early)
+            }
+            let common = first_new
+                + own[first_new..]
+                    .iter()
+                    .zip(&prompt[first_new..])
+                    .take_while(|(a, b)| a == b)
+                    .count();
+            leader.num_computed_tokens < common / bs * bs
         })
     }
 
