@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import pickle
+import os
 import shutil
 import subprocess
 import sys
@@ -30,11 +30,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from ferrox.common import protocol as p
-from ferrox.common.errors import EngineDeadError, ModelLoadError, ServerBusyError
+from ferrox.common.errors import (
+    EngineDeadError,
+    InvalidArgumentError,
+    ModelLoadError,
+    ServerBusyError,
+)
 from ferrox.common.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrox.client")
@@ -54,18 +60,25 @@ def engine_process_main(options: dict[str, Any], input_address: str, output_addr
     run_engine_core(options, input_address, output_address)
 
 
-# What the engine process runs: its arguments come pickled on standard input.
-# A fresh interpreter, not multiprocessing's spawn, so that the caller's main
-# module is never imported again in the child (a script without a main guard,
-# or one read from standard input, would otherwise start a second engine or
-# fail to load).
+# What the engine process runs: its arguments come msgpack-encoded on
+# standard input. A fresh interpreter, not multiprocessing's spawn, so that
+# the caller's main module is never imported again in the child (a script
+# without a main guard, or one read from standard input, would otherwise
+# start a second engine or fail to load).
 _CHILD_MAIN = (
-    "import pickle, sys\n"
-    "path, args = pickle.load(sys.stdin.buffer)\n"
+    "import sys, msgspec\n"
+    "path, *args = msgspec.msgpack.decode(sys.stdin.buffer.read())\n"
     "sys.path[:] = path\n"
     "from ferrox.frontend.engine_client import engine_process_main\n"
     "engine_process_main(*args)\n"
 )
+
+
+def _plain(value: Any) -> Any:
+    """Engine options msgpack does not know: paths become their text."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"an engine option of type {type(value).__name__} cannot reach the engine")
 
 
 class LocalEngineProcess:
@@ -86,7 +99,12 @@ class LocalEngineProcess:
         return input_address, output_address
 
     def start(self, options: dict[str, Any], input_address: str, output_address: str) -> None:
-        payload = pickle.dumps((list(sys.path), (options, input_address, output_address)))
+        try:
+            payload = msgspec.msgpack.encode(
+                [list(sys.path), options, input_address, output_address], enc_hook=_plain
+            )
+        except TypeError as e:
+            raise InvalidArgumentError(str(e)) from None
         process = subprocess.Popen([sys.executable, "-c", _CHILD_MAIN], stdin=subprocess.PIPE)
         assert process.stdin is not None
         try:
