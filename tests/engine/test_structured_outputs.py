@@ -343,10 +343,10 @@ def test_grammars_compile_off_the_step(smol: LLM, monkeypatch: pytest.MonkeyPatc
 def test_a_grammar_compile_past_its_bound_fails_the_request(
     smol: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ferrox.engine.core as core
+    import ferrox.engine.structured_output.grammar as grammar
 
     _slow_compiles(monkeypatch, 1.0)
-    monkeypatch.setattr(core, "COMPILE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.2)
     engine = smol.engine
     params = SamplingParams(
         max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(slow){1,3}")

@@ -17,9 +17,7 @@ engine process (`engine/core_process.py`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -45,13 +43,13 @@ from ferrox.common.outputs import FinishReason
 from ferrox.common.protocol import SequenceDelta
 from ferrox.common.sampling_params import SamplingParams, check_priority
 from ferrox.common.speculative_config import SpeculativeConfig
-from ferrox.common.structured_outputs import StructuredOutputsParams, check_grammar
+from ferrox.common.structured_outputs import check_grammar
 from ferrox.engine.faults import StepFaults, StepResult
 from ferrox.engine.profiler import EngineProfiler
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, prompt_logprobs_of
 from ferrox.engine.sequence import EngineRequest, SequenceState, append_sampled, delta_of, now
 from ferrox.engine.speculation import Speculator, load_draft_model, sampling_rows
-from ferrox.engine.structured_output import COMPILE_TIMEOUT_S, GrammarEngine
+from ferrox.engine.structured_output import GrammarEngine, PendingGrammar
 from ferrox.executor.executor import Executor
 from ferrox.loader.model_loader import LoadedModel
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
@@ -209,10 +207,9 @@ class EngineCore:
         if params.structured_outputs is not None:
             grammar = self.grammar.cached(params.structured_outputs)
             if grammar is None:
-                future = self.grammar.compile_later(params.structured_outputs)
-                deadline = time.monotonic() + COMPILE_TIMEOUT_S
+                pending = self.grammar.compile_later(params.structured_outputs)
                 self._compiling[request_id] = _Compiling(
-                    prompt_ids, params, priority, final_only, future, deadline
+                    prompt_ids, params, priority, final_only, pending
                 )
                 return
         self._admit(request_id, prompt_ids, params, priority, final_only, grammar)
@@ -381,11 +378,7 @@ class EngineCore:
         if plan.num_reqs == 0:
             self.latest_stats = self.scheduler.update(plan, _NO_TOKENS).stats
             if self._compiling:  # nothing to run but grammars to wait for
-                futures.wait(
-                    [c.future for c in self._compiling.values()],
-                    timeout=0.01,
-                    return_when=futures.FIRST_COMPLETED,
-                )
+                self.grammar.wait([c.grammar for c in self._compiling.values()], 0.01)
             return [], []
         return self.faults.run(plan, self._run_plan)
 
@@ -414,29 +407,25 @@ class EngineCore:
         """Requests whose grammar has compiled reach the scheduler; one whose
         grammar failed to compile, or is still compiling at its deadline,
         fails (InvalidArgumentError: a 400)."""
-        t = time.monotonic()
         for rid, waiting in list(self._compiling.items()):
-            if waiting.future.done():
+            try:
+                grammar = self.grammar.ready(waiting.grammar)
+                if grammar is None:
+                    continue
                 del self._compiling[rid]
-                try:
-                    grammar = self.grammar.finish(waiting.future)
-                    self._admit(
-                        rid,
-                        waiting.prompt_ids,
-                        waiting.params,
-                        waiting.priority,
-                        waiting.final_only,
-                        grammar,
-                    )
-                except Exception as exc:
-                    if self.executor.is_fatal(exc):
-                        raise
-                    self.faults.record(rid, exc)
-            elif t > waiting.deadline:
-                del self._compiling[rid]
-                param = cast(StructuredOutputsParams, waiting.params.structured_outputs).param
-                message = f"{param} did not compile within {COMPILE_TIMEOUT_S:g} s"
-                self.faults.record(rid, InvalidArgumentError(message))
+                self._admit(
+                    rid,
+                    waiting.prompt_ids,
+                    waiting.params,
+                    waiting.priority,
+                    waiting.final_only,
+                    grammar,
+                )
+            except Exception as exc:
+                if self.executor.is_fatal(exc):
+                    raise
+                self._compiling.pop(rid, None)
+                self.faults.record(rid, exc)
 
     def _note_preemptions(self, plan: BatchPlan) -> None:
         for sid in plan.preempted_ids.tolist():
@@ -569,5 +558,4 @@ class _Compiling:
     params: SamplingParams
     priority: int
     final_only: bool
-    future: futures.Future[Any]
-    deadline: float  # time.monotonic()
+    grammar: PendingGrammar

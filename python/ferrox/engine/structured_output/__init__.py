@@ -2,10 +2,6 @@
 against the vocabulary, a step's masks computed while the model runs, the
 matchers advanced by the sampled tokens."""
 
-from ferrox.engine.structured_output.grammar import (
-    COMPILE_TIMEOUT_S,
-    GrammarAdvance,
-    GrammarEngine,
-)
+from ferrox.engine.structured_output.grammar import GrammarAdvance, GrammarEngine, PendingGrammar
 
-__all__ = ["COMPILE_TIMEOUT_S", "GrammarAdvance", "GrammarEngine"]
+__all__ = ["GrammarAdvance", "GrammarEngine", "PendingGrammar"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,33 +104,43 @@ class GrammarEngine:
             self.num_cache_hits += 1
         return compiled
 
-    def compile_later(self, params: StructuredOutputsParams) -> Future[Any]:
+    def compile_later(self, params: StructuredOutputsParams) -> PendingGrammar:
         """Checks and compiles `params`' constraint on the compile thread,
-        off the engine's step; `finish(future)` on the engine thread takes
-        the result into the cache. Requests with one source share one
-        compile."""
+        off the engine's step (`ready` says when it is done). Requests with
+        one source share one compile."""
         source = grammar_text(params)
         future = self._inflight.get(source)
         if future is None:
             future = self._compiler.submit(self._check_and_compile, params)
-            future.source = source  # type: ignore[attr-defined]
             self._inflight[source] = future
-        return future
+        deadline = time.monotonic() + COMPILE_TIMEOUT_S
+        return PendingGrammar(source, params.param, future, deadline, COMPILE_TIMEOUT_S)
 
     def _check_and_compile(self, params: StructuredOutputsParams) -> Any:
         return self._compile(check_grammar(params), params.param)
 
-    def finish(self, future: Future[Any]) -> Any:
-        """The matcher a finished `compile_later` future compiled, now in the
-        cache (raises its InvalidArgumentError)."""
-        source = future.source  # type: ignore[attr-defined]
-        if self._inflight.get(source) is future:
-            del self._inflight[source]
-        compiled = self._compiled.get(source)
-        if compiled is not None:  # a sibling request's finish stored it
-            self._compiled.move_to_end(source)
+    def ready(self, pending: PendingGrammar) -> Any | None:
+        """The compiled matcher once `pending` has compiled (now in the
+        cache), None while it compiles; raises InvalidArgumentError when it
+        did not compile, or has not by its deadline. Engine thread only."""
+        if not pending.future.done():
+            if time.monotonic() <= pending.deadline:
+                return None
+            raise InvalidArgumentError(
+                f"{pending.param} did not compile within {pending.timeout:g} s"
+            )
+        if self._inflight.get(pending.source) is pending.future:
+            del self._inflight[pending.source]
+        compiled = self._compiled.get(pending.source)
+        if compiled is not None:  # another request's `ready` stored it
+            self._compiled.move_to_end(pending.source)
             return compiled
-        return self._store(source, future.result())
+        return self._store(pending.source, pending.future.result())
+
+    @staticmethod
+    def wait(pending: list[PendingGrammar], timeout: float) -> None:
+        """Returns once one of `pending` has compiled, or after `timeout` s."""
+        futures.wait([p.future for p in pending], timeout, futures.FIRST_COMPLETED)
 
     def _compile(self, source: str, param: str) -> Any:
         from llguidance import LLMatcher
@@ -237,6 +248,17 @@ class GrammarEngine:
                 result.completed.append(seq)
         self.stats.advance_seconds += time.perf_counter() - start
         return result
+
+
+@dataclass
+class PendingGrammar:
+    """A request's grammar compiling off the step (`GrammarEngine.compile_later`)."""
+
+    source: str
+    param: str  # the request field that holds it, for errors
+    future: Future[Any]
+    deadline: float  # time.monotonic()
+    timeout: float  # seconds, for errors
 
 
 @dataclass
