@@ -152,6 +152,42 @@ def test_fuzzed_fields_never_stop_the_server(server: Server, data: st.DataObject
     server.wait_idle()
 
 
+# The switches that close a JSON schema's objects, nested where the fuzzer
+# above rarely reaches: a bool is served (and null where OpenAI allows it:
+# `strict`), anything else is a 400 naming the field.
+_CLOSED_OBJECT_SWITCHES = {
+    "response_format": lambda v: {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "r", "schema": {"type": "object"}, "strict": v},
+        }
+    },
+    "structured_outputs": lambda v: {
+        "structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": v}
+    },
+    "tools": lambda v: {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "strict": v}}],
+        "tool_choice": "required",
+    },
+}
+
+
+@pytest.mark.parametrize("field", sorted(_CLOSED_OBJECT_SWITCHES))
+@pytest.mark.parametrize("value", [None, True, False, 1, 2**70, "true", {}])
+def test_closed_object_switches_take_a_bool_or_a_400(
+    server: Server, field: str, value: Any
+) -> None:
+    body = dict(ROUTES["/v1/chat/completions"]) | _CLOSED_OBJECT_SWITCHES[field](value)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    check_answer(r, streamed=False)
+    served = isinstance(value, bool) or (value is None and field != "structured_outputs")
+    assert r.status_code == (200 if served else 400), r.text
+    if r.status_code == 400:
+        assert r.json()["error"]["param"] == field
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    server.wait_idle()
+
+
 def test_after_fuzzing_nothing_is_left_running(server: Server) -> None:
     server.wait_idle()
     assert len(engine_processes(server)) == 1
