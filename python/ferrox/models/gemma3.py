@@ -96,46 +96,27 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             raise UnsupportedModelError(
                 f"Gemma: layer_types must give one of {LAYER_TYPES} per layer, got {types}"
             )
-        nn.Module.__init__(self)
-        self.config = config
-        self.layer_types = types
-        self.head_dim = int(config.head_dim)
-        self.vocab_size = int(config.vocab_size)
-        self.vocab_start, self.vocab_rows = distributed.vocab_shard(self.vocab_size)
-        self.rotaries = self._rotaries(None)
-        self.embed_tokens = nn.Embedding(self.vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, self.rotaries[kind], backend) for kind in types
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab_rows, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = self.rotaries["full_attention"]
-        self.fused_decode = None
+        super().__init__(config, backend)
         self.embed_scale = float(config.hidden_size) ** 0.5
 
-    def _rotaries(self, context_length: int | None) -> dict[str, RotaryEmbedding]:
-        """One rotary table per kind of layer (its own base and scaling)."""
-        return {
+    def decoder_layer(
+        self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend]
+    ) -> nn.Module:
+        return Gemma3DecoderLayer(config, rotary, backend)
+
+    def rotary_tables(self, context_length: int | None) -> list[RotaryEmbedding]:
+        """One table per kind of layer (its own base and scaling)."""
+        config = self.config
+        tables = {
             kind: RotaryEmbedding(
                 self.head_dim,
-                self.config.max_position_embeddings,
-                rope_parameters(self.config, kind),
+                config.max_position_embeddings,
+                rope_parameters(config, kind),
                 context_length,
             )
-            for kind in LAYER_TYPES
+            for kind in set(config.layer_types)
         }
-
-    def reset_buffers(self, device: torch.device, context_length: int) -> None:
-        with torch.device(device):
-            self.rotaries = self._rotaries(context_length)
-        self.rotary = self.rotaries["full_attention"]
-        for layer, kind in zip(self.decoder_layers(), self.layer_types, strict=True):
-            layer.self_attn.rotary = self.rotaries[kind]
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        return [tables[kind] for kind in config.layer_types]
 
     def prepare_fused_decode(self) -> bool:
         self.fused_decode = None  # the fused decode chains Llama's layer shape

@@ -148,24 +148,32 @@ class LlamaForCausalLM(CausalLM):
         self.head_dim = head_dim_of(config)
         self.vocab_size = int(config.vocab_size)
         self.vocab_start, self.vocab_rows = distributed.vocab_shard(self.vocab_size)
-        rotary = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, rope_parameters(config)
-        )
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         self.embed_tokens = nn.Embedding(self.vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, qkv_bias, self.qk_norm)
-            for _ in range(config.num_hidden_layers)
+            self.decoder_layer(config, rotary, backend) for rotary in self.rotary_tables(None)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_rows, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # The rotary tables are shared by every layer; keep them out of the
-        # per-layer modules' parameter lists.
-        self.rotary = rotary
         self.fused_decode: FusedCpuDecode | None = None
+
+    def decoder_layer(
+        self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend]
+    ) -> nn.Module:
+        """One decoder layer, rotating by `rotary`."""
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        return DecoderLayer(config, rotary, backend, qkv_bias, self.qk_norm)
+
+    def rotary_tables(self, context_length: int | None) -> list[RotaryEmbedding]:
+        """Each layer's rotary table, for the engine's `context_length`
+        (None: the model's own): here one table that every layer shares."""
+        config = self.config
+        rotary = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, rope_parameters(config), context_length
+        )
+        return [rotary] * config.num_hidden_layers
 
     def prepare_fused_decode(self) -> bool:
         """Once the weights are loaded: run decode steps one native call per
@@ -191,14 +199,8 @@ class LlamaForCausalLM(CausalLM):
         buffers (rotary tables, for `context_length`) are built anew on
         `device`, the tied LM head shares the embedding again."""
         with torch.device(device):
-            rotary = RotaryEmbedding(
-                self.head_dim,
-                self.config.max_position_embeddings,
-                rope_parameters(self.config),
-                context_length,
-            )
-        self.rotary = rotary
-        for layer in self.decoder_layers():
+            tables = self.rotary_tables(context_length)
+        for layer, rotary in zip(self.decoder_layers(), tables, strict=True):
             layer.self_attn.rotary = rotary
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
