@@ -115,7 +115,7 @@ class StructuredOutputsParams:
         """The constraint as a grammar of the grammar engine."""
         schema = self.json if isinstance(self.json, str) else ""
         if schema and self.disable_additional_properties:
-            schema = json.dumps(closed_objects(json.loads(schema)))
+            schema = _closed_schema_text(schema)
         return _grammar_source(
             self.kind,
             schema,
@@ -174,6 +174,11 @@ def closed_objects(schema: Any) -> Any:
     ):
         closed["additionalProperties"] = False
     return closed
+
+
+@functools.lru_cache(maxsize=256)
+def _closed_schema_text(schema: str) -> str:
+    return json.dumps(closed_objects(json.loads(schema)))
 
 
 @functools.lru_cache(maxsize=256)
