@@ -1,6 +1,8 @@
-"""ferrox and llama.cpp side by side on the bundled GGUF, same threads, one run.
+"""ferrox and llama.cpp side by side on one GGUF (default the bundled model),
+same threads, one run.
 
     python benches/vs_llamacpp.py                  # the whole table
+    python benches/vs_llamacpp.py --model FILE     # another GGUF (benches/make_moe_gguf.py)
     python benches/vs_llamacpp.py --setup-only     # build the peer and stop
 
 The peer is llama.cpp at the version vendored by llama-cpp-python (pinned
@@ -266,6 +268,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--setup-only", action="store_true")
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: the bundled model)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -294,8 +297,9 @@ def main() -> None:
     from ferrox.model_files import default_model_path
     from ferrox.model_files.gguf_reader import load_gguf_tokenizer
 
-    gguf = default_model_path()
+    gguf = args.model.expanduser() if args.model else default_model_path()
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.ferrox_option)}
+    options = {"model": str(gguf), **options}
     tokenizer = load_gguf_tokenizer(gguf)
     ids = prompt_ids(tokenizer, args.prompt_len)
     result: dict[str, Any] = {

@@ -133,3 +133,35 @@ def _random_model(
         if not (tied and name == "lm_head.weight")
     }
     return config, weights
+
+
+def write_qwen3_moe_gguf(path: Path, source: Path, expert_type: Q = Q.F32) -> None:
+    """The tiny Qwen3-MoE checkpoint at `source` (every layer sparse, 258
+    tokens) as llama.cpp's converter writes it: the router as `ffn_gate_inp`,
+    each layer's experts stacked into `ffn_{gate,up,down}_exps`
+    [experts, rows, columns] in `expert_type`, the rest in float32."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source)
+    weights = load_file(source / "model.safetensors")
+    tensors: dict[str, np.ndarray] = {}
+    types: dict[str, Q] = {}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp."
+        tensors[f"blk.{layer}.ffn_gate_inp.weight"] = weights.pop(f"{prefix}gate.weight").numpy()
+        for projection, stem in (("gate", "gate"), ("up", "up"), ("down", "down")):
+            stacked = [
+                weights.pop(f"{prefix}experts.{e}.{projection}_proj.weight")
+                for e in range(config.num_experts)
+            ]
+            name = f"blk.{layer}.ffn_{stem}_exps.weight"
+            tensors[name] = torch.stack(stacked).numpy()
+            types[name] = expert_type
+    tensors |= {_gguf_name(name): weight.numpy() for name, weight in weights.items()}
+    metadata = {
+        "expert_count": config.num_experts,
+        "expert_used_count": config.num_experts_per_tok,
+        "expert_feed_forward_length": config.moe_intermediate_size,
+    }
+    _write_gguf(path, "qwen3moe", config, tensors, types, extra_metadata=metadata)

@@ -16,6 +16,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -108,6 +109,37 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
             },
+        ),
+    ),
+    # Eight experts, two a token, their weights as the router's softmax gives them.
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+        ),
+    ),
+    # A dense first layer, then experts (three of six a token, renormalised).
+    "qwen3-moe-dense-layer": (
+        Qwen3MoeConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
         ),
     ),
     # LongRoPE, inside the pretraining length: the short factors.

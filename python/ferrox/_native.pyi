@@ -306,12 +306,13 @@ class CpuDecoderLayer:
         eps: float,
         qkv: _LayerLinear,
         o: _LayerLinear,
-        gate_up: _LayerLinear,
-        down: _LayerLinear,
+        gate_up: _LayerLinear | None,
+        down: _LayerLinear | None,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
         scale: float,
+        head_norms: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
     ) -> CpuDecoderLayer: ...
     def forward(
         self,
@@ -326,5 +327,26 @@ class CpuDecoderLayer:
         block_table: npt.NDArray[np.int32],
         query_start_loc: npt.NDArray[np.int32],
         seq_lens: npt.NDArray[np.int32],
+        num_threads: int,
+    ) -> None: ...
+
+class CpuMoeExperts:
+    """An MoE block's experts in block formats, run on a few tokens in one call."""
+
+    def __new__(
+        cls,
+        gate_up: list[npt.NDArray[np.uint8]],
+        down: list[npt.NDArray[np.uint8]],
+        gate_up_fmt: str,
+        down_fmt: str,
+        hidden: int,
+        inter: int,
+    ) -> CpuMoeExperts: ...
+    def forward(
+        self,
+        out: npt.NDArray[np.float32],
+        x: npt.NDArray[np.float32],
+        expert_ids: npt.NDArray[np.int64],
+        expert_weights: npt.NDArray[np.float32],
         num_threads: int,
     ) -> None: ...

@@ -1,8 +1,7 @@
 """ferrox against transformers on the same weights: greedy tokens equal and
-logprobs close, for tiny Llama / Qwen2 / Qwen3 / SmolLM3 / Phi-3 / Gemma 3
-models and the bundled
-SmolLM2, in one batch, with prefix caching, under preemption and with
-chunked prefill."""
+logprobs close, for tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE / SmolLM3 /
+Phi-3 / Gemma 3 models and the bundled SmolLM2, in one batch, with prefix
+caching, under preemption and with chunked prefill."""
 
 from __future__ import annotations
 
@@ -73,10 +72,11 @@ def test_tiny_models_match_transformers(tiny_models: dict[str, Path], name: str)
         ("chunked-prefill", dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)),
     ],
 )
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen3-moe"])
 def test_scheduling_regimes_match_transformers(
-    tiny_models: dict[str, Path], label: str, options: dict
+    tiny_models: dict[str, Path], label: str, options: dict, name: str
 ) -> None:
-    path = tiny_models["llama-gqa-tied"]
+    path = tiny_models[name]
     hf = models.hf_model(path)
     batch = prompts(models.VOCAB_SIZE, seed=1)
     llm = LLM(str(path), **{"num_kv_blocks": 256, "max_num_seqs": 8, **options})

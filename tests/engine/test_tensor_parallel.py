@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks): the same greedy tokens and
-logprobs as one rank on tiny Llama, Qwen2, Qwen3 and Phi-3 models (split and
-replicated KV heads, tied and untied and odd-sized vocabularies, row-parallel
-biases), through `LLM` and `ferrox serve`; bad sizes refused; no worker
-process outlives its engine, and a lost worker stops the engine."""
+logprobs as one rank on tiny Llama, Qwen2, Qwen3, Qwen3-MoE and Phi-3 models
+(split and replicated KV heads, tied and untied and odd-sized vocabularies,
+row-parallel biases, experts split by their intermediate columns), through
+`LLM` and `ferrox serve`; bad sizes refused; no worker process outlives its
+engine, and a lost worker stops the engine."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def tp_models(
         "llama, one KV head replicated": tiny_models["llama3-rope-scaling"],
         "qwen3, q/k norms": tiny_models["qwen3"],
         "phi3, fused qkv and gate/up split per rank": tiny_models["phi3"],
+        "qwen3-moe, every expert split per rank": tiny_models["qwen3-moe"],
         "qwen2, q/k/v biases": models.build_tiny_model(
             root / "qwen2", "qwen2", num_attention_heads=4, num_key_value_heads=2
         ),
@@ -99,6 +101,7 @@ def _run(path: Path, tp: int) -> list[tuple[list[int], list[float], list[float]]
         "llama, one KV head replicated",
         "qwen3, q/k norms",
         "phi3, fused qkv and gate/up split per rank",
+        "qwen3-moe, every expert split per rank",
         "qwen2, q/k/v biases",
         "llama, o/down biases, odd vocabulary",
     ],

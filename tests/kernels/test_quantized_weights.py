@@ -19,6 +19,7 @@ from ferrox import LLM, SamplingParams
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers import cpu_linear, quant_linear
+from ferrox.layers.moe import SparseMoe
 from ferrox.layers.quant_linear import (
     QuantEmbedding,
     QuantLinear,
@@ -311,11 +312,17 @@ def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt:
     _assert_same_greedy(got, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 
 
-@pytest.mark.parametrize(
-    ("quantization", "kv_cache_dtype"),
-    [("q8_0", "float32"), (None, "auto"), ("q8_0", "auto")],  # auto: float16 under blocks
-)
-@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2"])
+# (float experts run one expert at a time, not natively: no fused MoE case without blocks)
+_FUSED_CASES = [
+    (name, quantization, kv_cache_dtype)
+    for name in ("llama-gqa-tied", "qwen2", "qwen3", "qwen3-moe")
+    # auto: float16 under blocks
+    for quantization, kv_cache_dtype in (("q8_0", "float32"), (None, "auto"), ("q8_0", "auto"))
+    if not (name == "qwen3-moe" and quantization is None)
+]
+
+
+@pytest.mark.parametrize(("name", "quantization", "kv_cache_dtype"), _FUSED_CASES)
 def test_fused_decode_layers_match_the_module_path(
     tiny_models: dict[str, Path],
     name: str,
@@ -324,9 +331,11 @@ def test_fused_decode_layers_match_the_module_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Decode steps run each layer in one native call; the same kernels one
-    module at a time give the same tokens and logprobs (Qwen2: q/k/v bias),
-    over blocks and over float32 weights (a small model keeps them as well
-    as their oneDNN packing), with a float32 or a float16 KV cache."""
+    module at a time give the same tokens and logprobs (Qwen2: q/k/v bias;
+    Qwen3: q/k norms; Qwen3-MoE: block-format experts in a second native
+    call, against one call per expert and projection), over blocks and over
+    float32 weights (a small model keeps them as well as their oneDNN
+    packing), with a float32 or a float16 KV cache."""
     gen = torch.Generator().manual_seed(5)
     prompts = [
         torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 9, 20)
@@ -346,6 +355,10 @@ def test_fused_decode_layers_match_the_module_path(
     # so even the first step computes at most 16 tokens a row.
     assert len(calls) == MAX_TOKENS
     model.fused_decode = None
+    experts = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoe)]
+    assert all(moe.native is not None for moe in experts) and bool(experts) == ("moe" in name)
+    for moe in experts:
+        moe.native = None  # one QuantLinear call per expert and projection
     _assert_close(_run_again(llm, prompts), again)
     assert len(calls) == MAX_TOKENS
 
@@ -385,8 +398,9 @@ def test_fused_decode_needs_weights_it_can_read(
 ) -> None:
     path = str(tiny_models["llama-gqa-tied"])
     assert LLM(path, num_kv_blocks=16).engine.runner.model.fused_decode is not None
-    qwen3 = LLM(str(tiny_models["qwen3"]), num_kv_blocks=16, quantization="q8_0")  # q/k norms
-    assert qwen3.engine.runner.model.fused_decode is None
+    # float experts run one expert at a time: no fused decode
+    moe = LLM(str(tiny_models["qwen3-moe"]), num_kv_blocks=16)
+    assert moe.engine.runner.model.fused_decode is None
     # Weights too large to keep twice live only in oneDNN's layout: the
     # module path runs them.
     monkeypatch.setattr(cpu_linear, "SMALL_WEIGHT", 0)

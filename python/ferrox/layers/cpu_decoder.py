@@ -8,7 +8,10 @@ rows each have a few query tokens (decodes, short speculative verifications)
 runs each layer whole in Rust (`CpuDecoderLayer`, `ferrox_cpu::decoder_layer`):
 the same kernels the layer calls one at a time, without the twenty-odd tensor
 operations per layer that cost more than the arithmetic at one token a step.
-Other steps (prefill, large batches) take the module-by-module path.
+Qwen3's per-head q/k norms run inside the call too. A mixture-of-experts
+layer (layers/moe.py) runs its attention half in that call and its experts
+in a second native one (`CpuMoeExperts`), where its experts are in block
+formats. Other steps (prefill, large batches) take the module-by-module path.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ferrox.layers import quant_linear
 from ferrox.layers.attention.base import AttentionMetadata, KvCache
 from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBackend
 from ferrox.layers.cpu_linear import PackedLinear
+from ferrox.layers.moe import SparseMoe
 from ferrox.layers.native import kernel_threads, kv_array
 from ferrox.layers.quant_linear import QuantLinear
 
@@ -59,9 +63,20 @@ def _linear(layer: torch.nn.Module) -> tuple:
     return weight.numpy().view(np.uint8), bias, "f32"
 
 
+def _dense_mlp(layer: DecoderLayer) -> bool:
+    return hasattr(layer.mlp, "gate_up_proj") and hasattr(layer.mlp, "down_proj")
+
+
+def _native_moe(layer: DecoderLayer) -> SparseMoe | None:
+    """The layer's MoE block, if its experts run natively."""
+    mlp = layer.mlp
+    return mlp if isinstance(mlp, SparseMoe) and mlp.native is not None else None
+
+
 class FusedCpuDecode:
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = [self._native(layer) for layer in layers]
+        self.moes = [_native_moe(layer) for layer in layers]
         rotary = layers[0].self_attn.rotary
         cos, sin = rotary.cos_cache.numpy(), rotary.sin_cache.numpy()
         # A layer without position encoding (`use_rope` False) rotates by
@@ -74,14 +89,18 @@ class FusedCpuDecode:
     def supports(layers: list[DecoderLayer]) -> bool:
         def fits(layer: DecoderLayer) -> bool:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            dense = _dense_mlp(layer)
+            linears = [attn.qkv_proj, attn.o_proj]
+            linears += [mlp.gate_up_proj, mlp.down_proj] if dense else []
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
             return (
-                all(_fusable(m) for m in linears)
+                (dense or _native_moe(layer) is not None)
+                and all(_fusable(m) for m in linears)
                 and isinstance(attn.attn, CpuAttentionBackend)
-                and attn.q_norm is None
+                and (attn.q_norm is None) == (attn.k_norm is None)
                 and all(n.weight.dtype == torch.float32 for n in norms)
-                and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+                and len({n.eps for n in norms}) == 1
             )
 
         return bool(layers) and all(fits(layer) for layer in layers)
@@ -89,18 +108,25 @@ class FusedCpuDecode:
     @staticmethod
     def _native(layer: DecoderLayer) -> CpuDecoderLayer:
         attn, mlp = layer.self_attn, layer.mlp
+        dense = _dense_mlp(layer)
+        head_norms = (
+            None
+            if attn.q_norm is None
+            else (attn.q_norm.weight.detach().numpy(), attn.k_norm.weight.detach().numpy())
+        )
         return CpuDecoderLayer(
             layer.input_layernorm.weight.detach().numpy(),
             layer.post_attention_layernorm.weight.detach().numpy(),
             layer.input_layernorm.eps,
             _linear(attn.qkv_proj),
             _linear(attn.o_proj),
-            _linear(mlp.gate_up_proj),
-            _linear(mlp.down_proj),
+            _linear(mlp.gate_up_proj) if dense else None,
+            _linear(mlp.down_proj) if dense else None,
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
             attn.attn.scale,
+            head_norms,
         )
 
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -135,8 +161,10 @@ class FusedCpuDecode:
         )
         res, out = residual.numpy(), x.numpy()
         pos = positions.numpy()
-        for layer, (cos, sin), (k_cache, v_cache) in zip(
-            self.layers, self.tables, kv_caches, strict=True
+        for layer, moe, (cos, sin), (k_cache, v_cache) in zip(
+            self.layers, self.moes, self.tables, kv_caches, strict=True
         ):
             layer.forward(res, out, kv_array(k_cache), kv_array(v_cache), pos, cos, sin, *step)
+            if moe is not None:  # `x` holds the experts' normed input
+                x.copy_(moe(x))
         return x, residual

@@ -32,8 +32,8 @@ def load_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, keep_blocks: bool = False
 ) -> GGUFModel:
     """Read a GGUF file and dequantize its tensors into `dtype`; with
-    `keep_blocks`, 2-D Q4_0 / Q4_1 / Q8_0 tensors stay in their blocks
-    (BlockTensor)."""
+    `keep_blocks`, Q4_0 / Q4_1 / Q8_0 matrices (and stacks of them) stay in
+    their blocks (BlockTensor)."""
     if not dtype.is_floating_point:
         raise InvalidArgumentError(f"dtype must be a floating point type, got {dtype}")
     reader, metadata = open_gguf(path, mode="c")  # copy-on-write: writable views
@@ -43,15 +43,16 @@ def load_gguf(
 
     state_dict: dict[str, torch.Tensor | BlockTensor] = {}
     for tensor in reader.tensors:
-        name = family.checkpoint_name(tensor.name)
         blocks = block_tensor(tensor) if keep_blocks else None
-        # [out_features, in_features] (uint8 row bytes for blocks) or [features]
-        weight = dequantize_tensor(tensor) if blocks is None else blocks.data
-        weight = family.from_gguf_tensor(name, weight, config)
-        if blocks is None:
-            state_dict[name] = weight.to(dtype)
-        else:
-            state_dict[name] = BlockTensor(blocks.fmt, weight.contiguous(), blocks.in_features)
+        # [out_features, in_features] (uint8 row bytes for blocks), [features],
+        # or stacked experts' [experts, out_features, ...]
+        stored = dequantize_tensor(tensor) if blocks is None else blocks.data
+        for name, part in family.checkpoint_tensors(tensor.name, stored):
+            weight = family.from_gguf_tensor(name, part, config)
+            if blocks is None:
+                state_dict[name] = weight.to(dtype)
+            else:
+                state_dict[name] = BlockTensor(blocks.fmt, weight.contiguous(), blocks.in_features)
     if "model.embed_tokens.weight" not in state_dict:
         raise ModelLoadError(f"{path} has no token embedding tensor (token_embd.weight)")
 

@@ -42,13 +42,14 @@ BLOCK_FORMATS = {
 
 
 def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
-    """A 2-D Q4_0 / Q4_1 / Q8_0 tensor as stored (Q4_0 rewritten as Q4_1
+    """A Q4_0 / Q4_1 / Q8_0 matrix, or a stack of them (a layer's experts:
+    data [experts, rows, row bytes]), as stored (Q4_0 rewritten as Q4_1
     with offset -8 * scale, which is exact); None for any other tensor."""
     ggml_type = GGMLQuantizationType(tensor.tensor_type)
     shape = [int(n) for n in reversed(tensor.shape.tolist())]
-    if ggml_type not in BLOCK_FORMATS or len(shape) != 2:
+    if ggml_type not in BLOCK_FORMATS or len(shape) not in (2, 3):
         return None
-    rows, in_features = shape
+    *rows, in_features = shape
     raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
     if ggml_type == GGMLQuantizationType.Q4_0:
         blocks = _blocks(raw, 18)
@@ -59,7 +60,7 @@ def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
         out[:, 4:] = blocks[:, 2:]
     else:
         out = raw.copy()
-    data = torch.from_numpy(out.reshape(rows, -1))
+    data = torch.from_numpy(out.reshape(*rows, -1))
     return BlockTensor(BLOCK_FORMATS[ggml_type], data, in_features)
 
 

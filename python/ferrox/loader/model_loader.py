@@ -89,7 +89,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.tokenizer is not None or tokenizer is None:
         source = resolve_model_path(config.tokenizer) if config.tokenizer else path
         tokenizer = _load_tokenizer(source, fmt)
-    model = build_model(hf_config, config, plan)
+    model, plan = build_model(hf_config, config, plan)
     weights: Iterator[tuple[str, torch.Tensor]] | None = None
     if fmt == "gguf":
         # (under tensor parallelism the file is read whole, then sliced)
@@ -211,26 +211,34 @@ def split_block_layers(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return len(layers)
 
 
-def _use_blocks(model: torch.nn.Module, plan: dict[str, str]) -> None:
-    """Swaps the planned modules (still on the meta device) for block-format ones."""
+def _use_blocks(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Swaps the planned modules (still on the meta device) for block-format
+    ones; returns the plan carried out. A module that is not a plain linear
+    layer or embedding (an MoE router, kept in float) stays as it is, and
+    its weight is dequantized."""
+    done: dict[str, str] = {}
     for path, fmt in plan.items():
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         old = getattr(parent, attr)
-        if isinstance(old, torch.nn.Linear):
+        if type(old) is torch.nn.Linear:
             new: torch.nn.Module = QuantLinear(
                 old.in_features, old.out_features, old.bias is not None, fmt
             )
-        elif isinstance(old, torch.nn.Embedding):
+        elif type(old) is torch.nn.Embedding:
             new = QuantEmbedding(old.num_embeddings, old.embedding_dim, fmt)
         else:
-            raise ModelLoadError(f"{path} cannot hold block-format weights")
+            continue
         setattr(parent, attr, new)
+        done[path] = fmt
+    return done
 
 
 def build_model(
     hf_config: PretrainedConfig, config: EngineConfig, plan: dict[str, str] | None = None
-) -> CausalLM:
+) -> tuple[CausalLM, dict[str, str]]:
+    """The model on the device with uninitialised weights, and the part of
+    `plan` (modules -> block format) it carries out."""
     cls = resolve_model_class(hf_config)
     backend = get_attention_backend(config.attention_backend, torch_device(config))
     # Parameters are created on the meta device, then materialised once on
@@ -240,12 +248,12 @@ def build_model(
     try:
         with torch.device("meta"):
             model = cls(hf_config, backend)
-            _use_blocks(model, plan or {})
+            done = _use_blocks(model, plan or {})
     finally:
         torch.set_default_dtype(previous_dtype)
     model = model.to_empty(device=torch_device(config))
     model.reset_buffers(torch_device(config), resolve_max_model_len(config, hf_config))
-    return model
+    return model, done
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:

@@ -6,7 +6,7 @@ A family is one class (with subclasses for close relatives) that says:
 - its Hugging Face `architectures` names and, if llama.cpp has it, its GGUF
   architecture name, how GGUF metadata becomes its config and how llama.cpp's
   tensor names become checkpoint names (`config_from_gguf`, `checkpoint_name`,
-  `from_gguf_tensor`);
+  `checkpoint_tensors`, `from_gguf_tensor`);
 - its layers (the module tree built in `__init__` at this rank's size);
 - where each checkpoint tensor goes (`module_of`, `load_weights`) and which
   slice of it a tensor-parallel rank loads (`shard_of`);
@@ -15,7 +15,7 @@ A family is one class (with subclasses for close relatives) that says:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -63,6 +63,9 @@ class CausalLM(nn.Module):
     gguf_architecture: ClassVar[str | None] = None
     vocab_size: int
     fused_decode: Any
+    # Whether decode steps may be captured in CUDA graphs (False where a
+    # layer's work depends on values read back to the host: MoE routing).
+    supports_cuda_graphs: ClassVar[bool] = True
 
     def forward(
         self,
@@ -118,6 +121,15 @@ class CausalLM(nn.Module):
     @classmethod
     def checkpoint_name(cls, gguf_name: str) -> str:
         raise UnsupportedModelError(f"{cls.__name__} has no GGUF support")
+
+    @classmethod
+    def checkpoint_tensors(
+        cls, gguf_name: str, weight: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors (name, tensor) one GGUF tensor holds: by
+        default itself, named by `checkpoint_name`; a family that stacks
+        tensors (a layer's experts) splits them here."""
+        yield cls.checkpoint_name(gguf_name), weight
 
     @classmethod
     def from_gguf_tensor(cls, name: str, weight: torch.Tensor, config: Any) -> torch.Tensor:

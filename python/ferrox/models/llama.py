@@ -88,16 +88,26 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMlp(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """SwiGLU: down(silu(gate(x)) * up(x)), its intermediate columns split
+    over the tensor-parallel ranks. `intermediate_size`: the whole width
+    (default the config's); `reduce`: all-reduce the output (False for an
+    expert, whose block sums its experts first)."""
+
+    def __init__(
+        self, config: Any, intermediate_size: int | None = None, reduce: bool = True
+    ) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        _, inter = distributed.even_shard(config.intermediate_size, "intermediate size")
+        width = config.intermediate_size if intermediate_size is None else intermediate_size
+        _, inter = distributed.even_shard(width, "intermediate size")
         self.intermediate_size = inter  # this rank's
+        self.reduce = reduce
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return distributed.all_reduce(out) if self.reduce else out
 
 
 class DecoderLayer(nn.Module):
@@ -111,7 +121,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, rotary, backend, qkv_bias, qk_norm)
-        self.mlp = GatedMlp(config)
+        self.mlp: nn.Module = GatedMlp(config)  # (a family may put experts here)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -250,11 +260,10 @@ class LlamaForCausalLM(CausalLM):
             return 0, shard.kv_first * d, shard.num_kv_heads * d
         if ".self_attn.o_proj.weight" in name:
             return 1, shard.q_first * d, shard.num_heads * d
-        inter = self.decoder_layers()[0].mlp.intermediate_size
         if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
-            return 0, distributed.state().rank * inter, inter
+            return 0, *distributed.even_shard(self.config.intermediate_size, "intermediate size")
         if ".mlp.down_proj.weight" in name:
-            return 1, distributed.state().rank * inter, inter
+            return 1, *distributed.even_shard(self.config.intermediate_size, "intermediate size")
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             rows = min(self.vocab_rows, max(0, shape[0] - self.vocab_start))
             return 0, self.vocab_start, rows
@@ -307,8 +316,8 @@ class LlamaForCausalLM(CausalLM):
         if ".qkv_proj" in target:
             sizes = attn.split_sizes
             index = "qkv".index(part)
-        else:
-            sizes = [self.decoder_layers()[0].mlp.intermediate_size] * 2
+        else:  # gate/up: two equal halves (a dense MLP's or an expert's)
+            sizes = [param.shape[0] // 2] * 2
             index = ("gate", "up").index(part)
         start = sum(sizes[:index])
         return param.narrow(0, start, sizes[index])
@@ -367,12 +376,13 @@ class LlamaForCausalLM(CausalLM):
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
-            **cls._gguf_config_extra(tensor_names),
+            **cls._gguf_config_extra(metadata, tensor_names),
         )
 
     @classmethod
-    def _gguf_config_extra(cls, tensor_names: set[str]) -> dict[str, Any]:
-        """Config fields of this family that the tensors, not the metadata, tell."""
+    def _gguf_config_extra(cls, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+        """Config fields of this family beyond the common ones (what the
+        tensors tell, or metadata of the family's own)."""
         return {
             "attention_bias": "blk.0.attn_q.bias" in tensor_names,
             "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
@@ -446,8 +456,9 @@ _MERGED = {
     ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
     ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
     ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-    ".mlp.gate_proj.": (".mlp.gate_up_proj.", "gate"),
-    ".mlp.up_proj.": (".mlp.gate_up_proj.", "up"),
+    # a layer's MLP (`mlp.gate_proj`) or one of its experts' (`mlp.experts.3.gate_proj`)
+    ".gate_proj.": (".gate_up_proj.", "gate"),
+    ".up_proj.": (".gate_up_proj.", "up"),
 }
 
 

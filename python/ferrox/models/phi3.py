@@ -61,7 +61,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield full, piece
 
     @classmethod
-    def _gguf_config_extra(cls, tensor_names: set[str]) -> dict[str, Any]:
+    def _gguf_config_extra(cls, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         if "rope_factors_long.weight" in tensor_names:
             raise UnsupportedModelError(
                 "GGUF Phi-3 files with LongRoPE factors (rope_factors_long / rope_factors_short) "

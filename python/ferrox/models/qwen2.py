@@ -15,5 +15,5 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     gguf_rotary_interleaved: ClassVar[bool] = False
 
     @classmethod
-    def _gguf_config_extra(cls, tensor_names: set[str]) -> dict[str, Any]:
+    def _gguf_config_extra(cls, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         return {}  # Qwen2Config has the q/k/v biases built in

@@ -15,7 +15,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     gguf_rotary_interleaved: ClassVar[bool] = False
 
     @classmethod
-    def _gguf_config_extra(cls, tensor_names: set[str]) -> dict[str, Any]:
+    def _gguf_config_extra(cls, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         return {"attention_bias": "blk.0.attn_q.bias" in tensor_names}
 
     @classmethod

@@ -11,12 +11,14 @@ from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.phi3 import Phi3ForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
 from ferrox.models.qwen3 import Qwen3ForCausalLM
+from ferrox.models.qwen3_moe import Qwen3MoeForCausalLM
 from ferrox.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     LlamaForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
     SmolLM3ForCausalLM,
     Phi3ForCausalLM,
     Gemma3ForCausalLM,

@@ -133,7 +133,12 @@ class ModelRunner:
         self._staging: dict[str, torch.Tensor] = {}
         self.graphs: DecodeGraphs | None = None
         backend = self.model.attention_backend
-        if self.device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs:
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and backend.supports_cuda_graphs
+            and self.model.supports_cuda_graphs
+        ):
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_cache.layers,
@@ -206,7 +211,7 @@ class ModelRunner:
         # private pool (a share of the profiled activations), and write logits
         # into one static buffer: budget for both.
         graphs = 0
-        if not self.config.enforce_eager:
+        if not self.config.enforce_eager and self.model.supports_cuda_graphs:
             activations = peak - weights
             graphs = (
                 activations * self.config.max_num_seqs // max(num_tokens, 1)

@@ -1,7 +1,10 @@
 //! One Llama-family decoder layer for rows of a few query tokens (decode
 //! steps), over block-quantized or float32 weights, in a single call: residual add +
-//! RMSNorm, the q/k/v projection, rotary embedding, the KV cache write, paged
-//! attention, the output projection, the second add + RMSNorm, the gated MLP.
+//! RMSNorm, the q/k/v projection, per-head q/k RMSNorm (Qwen3), rotary
+//! embedding, the KV cache write, paged attention, the output projection, the
+//! second add + RMSNorm, the gated MLP. A layer without a dense MLP (a
+//! mixture of experts, run by `moe::moe_experts`) stops after the second
+//! norm and hands back its output, the MLP's input.
 //!
 //! Each step is the same kernel the model runner calls one at a time
 //! (`add_rms_norm`, `quant_matmul`, `rotary_in_place`, `paged_attention`;
@@ -29,15 +32,22 @@ pub struct LayerLinear<'a> {
     pub out_features: usize,
 }
 
+/// A gated MLP's two projections.
+pub struct DenseMlp<'a> {
+    pub gate_up: LayerLinear<'a>, // hidden -> 2 I (gate, then up)
+    pub down: LayerLinear<'a>,    // I -> hidden
+}
+
 /// The layer's parameters and shapes.
 pub struct DecoderLayerWeights<'a> {
     pub input_norm: &'a [f32],          // [hidden]
     pub post_attention_norm: &'a [f32], // [hidden]
     pub eps: f32,
-    pub qkv: LayerLinear<'a>,     // hidden -> (H + 2 Hkv) D
-    pub o: LayerLinear<'a>,       // H D -> hidden
-    pub gate_up: LayerLinear<'a>, // hidden -> 2 I (gate, then up)
-    pub down: LayerLinear<'a>,    // I -> hidden
+    pub qkv: LayerLinear<'a>,      // hidden -> (H + 2 Hkv) D
+    pub q_norm: Option<&'a [f32]>, // [D]: each query head's RMSNorm (with `k_norm`)
+    pub k_norm: Option<&'a [f32]>, // [D]
+    pub o: LayerLinear<'a>,        // H D -> hidden
+    pub mlp: Option<DenseMlp<'a>>,
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
@@ -111,10 +121,10 @@ fn silu_and_mul(gate_up: &[f32], inter: usize) -> Vec<f32> {
 
 /// Runs the layer. `residual` ([T, hidden]) is the stream before the
 /// previous layer's MLP output `x` ([T, hidden]); on return `residual` holds
-/// the stream after attention and `x` this layer's MLP output, as the
-/// unfused layer returns them. The tokens' keys and values are written into
-/// the caches ([N, BS, Hkv, D], float32 or float16) before attention reads
-/// them.
+/// the stream after attention and `x` this layer's MLP output (without a
+/// dense MLP: its normed input), as the unfused layer returns them. The
+/// tokens' keys and values are written into the caches ([N, BS, Hkv, D],
+/// float32 or float16) before attention reads them.
 pub fn decoder_layer<T: KvElement>(
     weights: &DecoderLayerWeights<'_>,
     step: &DecoderLayerStep<'_>,
@@ -127,7 +137,9 @@ pub fn decoder_layer<T: KvElement>(
     let (h, hkv, d) = (weights.num_heads, weights.num_kv_heads, weights.head_dim);
     let tokens = step.positions.len();
     let row_len = (h + 2 * hkv) * d;
-    let inter = weights.gate_up.out_features / 2;
+    let dense_ok = |m: &DenseMlp<'_>| {
+        m.down.out_features == hidden && m.gate_up.out_features.is_multiple_of(2)
+    };
     let checks = [
         (
             residual.len() == tokens * hidden && x.len() == residual.len(),
@@ -145,13 +157,16 @@ pub fn decoder_layer<T: KvElement>(
             weights.qkv.out_features == row_len,
             "qkv has the wrong number of outputs",
         ),
+        (weights.o.out_features == hidden, "o must output hidden"),
         (
-            weights.o.out_features == hidden && weights.down.out_features == hidden,
-            "o / down must output hidden",
+            weights.mlp.as_ref().is_none_or(dense_ok),
+            "down must output hidden, gate_up an even number",
         ),
         (
-            weights.gate_up.out_features.is_multiple_of(2),
-            "gate_up must have an even number of outputs",
+            weights.q_norm.is_some() == weights.k_norm.is_some()
+                && weights.q_norm.is_none_or(|n| n.len() == d)
+                && weights.k_norm.is_none_or(|n| n.len() == d),
+            "q_norm and k_norm must both be [head_dim] or both absent",
         ),
         (
             k_cache.len() == v_cache.len() && k_cache.len().is_multiple_of(hkv * d),
@@ -183,6 +198,9 @@ pub fn decoder_layer<T: KvElement>(
     )?;
 
     let mut qkv = linear(&weights.qkv, &normed, hidden, threads)?;
+    if let (Some(q_norm), Some(k_norm)) = (weights.q_norm, weights.k_norm) {
+        head_norms(&mut qkv, row_len, h, hkv, d, q_norm, k_norm, weights.eps)?;
+    }
     let rotary = h + hkv; // queries, then keys
     rotary_in_place(
         &mut qkv,
@@ -236,10 +254,39 @@ pub fn decoder_layer<T: KvElement>(
         &mut normed,
         threads,
     )?;
-    let gate_up = linear(&weights.gate_up, &normed, hidden, threads)?;
+    let Some(mlp) = &weights.mlp else {
+        x.copy_from_slice(&normed);
+        return Ok(());
+    };
+    let inter = mlp.gate_up.out_features / 2;
+    let gate_up = linear(&mlp.gate_up, &normed, hidden, threads)?;
     let act = silu_and_mul(&gate_up, inter);
-    let mlp = linear(&weights.down, &act, inter, threads)?;
-    x.copy_from_slice(&mlp);
+    let out = linear(&mlp.down, &act, inter, threads)?;
+    x.copy_from_slice(&out);
+    Ok(())
+}
+
+/// RMSNorm over each query head (`q_norm`) and key head (`k_norm`) of the
+/// q/k/v rows, in place; the values are left alone.
+#[allow(clippy::too_many_arguments)]
+fn head_norms(
+    qkv: &mut [f32],
+    row_len: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    q_norm: &[f32],
+    k_norm: &[f32],
+    eps: f32,
+) -> Result<(), ShapeError> {
+    for row in qkv.chunks_exact_mut(row_len) {
+        let (queries, rest) = row.split_at_mut(h * d);
+        for (heads, weight) in [(queries, q_norm), (&mut rest[..hkv * d], k_norm)] {
+            let mut normed = vec![0.0; heads.len()];
+            add_rms_norm(heads, None, weight, eps, &mut normed, 1)?;
+            heads.copy_from_slice(&normed);
+        }
+    }
     Ok(())
 }
 
@@ -271,9 +318,13 @@ mod tests {
             post_attention_norm: &norm,
             eps: 1e-6,
             qkv: linear(leak(wqkv), qkv_outputs),
+            q_norm: None,
+            k_norm: None,
             o: linear(leak(wo), hidden),
-            gate_up: linear(leak(wgu), 2 * inter),
-            down: linear(leak(wd), hidden),
+            mlp: Some(DenseMlp {
+                gate_up: linear(leak(wgu), 2 * inter),
+                down: linear(leak(wd), hidden),
+            }),
             num_heads: 2,
             num_kv_heads: 1,
             head_dim: d,

@@ -5,6 +5,7 @@ pub mod decoder_layer;
 pub mod elementwise;
 pub mod f32_matmul;
 pub mod kv_element;
+pub mod moe;
 pub mod paged_attention;
 pub mod pool;
 pub mod quant_matmul;
@@ -17,11 +18,12 @@ mod quant_matmul_vnni;
 pub mod token_bitmask;
 
 pub use decoder_layer::{
-    decoder_layer, DecoderLayerStep, DecoderLayerWeights, LayerLinear, LinearWeight,
+    decoder_layer, DecoderLayerStep, DecoderLayerWeights, DenseMlp, LayerLinear, LinearWeight,
 };
 pub use elementwise::{add_rms_norm, rotary_in_place};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};
 pub use kv_element::{f32_to_f16, KvElement, F16};
+pub use moe::{moe_experts, ExpertWeights, MoeArgs};
 pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 pub use quant_matmul::{
     dequantize_rows, quant_matmul, quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs,

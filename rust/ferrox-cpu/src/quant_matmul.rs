@@ -204,7 +204,7 @@ fn vector_kernels() -> bool {
     false
 }
 
-fn check_k(fmt: QuantFormat, k: usize) -> Result<usize, QuantShapeError> {
+pub(crate) fn check_k(fmt: QuantFormat, k: usize) -> Result<usize, QuantShapeError> {
     if k == 0 || !k.is_multiple_of(BLOCK) {
         return Err(QuantShapeError(format!(
             "K={k} is not a positive multiple of {BLOCK}"
@@ -338,37 +338,63 @@ pub fn quant_matmul_with(
         return Ok(());
     }
     let acts = quantize_activations(args.x, args.k);
-    let (pairs, panels) = kernel.functions();
-    // Column ranges of about equal size, in whole panels (or row pairs);
-    // the columns past the last whole panel go to the pair kernel.
-    let unit = panels.map_or(2, |(_, width)| width);
+    // Column ranges of about equal size, in whole panels (or row pairs).
+    let unit = kernel.column_unit();
     let threads = args.num_threads.clamp(1, args.n.div_ceil(16));
     let per = args.n.div_ceil(unit).div_ceil(threads) * unit;
     let ptr = OutPtr(out.as_mut_ptr());
     run_parts(threads, &|part| {
         let start = part * per;
         let end = ((part + 1) * per).min(args.n);
-        if start >= end {
-            return;
-        }
         // SAFETY: each part writes only columns start..end of `out`,
-        // which has M * N elements (checked above); the panel kernel gets
-        // whole panels; the CPU has the kernels' features (checked above).
-        let whole = match panels {
-            Some((kernel, width)) => {
-                let whole = start + (end - start) / width * width;
-                if whole > start {
-                    unsafe { kernel(args, &acts, start, whole, ptr.get()) };
-                }
-                whole
-            }
-            None => start,
-        };
-        if whole < end {
-            unsafe { pairs(args, &acts, whole, end, ptr.get()) };
-        }
+        // which has M * N elements (checked above); the CPU has the
+        // kernel (checked above).
+        unsafe { run_columns(kernel, args, &acts, start, end, ptr) };
     });
     Ok(())
+}
+
+impl QuantKernel {
+    /// The column count a thread's share of the output is a multiple of
+    /// (a panel, or a pair of rows).
+    pub(crate) fn column_unit(self) -> usize {
+        self.functions().1.map_or(2, |(_, width)| width)
+    }
+}
+
+/// Columns `start..end` of `out` = x @ W^T for the activations `acts` of
+/// `args.m` rows: whole panels through the panel kernel, the columns past
+/// the last one through the pair kernel.
+///
+/// # Safety
+/// `out` points to M * N floats, and no other thread writes these columns;
+/// the CPU has `kernel` (`QuantKernel::supported`); `args.w` holds N rows
+/// of `args.fmt` blocks for K inputs.
+pub(crate) unsafe fn run_columns(
+    kernel: QuantKernel,
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    start: usize,
+    end: usize,
+    out: OutPtr,
+) {
+    if start >= end {
+        return;
+    }
+    let (pairs, panels) = kernel.functions();
+    let whole = match panels {
+        Some((panel, width)) => {
+            let whole = start + (end - start) / width * width;
+            if whole > start {
+                unsafe { panel(args, acts, start, whole, out.get()) };
+            }
+            whole
+        }
+        None => start,
+    };
+    if whole < end {
+        unsafe { pairs(args, acts, whole, end, out.get()) };
+    }
 }
 
 /// Output columns per panel of the AVX2 panel kernel.

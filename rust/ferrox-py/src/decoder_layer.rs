@@ -2,8 +2,8 @@
 //! held once, and its fused decode-step forward (`ferrox_cpu::decoder_layer`).
 
 use ferrox_cpu::{
-    decoder_layer, DecoderLayerStep, DecoderLayerWeights, KvElement, LayerLinear, LinearWeight,
-    QuantFormat,
+    decoder_layer, DecoderLayerStep, DecoderLayerWeights, DenseMlp, KvElement, LayerLinear,
+    LinearWeight, QuantFormat,
 };
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
@@ -18,6 +18,8 @@ type LinearArrays<'py> = (
     PyReadonlyArray2<'py, u8>,
     Option<PyReadonlyArray1<'py, f32>>,
 );
+/// A per-head norm pair: the query heads' and the key heads' weights.
+type HeadNorms<T> = (T, T);
 type LinearSpec<'py> = (
     Bound<'py, PyArray2<u8>>,
     Option<Bound<'py, PyArray1<f32>>>,
@@ -99,16 +101,18 @@ fn float_view(bytes: &[u8]) -> PyResult<&[f32]> {
 }
 
 /// A Llama-family decoder layer over block-format or float32 weights
-/// (q/k/v, o, gate/up, down), run whole for decode steps.
+/// (q/k/v, o, gate/up, down; q/k norms where the family has them), run
+/// whole for decode steps. Without gate/up and down (a mixture-of-experts
+/// layer) it stops at the MLP's normed input.
 #[pyclass(module = "ferrox._native", frozen)]
 pub struct CpuDecoderLayer {
     input_norm: Py<PyArray1<f32>>,
     post_attention_norm: Py<PyArray1<f32>>,
     eps: f32,
     qkv: Linear,
+    head_norms: Option<HeadNorms<Py<PyArray1<f32>>>>,
     o: Linear,
-    gate_up: Linear,
-    down: Linear,
+    mlp: Option<(Linear, Linear)>,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -119,9 +123,11 @@ pub struct CpuDecoderLayer {
 impl CpuDecoderLayer {
     /// Each linear layer is (weight uint8 [N, row bytes], bias or None,
     /// format): format "q8_0" / "q4_1" for blocks, "f32" for a float32
-    /// [N, K] weight viewed as uint8 [N, 4 K].
+    /// [N, K] weight viewed as uint8 [N, 4 K]. `head_norms`: the q and k
+    /// norms' weights ([head_dim] each), or None; `gate_up` and `down` both
+    /// None: no dense MLP.
     #[new]
-    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale))]
+    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: Bound<'_, PyArray1<f32>>,
@@ -129,12 +135,13 @@ impl CpuDecoderLayer {
         eps: f32,
         qkv: LinearSpec<'_>,
         o: LinearSpec<'_>,
-        gate_up: LinearSpec<'_>,
-        down: LinearSpec<'_>,
+        gate_up: Option<LinearSpec<'_>>,
+        down: Option<LinearSpec<'_>>,
         num_heads: usize,
         num_kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        head_norms: Option<HeadNorms<Bound<'_, PyArray1<f32>>>>,
     ) -> PyResult<Self> {
         if num_heads == 0
             || num_kv_heads == 0
@@ -145,14 +152,31 @@ impl CpuDecoderLayer {
                 "bad attention shape: {num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}"
             )));
         }
+        let mlp = match (gate_up, down) {
+            (Some(gate_up), Some(down)) => Some((Linear::new(gate_up)?, Linear::new(down)?)),
+            (None, None) => None,
+            _ => {
+                return Err(invalid_argument(
+                    "gate_up and down must both be given or both be None".into(),
+                ))
+            }
+        };
+        if head_norms
+            .as_ref()
+            .is_some_and(|(q, k)| q.len() != head_dim || k.len() != head_dim)
+        {
+            return Err(invalid_argument(format!(
+                "the q and k norms must have head_dim ({head_dim}) weights"
+            )));
+        }
         Ok(Self {
             input_norm: input_norm.unbind(),
             post_attention_norm: post_attention_norm.unbind(),
             eps,
             qkv: Linear::new(qkv)?,
+            head_norms: head_norms.map(|(q, k)| (q.unbind(), k.unbind())),
             o: Linear::new(o)?,
-            gate_up: Linear::new(gate_up)?,
-            down: Linear::new(down)?,
+            mlp,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -199,16 +223,38 @@ impl CpuDecoderLayer {
             self.input_norm.bind(py).readonly(),
             self.post_attention_norm.bind(py).readonly(),
         );
-        let [qkv, o, gate_up, down] =
-            [&self.qkv, &self.o, &self.gate_up, &self.down].map(|l| l.borrow(py));
+        let [qkv, o] = [&self.qkv, &self.o].map(|l| l.borrow(py));
+        let mlp_arrays = self
+            .mlp
+            .as_ref()
+            .map(|(gate_up, down)| (gate_up.borrow(py), down.borrow(py)));
+        let mlp = match (&self.mlp, &mlp_arrays) {
+            (Some((gate_up, down)), Some((gate_up_arrays, down_arrays))) => Some(DenseMlp {
+                gate_up: gate_up.view(gate_up_arrays)?,
+                down: down.view(down_arrays)?,
+            }),
+            _ => None,
+        };
+        let norm_arrays = self
+            .head_norms
+            .as_ref()
+            .map(|(q, k)| (q.bind(py).readonly(), k.bind(py).readonly()));
+        let (q_norm, k_norm) = match &norm_arrays {
+            Some((q, k)) => (
+                Some(contiguous(q.as_slice())?),
+                Some(contiguous(k.as_slice())?),
+            ),
+            None => (None, None),
+        };
         let layer = DecoderLayerWeights {
             input_norm: contiguous(input_norm.as_slice())?,
             post_attention_norm: contiguous(post_attention_norm.as_slice())?,
             eps: self.eps,
             qkv: self.qkv.view(&qkv)?,
+            q_norm,
+            k_norm,
             o: self.o.view(&o)?,
-            gate_up: self.gate_up.view(&gate_up)?,
-            down: self.down.view(&down)?,
+            mlp,
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,

@@ -1,0 +1,108 @@
+"""A random-weight Qwen3-MoE GGUF for benchmarks, written by llama.cpp's own
+converter (`convert_hf_to_gguf.py` of the source `benches/vs_llamacpp.py`
+builds the peer from).
+
+    python benches/make_moe_gguf.py     # ~0.9B total, ~0.2B active, Q8_0
+    python benches/vs_llamacpp.py --model \
+        ~/.cache/ferrox/bench-models/qwen3-moe-0.9b-a0.2b.q8_0.gguf
+
+The default shape scales Qwen3-30B-A3B down (hidden 1024, 16 layers, 64
+experts of width 256, 8 a token, 16 query and 4 KV heads of 128): about 0.9B
+parameters of which 0.2B are active per token, with the bundled model's
+49152-token BPE vocabulary (llama.cpp's converter only takes a tokenizer it
+knows). The weights are N(0, 0.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vs_llamacpp import ensure_server, peer_dir
+
+
+def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from ferrox.model_files import default_model_path
+    from ferrox.model_files.gguf_reader import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        moe_intermediate_size=args.expert_width,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        num_experts=args.experts,
+        num_experts_per_tok=args.experts_per_token,
+        norm_topk_prob=True,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    total = sum(p.numel() for p in model.parameters())
+    expert = 3 * args.hidden * args.expert_width
+    active = total - args.layers * (args.experts - args.experts_per_token) * expert
+    print(f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active a token", flush=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    settings = out / "tokenizer_config.json"
+    options = json.loads(settings.read_text())
+    options["tokenizer_class"] = "GPT2Tokenizer"  # what the converter looks for
+    settings.write_text(json.dumps(options))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--experts-per-token", type=int, default=8)
+    parser.add_argument("--expert-width", type=int, default=256)
+    parser.add_argument("--outtype", default="q8_0", help="the converter's --outtype")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from ferrox.model_files.default import cache_dir
+
+    out = args.out or cache_dir() / "bench-models" / "qwen3-moe-0.9b-a0.2b.q8_0.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ensure_server()  # unpacks the vendored llama.cpp source (and builds the peer)
+    source = next((peer_dir() / "src").glob("*/vendor/llama.cpp"))
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        build_checkpoint(Path(tmp), args)
+        env = dict(os.environ, PYTHONPATH=str(source / "gguf-py"))
+        subprocess.run(
+            [sys.executable, str(source / "convert_hf_to_gguf.py"), tmp,
+             "--outfile", str(out), "--outtype", args.outtype],
+            check=True, env=env,
+        )  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

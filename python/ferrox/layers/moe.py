@@ -1,0 +1,145 @@
+"""Mixture-of-experts feed-forward blocks: a router picks `top_k` experts
+per token, each a gated MLP; a token's output is the routing-weighted sum
+of its experts' outputs.
+
+Tokens are grouped by expert (one sort of the flat (token, choice) pairs),
+and each expert that any token chose runs once on its tokens: one
+gate/up and one down projection per active expert, whatever the batch. The
+experts are ordinary linear modules, so every weight form the dense layers
+have serves them too: float (packed for oneDNN on the CPU), block formats
+kept from a GGUF file or quantized at load (`QuantLinear`'s native kernels),
+and under tensor parallelism each rank holds its slice of every expert's
+intermediate columns (the block's sum is all-reduced once).
+
+On the CPU, with block-format experts, a step of few tokens (a decode)
+runs the experts in one native call (`CpuMoeExperts`,
+`ferrox_cpu::moe_experts`): the same kernels and rounding as the
+per-expert calls, in two thread-pool dispatches a layer instead of two per
+active expert, and without the per-expert tensor operations. Larger steps
+(prefill) take the per-expert path, where each projection picks its
+kernel by its row count (`QuantLinear`).
+
+The grouping reads the per-expert counts back to the host, so a step with
+MoE layers is not captured in a CUDA graph (the model says so:
+`supports_cuda_graphs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from ferrox._native import CpuMoeExperts
+from ferrox.common.errors import ModelLoadError
+from ferrox.layers import quant_linear
+from ferrox.layers.native import kernel_threads
+from ferrox.layers.quant_linear import QuantLinear
+from ferrox.parallel import state as distributed
+
+
+class Router(nn.Linear):
+    """The expert router's logits (hidden -> experts). A subclass so that
+    load-time quantization, which replaces plain `nn.Linear` layers, leaves
+    it in float: rounding its weight would move tokens between experts."""
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts (in float32), the `top_k` largest per token
+    and, with `renormalize`, those rescaled to sum to one: ([T, k] weights in
+    the logits' dtype, [T, k] expert ids)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def run_experts(
+    x: torch.Tensor,  # [T, hidden]
+    weights: torch.Tensor,  # [T, k]
+    ids: torch.Tensor,  # [T, k]
+    experts: nn.ModuleList,
+) -> torch.Tensor:  # [T, hidden]
+    """sum_j weights[t, j] * experts[ids[t, j]](x[t]) for every token t, each
+    chosen expert run once on all the tokens that chose it."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    tokens = order // top_k
+    scale = weights.reshape(-1)[order].unsqueeze(1)  # [T * k, 1]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in zip(experts, counts, strict=True):
+        if count:
+            rows = slice(start, start + count)
+            chosen = tokens[rows]
+            out.index_add_(0, chosen, expert(x[chosen]) * scale[rows])
+            start += count
+    return out
+
+
+class SparseMoe(nn.Module):
+    """Router plus experts (Qwen3-MoE's layout: `gate`, `experts.{e}`).
+    `expert` builds one expert at this rank's size (its output not
+    all-reduced: the block reduces the sum once)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        expert: Callable[[], nn.Module],
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ModelLoadError(f"{top_k} experts per token out of {num_experts}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Router(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(expert() for _ in range(num_experts))
+        self.native: CpuMoeExperts | None = None
+
+    def prepare_native(self) -> bool:
+        """Once the weights are loaded: whether few-token steps run the
+        experts in one native call (block-format weights on the CPU, one
+        format per projection, no biases)."""
+        self.native = None
+        pairs: list[tuple[QuantLinear, QuantLinear]] = []
+        for expert in self.experts:
+            gate_up, down = expert.gate_up_proj, expert.down_proj
+            if not all(
+                isinstance(m, QuantLinear) and m.bias is None and m.weight.device.type == "cpu"
+                for m in (gate_up, down)
+            ):
+                return False
+            pairs.append((cast(QuantLinear, gate_up), cast(QuantLinear, down)))
+        if len({(g.fmt, d.fmt) for g, d in pairs}) != 1:
+            return False
+        gate_up, down = pairs[0]
+        self.native = CpuMoeExperts(
+            [g.weight.detach().numpy() for g, _ in pairs],
+            [d.weight.detach().numpy() for _, d in pairs],
+            gate_up.fmt,
+            down.fmt,
+            gate_up.in_features,
+            down.in_features,
+        )
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.native is not None and x.shape[0] <= quant_linear.DEQUANTIZE_ABOVE_ROWS:
+            x = x.to(torch.float32).contiguous()
+            out = torch.empty_like(x)
+            self.native.forward(
+                out.numpy(), x.numpy(), ids.numpy(), weights.contiguous().numpy(), kernel_threads()
+            )
+        else:
+            out = run_experts(x, weights, ids, self.experts)
+        return distributed.all_reduce(out)

@@ -1,0 +1,384 @@
+//! A mixture-of-experts block's experts on a few tokens (decode steps), in
+//! one call over block-format weights: each token's chosen experts'
+//! gated MLPs (gate/up, SiLU * up, down), weighted and summed.
+//!
+//! Tokens are grouped by expert; all active experts' gate/up column ranges
+//! are one job for the thread pool, then all their down column ranges
+//! another: two dispatches a layer however many experts are active, where
+//! one matmul call per projection costs two per expert. Each expert's
+//! arithmetic is `quant_matmul`'s (its input rows quantized per 32-wide
+//! block, the kernel chosen by its row count), so the result equals running
+//! the experts one `quant_matmul` at a time up to the SiLU's rounding.
+
+use crate::pool::run_parts;
+use crate::quant_matmul::{
+    check_k, quantize_activations, run_columns, OutPtr, QuantFormat, QuantKernel, QuantMatmulArgs,
+    QuantShapeError, QuantizedActivations,
+};
+
+/// One expert's weights, in block formats: gate and up stacked
+/// ([2 I, row bytes of hidden]), down ([hidden, row bytes of I]). An expert
+/// no token chose may be given empty slices.
+#[derive(Clone, Copy)]
+pub struct ExpertWeights<'a> {
+    pub gate_up: &'a [u8],
+    pub down: &'a [u8],
+}
+
+pub struct MoeArgs<'a> {
+    pub x: &'a [f32],              // [T, hidden]
+    pub expert_ids: &'a [i64],     // [T, k]: each token's chosen experts
+    pub expert_weights: &'a [f32], // [T, k]: their routing weights
+    pub experts: &'a [ExpertWeights<'a>],
+    pub gate_up_fmt: QuantFormat,
+    pub down_fmt: QuantFormat,
+    pub hidden: usize,
+    pub inter: usize,
+    pub num_threads: usize,
+}
+
+/// An active expert's rows: the tokens that chose it and their weights.
+struct Group {
+    expert: usize,
+    tokens: Vec<usize>,
+    weights: Vec<f32>,
+}
+
+/// `out[t] = sum_j weight[t, j] * expert[ids[t, j]](x[t])` ([T, hidden]).
+pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShapeError> {
+    let (hidden, inter) = (args.hidden, args.inter);
+    let gate_up_row = check_k(args.gate_up_fmt, hidden)?;
+    let down_row = check_k(args.down_fmt, inter)?;
+    let tokens = args.x.len() / hidden.max(1);
+    let bad = |what: String| Err(QuantShapeError(format!("moe experts: {what}")));
+    if args.x.len() != tokens * hidden || out.len() != args.x.len() {
+        return bad(format!(
+            "x ({}) and out ({}) must be [T, {hidden}]",
+            args.x.len(),
+            out.len()
+        ));
+    }
+    let choices = args.expert_ids.len();
+    if choices != args.expert_weights.len() || (tokens > 0 && !choices.is_multiple_of(tokens)) {
+        return bad("expert ids and weights must both be [T, k]".into());
+    }
+    let top_k = choices.checked_div(tokens).unwrap_or(0);
+    let mut by_expert: Vec<Option<Group>> = (0..args.experts.len()).map(|_| None).collect();
+    for (i, (&id, &w)) in args.expert_ids.iter().zip(args.expert_weights).enumerate() {
+        let Some(slot) = usize::try_from(id).ok().and_then(|e| by_expert.get_mut(e)) else {
+            return bad(format!("expert {id} out of {} experts", args.experts.len()));
+        };
+        let group = slot.get_or_insert_with(|| Group {
+            expert: id as usize,
+            tokens: Vec::new(),
+            weights: Vec::new(),
+        });
+        group.tokens.push(i / top_k);
+        group.weights.push(w);
+    }
+    let groups: Vec<Group> = by_expert.into_iter().flatten().collect();
+    for g in &groups {
+        let e = &args.experts[g.expert];
+        if e.gate_up.len() != 2 * inter * gate_up_row || e.down.len() != hidden * down_row {
+            return bad(format!(
+                "expert {} has {} gate/up and {} down bytes, expected {} and {}",
+                g.expert,
+                e.gate_up.len(),
+                e.down.len(),
+                2 * inter * gate_up_row,
+                hidden * down_row
+            ));
+        }
+    }
+    out.fill(0.0);
+    if groups.is_empty() {
+        return Ok(());
+    }
+    // Every kernel this picks runs on this CPU (`for_rows` picks supported ones).
+    let kernels = |fmt: QuantFormat| -> Vec<QuantKernel> {
+        groups
+            .iter()
+            .map(|g| QuantKernel::for_rows(fmt, g.tokens.len()))
+            .collect()
+    };
+
+    // gate/up for every active expert, then SiLU(gate) * up.
+    let inputs: Vec<Vec<f32>> = groups
+        .iter()
+        .map(|g| {
+            let mut rows = Vec::with_capacity(g.tokens.len() * hidden);
+            for &t in &g.tokens {
+                rows.extend_from_slice(&args.x[t * hidden..(t + 1) * hidden]);
+            }
+            rows
+        })
+        .collect();
+    let gate_up = project(
+        &groups,
+        &inputs,
+        &kernels(args.gate_up_fmt),
+        |g| args.experts[g.expert].gate_up,
+        args.gate_up_fmt,
+        hidden,
+        2 * inter,
+        args.num_threads,
+    );
+    let activated: Vec<Vec<f32>> = gate_up
+        .iter()
+        .map(|rows| {
+            let mut act = Vec::with_capacity(rows.len() / 2);
+            for row in rows.chunks_exact(2 * inter) {
+                let (gate, up) = row.split_at(inter);
+                act.extend(
+                    gate.iter()
+                        .zip(up)
+                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
+                );
+            }
+            act
+        })
+        .collect();
+    let down = project(
+        &groups,
+        &activated,
+        &kernels(args.down_fmt),
+        |g| args.experts[g.expert].down,
+        args.down_fmt,
+        inter,
+        hidden,
+        args.num_threads,
+    );
+    // The weighted sum, expert by expert in ascending order.
+    for (g, rows) in groups.iter().zip(&down) {
+        for ((&t, &w), row) in g
+            .tokens
+            .iter()
+            .zip(&g.weights)
+            .zip(rows.chunks_exact(hidden))
+        {
+            for (o, &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
+                *o += v * w;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each group's `inputs` ([rows, k]) times its weight (`weight(group)`:
+/// [n, row bytes]), all groups' column ranges in one pool job: [rows, n]
+/// per group.
+#[allow(clippy::too_many_arguments)]
+fn project<'a>(
+    groups: &[Group],
+    inputs: &[Vec<f32>],
+    kernels: &[QuantKernel],
+    weight: impl Fn(&Group) -> &'a [u8],
+    fmt: QuantFormat,
+    k: usize,
+    n: usize,
+    threads: usize,
+) -> Vec<Vec<f32>> {
+    let acts: Vec<QuantizedActivations> =
+        inputs.iter().map(|x| quantize_activations(x, k)).collect();
+    let mut outs: Vec<Vec<f32>> = groups
+        .iter()
+        .map(|g| vec![0.0; g.tokens.len() * n])
+        .collect();
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let args: Vec<QuantMatmulArgs<'_>> = groups
+        .iter()
+        .zip(inputs)
+        .map(|(g, x)| QuantMatmulArgs {
+            x,
+            w: weight(g),
+            bias: None,
+            m: g.tokens.len(),
+            k,
+            n,
+            fmt,
+            num_threads: 1,
+        })
+        .collect();
+    // About four parts a thread (parts are claimed as threads free up), in
+    // whole panels, never one spanning two experts.
+    let total = groups.len() * n;
+    let target = (4 * threads.max(1)).max(groups.len());
+    let mut parts: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, kernel) in kernels.iter().enumerate() {
+        let unit = kernel.column_unit();
+        let per = total.div_ceil(target).div_ceil(unit).max(1) * unit;
+        let mut start = 0;
+        while start < n {
+            let end = (start + per).min(n);
+            parts.push((i, start, end));
+            start = end;
+        }
+    }
+    let job = |p: usize| {
+        let (i, start, end) = parts[p];
+        // SAFETY: part p writes columns start..end of group i's output
+        // ([rows, n], allocated above), no other part the same; the kernel
+        // runs on this CPU (`for_rows`); the weight's size was checked.
+        unsafe { run_columns(kernels[i], &args[i], &acts[i], start, end, ptrs[i]) };
+    };
+    if threads > 1 {
+        run_parts(parts.len(), &job);
+    } else {
+        (0..parts.len()).for_each(job);
+    }
+    outs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant_matmul::quant_matmul;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+
+    /// Q8_0 blocks of random values in [-0.5, 0.5) (scale 1/254, so every
+    /// byte is in range).
+    fn q8_weight(rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for _ in 0..rows * k / 32 {
+            out.extend_from_slice(&0x1c08u16.to_le_bytes()); // f16 of ~1/254
+            for _ in 0..32 {
+                out.push((lcg(seed) * 254.0) as i8 as u8);
+            }
+        }
+        out
+    }
+
+    fn matmul(x: &[f32], w: &[u8], k: usize, n: usize) -> Vec<f32> {
+        let m = x.len() / k;
+        let mut out = vec![0.0; m * n];
+        let args = QuantMatmulArgs {
+            x,
+            w,
+            bias: None,
+            m,
+            k,
+            n,
+            fmt: QuantFormat::Q8_0,
+            num_threads: 1,
+        };
+        quant_matmul(&args, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn equals_the_experts_one_matmul_at_a_time() {
+        let (hidden, inter, experts, tokens, top_k) = (64, 96, 5, 7, 2);
+        let mut seed = 7;
+        let weights: Vec<(Vec<u8>, Vec<u8>)> = (0..experts)
+            .map(|_| {
+                (
+                    q8_weight(2 * inter, hidden, &mut seed),
+                    q8_weight(hidden, inter, &mut seed),
+                )
+            })
+            .collect();
+        let x: Vec<f32> = (0..tokens * hidden).map(|_| lcg(&mut seed)).collect();
+        let ids: Vec<i64> = (0..tokens * top_k)
+            .map(|i| ((i * 3 + i / 2) % 4) as i64)
+            .collect();
+        let w: Vec<f32> = (0..tokens * top_k)
+            .map(|i| 0.25 + i as f32 * 0.01)
+            .collect();
+        let views: Vec<ExpertWeights<'_>> = weights
+            .iter()
+            .map(|(gu, d)| ExpertWeights {
+                gate_up: gu,
+                down: d,
+            })
+            .collect();
+        let args = MoeArgs {
+            x: &x,
+            expert_ids: &ids,
+            expert_weights: &w,
+            experts: &views,
+            gate_up_fmt: QuantFormat::Q8_0,
+            down_fmt: QuantFormat::Q8_0,
+            hidden,
+            inter,
+            num_threads: 3,
+        };
+        let mut got = vec![f32::NAN; tokens * hidden];
+        moe_experts(&args, &mut got).unwrap();
+        // Expert 4 was chosen by no token; the reference runs each expert
+        // on its tokens alone.
+        let mut want = vec![0.0; tokens * hidden];
+        for (e, (gu, d)) in weights.iter().enumerate() {
+            let chosen: Vec<usize> = (0..tokens * top_k)
+                .filter(|&i| ids[i] == e as i64)
+                .collect();
+            let rows: Vec<f32> = chosen
+                .iter()
+                .flat_map(|&i| x[i / top_k * hidden..(i / top_k + 1) * hidden].to_vec())
+                .collect();
+            if chosen.is_empty() {
+                continue;
+            }
+            let h = matmul(&rows, gu, hidden, 2 * inter);
+            let act: Vec<f32> = h
+                .chunks_exact(2 * inter)
+                .flat_map(|r| {
+                    let (g, u) = r.split_at(inter);
+                    g.iter()
+                        .zip(u)
+                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let y = matmul(&act, d, inter, hidden);
+            for (row, &i) in y.chunks_exact(hidden).zip(&chosen) {
+                let t = i / top_k;
+                for (o, &v) in want[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
+                    *o += v * w[i];
+                }
+            }
+        }
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn rejects_bad_ids_and_sizes() {
+        let gu = vec![0u8; 2 * 32 * 34];
+        let d = vec![0u8; 32 * 34];
+        let experts = [ExpertWeights {
+            gate_up: &gu,
+            down: &d,
+        }];
+        let x = vec![0.0; 32];
+        let run = |ids: &[i64], experts: &[ExpertWeights<'_>]| {
+            let args = MoeArgs {
+                x: &x,
+                expert_ids: ids,
+                expert_weights: &vec![1.0; ids.len()],
+                experts,
+                gate_up_fmt: QuantFormat::Q8_0,
+                down_fmt: QuantFormat::Q8_0,
+                hidden: 32,
+                inter: 32,
+                num_threads: 1,
+            };
+            moe_experts(&args, &mut [0.0; 32])
+        };
+        run(&[0], &experts).unwrap();
+        assert!(run(&[1], &experts)
+            .unwrap_err()
+            .0
+            .contains("expert 1 out of 1"));
+        assert!(run(&[-1], &experts).unwrap_err().0.contains("expert -1"));
+        let short = [ExpertWeights {
+            gate_up: &gu[..34],
+            down: &d,
+        }];
+        assert!(run(&[0], &short).unwrap_err().0.contains("gate/up"));
+    }
+}

@@ -1,0 +1,138 @@
+//! `CpuMoeExperts`: an MoE block's experts in block formats, held once, and
+//! their forward on a few tokens (`ferrox_cpu::moe_experts`).
+
+use ferrox_cpu::{moe_experts, ExpertWeights, MoeArgs, QuantFormat};
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::errors::invalid_argument;
+use crate::kernels::{contiguous, quant_format};
+
+#[pyclass(module = "ferrox._native", frozen)]
+pub struct CpuMoeExperts {
+    gate_up: Vec<Py<PyArray2<u8>>>, // per expert: [2 I, row bytes of hidden]
+    down: Vec<Py<PyArray2<u8>>>,    // per expert: [hidden, row bytes of I]
+    gate_up_fmt: QuantFormat,
+    down_fmt: QuantFormat,
+    hidden: usize,
+    inter: usize,
+}
+
+#[pymethods]
+impl CpuMoeExperts {
+    /// `gate_up[e]` and `down[e]`: expert e's block-format weights (uint8),
+    /// in `gate_up_fmt` and `down_fmt` ("q8_0" / "q4_1").
+    #[new]
+    #[pyo3(signature = (gate_up, down, gate_up_fmt, down_fmt, hidden, inter))]
+    fn new(
+        gate_up: Vec<Bound<'_, PyArray2<u8>>>,
+        down: Vec<Bound<'_, PyArray2<u8>>>,
+        gate_up_fmt: &str,
+        down_fmt: &str,
+        hidden: usize,
+        inter: usize,
+    ) -> PyResult<Self> {
+        let (gate_up_fmt, down_fmt) = (quant_format(gate_up_fmt)?, quant_format(down_fmt)?);
+        if gate_up.is_empty() || gate_up.len() != down.len() {
+            return Err(invalid_argument(format!(
+                "{} gate/up and {} down weights: one of each per expert",
+                gate_up.len(),
+                down.len()
+            )));
+        }
+        let expected = |fmt: QuantFormat, rows: usize, k: usize| [rows, fmt.row_bytes(k)];
+        let shapes_ok = gate_up
+            .iter()
+            .all(|w| w.shape() == expected(gate_up_fmt, 2 * inter, hidden))
+            && down
+                .iter()
+                .all(|w| w.shape() == expected(down_fmt, hidden, inter));
+        if !shapes_ok || !hidden.is_multiple_of(32) || !inter.is_multiple_of(32) {
+            return Err(invalid_argument(format!(
+                "expert weights must be [{}, {}] and [{}, {}] bytes",
+                2 * inter,
+                gate_up_fmt.row_bytes(hidden),
+                hidden,
+                down_fmt.row_bytes(inter)
+            )));
+        }
+        Ok(Self {
+            gate_up: gate_up.into_iter().map(Bound::unbind).collect(),
+            down: down.into_iter().map(Bound::unbind).collect(),
+            gate_up_fmt,
+            down_fmt,
+            hidden,
+            inter,
+        })
+    }
+
+    /// `out` ([T, hidden]) = the routing-weighted sum of each token's chosen
+    /// experts (`expert_ids`, `expert_weights`: [T, k]) on `x` ([T, hidden]).
+    /// Only the chosen experts' weights are read.
+    #[pyo3(signature = (out, x, expert_ids, expert_weights, num_threads))]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray2<'_, f32>,
+        x: PyReadonlyArray2<'_, f32>,
+        expert_ids: PyReadonlyArray2<'_, i64>,
+        expert_weights: PyReadonlyArray2<'_, f32>,
+        num_threads: usize,
+    ) -> PyResult<()> {
+        let ids = contiguous(expert_ids.as_slice())?;
+        let num_experts = self.gate_up.len();
+        let mut used = vec![false; num_experts];
+        for &id in ids {
+            match usize::try_from(id).ok().filter(|&e| e < num_experts) {
+                Some(e) => used[e] = true,
+                None => {
+                    return Err(invalid_argument(format!(
+                        "expert {id} out of {num_experts} experts"
+                    )))
+                }
+            }
+        }
+        // Read views of the chosen experts only; the others stay empty.
+        let views: Vec<Option<(PyReadonlyArray2<'_, u8>, PyReadonlyArray2<'_, u8>)>> = used
+            .iter()
+            .enumerate()
+            .map(|(e, &u)| {
+                u.then(|| {
+                    (
+                        self.gate_up[e].bind(py).readonly(),
+                        self.down[e].bind(py).readonly(),
+                    )
+                })
+            })
+            .collect();
+        let experts = views
+            .iter()
+            .map(|v| match v {
+                Some((gu, d)) => Ok(ExpertWeights {
+                    gate_up: contiguous(gu.as_slice())?,
+                    down: contiguous(d.as_slice())?,
+                }),
+                None => Ok(ExpertWeights {
+                    gate_up: &[],
+                    down: &[],
+                }),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let args = MoeArgs {
+            x: contiguous(x.as_slice())?,
+            expert_ids: ids,
+            expert_weights: contiguous(expert_weights.as_slice())?,
+            experts: &experts,
+            gate_up_fmt: self.gate_up_fmt,
+            down_fmt: self.down_fmt,
+            hidden: self.hidden,
+            inter: self.inter,
+            num_threads,
+        };
+        let out = out
+            .as_slice_mut()
+            .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+        py.detach(|| moe_experts(&args, out))
+            .map_err(|e| invalid_argument(e.to_string()))
+    }
+}
