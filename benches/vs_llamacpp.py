@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from machine import cpu_description
 from side_by_side import free_port, start, stop
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -305,7 +306,11 @@ def main() -> None:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "model": gguf.name,
         "llama_cpp_python": LLAMA_CPP_PYTHON, "ferrox_options": options,
-        "command": " ".join(sys.argv),
+        "command": " ".join(sys.argv), "cpu": cpu_description(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip(),
     }  # fmt: skip
     import torch
 
