@@ -243,6 +243,15 @@ def hf_model_with_rounded_weights(path: Path, fmt: str) -> torch.nn.Module:
     return hf
 
 
+def round_like_the_block_kernel(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded the way the block kernel rounds activations: per 32-wide
+    block, int8 with scale max|x| / 127."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return ((blocks * inverse).round() * scale).reshape(x.shape)
+
+
 @torch.inference_mode()
 def hf_greedy(
     model: torch.nn.Module, prompt: list[int], max_tokens: int

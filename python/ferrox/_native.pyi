@@ -331,10 +331,13 @@ class CpuDecoderLayer:
     ) -> None: ...
 
 class CpuMoeExperts:
-    """An MoE block's experts in block formats, run on a few tokens in one call."""
+    """An MoE block (float32 router, block-format experts), run on a few tokens in one call."""
 
     def __new__(
         cls,
+        router: npt.NDArray[np.float32],
+        top_k: int,
+        renormalize: bool,
         gate_up: list[npt.NDArray[np.uint8]],
         down: list[npt.NDArray[np.uint8]],
         gate_up_fmt: str,
@@ -346,7 +349,5 @@ class CpuMoeExperts:
         self,
         out: npt.NDArray[np.float32],
         x: npt.NDArray[np.float32],
-        expert_ids: npt.NDArray[np.int64],
-        expert_weights: npt.NDArray[np.float32],
         num_threads: int,
     ) -> None: ...

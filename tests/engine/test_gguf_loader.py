@@ -355,11 +355,10 @@ def _round_expert_inputs(hf: torch.nn.Module) -> None:
     activations: per 32-wide block, int8 with scale max|x| / 127."""
     import torch.nn.functional as F
 
+    from tests.models import round_like_the_block_kernel
+
     def rounded_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-        blocks = x.reshape(*x.shape[:-1], -1, 32)
-        scale = blocks.abs().amax(-1, keepdim=True) / 127
-        inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-        return linear(((blocks * inverse).round() * scale).reshape(x.shape), weight, bias)
+        return linear(round_like_the_block_kernel(x), weight, bias)
 
     linear = F.linear
     hf.config._experts_implementation = "eager"  # the loop over experts, through F.linear

@@ -104,3 +104,31 @@ def test_a_block_refuses_more_choices_than_experts() -> None:
 
     with pytest.raises(ModelLoadError, match="3 experts per token out of 2"):
         SparseMoe(32, 2, 3, True, lambda: _Expert(32, 32))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_the_native_block_matches_routing_and_experts_one_at_a_time(
+    fmt: str, renormalize: bool, tokens: int
+) -> None:
+    """Block-format experts on the CPU: the router and experts in one native
+    call equal torch's routing and one QuantLinear pair per expert."""
+    torch.manual_seed(tokens)
+    block = SparseMoe(64, 7, 3, renormalize, lambda: _Expert(64, 96))
+    for expert in block.experts:
+        expert.gate_up_proj = QuantLinear.from_linear(expert.gate_up_proj, fmt)
+        expert.down_proj = QuantLinear.from_linear(expert.down_proj, fmt)
+    with torch.no_grad():
+        block.gate.weight.normal_(0.0, 0.5)
+    x = torch.randn(tokens, 64)
+    with torch.inference_mode():
+        want = block(x)
+        assert block.prepare_native()
+        got = block(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_float_experts_do_not_run_natively() -> None:
+    block = SparseMoe(32, 4, 2, True, lambda: _Expert(32, 32))
+    assert not block.prepare_native() and block.native is None

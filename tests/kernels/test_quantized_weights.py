@@ -232,10 +232,7 @@ def _round_like_the_kernel(module: torch.nn.Module, args: tuple) -> tuple:
     """A transformers Linear's input rounded the way the block kernel rounds
     activations: per 32-wide block, int8 with scale max|x| / 127."""
     (x,) = args
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    return ((blocks * inverse).round() * scale).reshape(x.shape)
+    return (models.round_like_the_block_kernel(x),)
 
 
 def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], round_inputs: bool) -> Greedy:

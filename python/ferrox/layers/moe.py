@@ -12,10 +12,12 @@ and under tensor parallelism each rank holds its slice of every expert's
 intermediate columns (the block's sum is all-reduced once).
 
 On the CPU, with block-format experts, a step of few tokens (a decode)
-runs the experts in one native call (`CpuMoeExperts`,
-`ferrox_cpu::moe_experts`): the same kernels and rounding as the
-per-expert calls, in two thread-pool dispatches a layer instead of two per
-active expert, and without the per-expert tensor operations. Larger steps
+runs the block in one native call (`CpuMoeExperts`: `ferrox_cpu::route`,
+then `ferrox_cpu::moe_experts`): the router's float32 logits (summed in
+another order than torch's, so a near-tie may pick another expert), the
+same expert kernels and rounding as the per-expert calls, in two
+thread-pool dispatches a layer instead of two per active expert, and
+without the per-expert tensor operations. Larger steps
 (prefill) take the per-expert path, where each projection picks its
 kernel by its row count (`QuantLinear`).
 
@@ -121,8 +123,14 @@ class SparseMoe(nn.Module):
             pairs.append((cast(QuantLinear, gate_up), cast(QuantLinear, down)))
         if len({(g.fmt, d.fmt) for g, d in pairs}) != 1:
             return False
+        router = self.gate.weight.detach()
+        if router.dtype != torch.float32 or router.device.type != "cpu":
+            return False
         gate_up, down = pairs[0]
         self.native = CpuMoeExperts(
+            router.contiguous().numpy(),
+            self.top_k,
+            self.renormalize,
             [g.weight.detach().numpy() for g, _ in pairs],
             [d.weight.detach().numpy() for _, d in pairs],
             gate_up.fmt,
@@ -133,13 +141,11 @@ class SparseMoe(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.native is not None and x.shape[0] <= quant_linear.DEQUANTIZE_ABOVE_ROWS:
             x = x.to(torch.float32).contiguous()
             out = torch.empty_like(x)
-            self.native.forward(
-                out.numpy(), x.numpy(), ids.numpy(), weights.contiguous().numpy(), kernel_threads()
-            )
+            self.native.forward(out.numpy(), x.numpy(), kernel_threads())
         else:
+            weights, ids = route(self.gate(x), self.top_k, self.renormalize)
             out = run_experts(x, weights, ids, self.experts)
         return distributed.all_reduce(out)

@@ -1,6 +1,8 @@
-//! A mixture-of-experts block's experts on a few tokens (decode steps), in
-//! one call over block-format weights: each token's chosen experts'
-//! gated MLPs (gate/up, SiLU * up, down), weighted and summed.
+//! A mixture-of-experts block on a few tokens (decode steps), in one call
+//! over block-format experts: the router (float32 logits, softmax, the top
+//! k, optionally renormalised: `route`), then each token's chosen experts'
+//! gated MLPs (gate/up, SiLU * up, down), weighted and summed
+//! (`moe_experts`).
 //!
 //! Tokens are grouped by expert; all active experts' gate/up column ranges
 //! are one job for the thread pool, then all their down column ranges
@@ -10,6 +12,7 @@
 //! block, the kernel chosen by its row count), so the result equals running
 //! the experts one `quant_matmul` at a time up to the SiLU's rounding.
 
+use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::pool::run_parts;
 use crate::quant_matmul::{
     check_k, quantize_activations, run_columns, OutPtr, QuantFormat, QuantKernel, QuantMatmulArgs,
@@ -35,6 +38,69 @@ pub struct MoeArgs<'a> {
     pub hidden: usize,
     pub inter: usize,
     pub num_threads: usize,
+}
+
+/// A softmax router over float32 weights ([experts, hidden]).
+pub struct Router<'a> {
+    pub weight: &'a [f32],
+    pub top_k: usize,
+    pub renormalize: bool,
+}
+
+/// Each token's `top_k` experts (largest softmax probability first, ties to
+/// the lower index) and their weights (the probabilities, rescaled to sum
+/// to one with `renormalize`): ([T, k] ids, [T, k] weights).
+pub fn route(
+    x: &[f32],
+    hidden: usize,
+    router: &Router<'_>,
+    num_threads: usize,
+) -> Result<(Vec<i64>, Vec<f32>), QuantShapeError> {
+    let experts = router.weight.len() / hidden.max(1);
+    if hidden == 0
+        || router.weight.len() != experts * hidden
+        || !x.len().is_multiple_of(hidden)
+        || router.top_k == 0
+        || router.top_k > experts
+    {
+        return Err(QuantShapeError(format!(
+            "router: {} weights for hidden {hidden}, {} of them a token",
+            router.weight.len(),
+            router.top_k
+        )));
+    }
+    let tokens = x.len() / hidden;
+    let mut logits = vec![0.0; tokens * experts];
+    let args = F32MatmulArgs {
+        x,
+        w: router.weight,
+        bias: None,
+        m: tokens,
+        k: hidden,
+        n: experts,
+        num_threads,
+    };
+    f32_matmul(&args, &mut logits)?;
+    let (mut ids, mut weights) = (Vec::with_capacity(tokens * router.top_k), Vec::new());
+    let mut order: Vec<usize> = Vec::with_capacity(experts);
+    for row in logits.chunks_exact(experts) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let exps: Vec<f32> = row.iter().map(|&v| (v - max).exp()).collect();
+        let total: f32 = exps.iter().sum();
+        order.clear();
+        order.extend(0..experts);
+        order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
+        let chosen = &order[..router.top_k];
+        let probs: Vec<f32> = chosen.iter().map(|&e| exps[e] / total).collect();
+        let scale = if router.renormalize {
+            1.0 / probs.iter().sum::<f32>()
+        } else {
+            1.0
+        };
+        ids.extend(chosen.iter().map(|&e| e as i64));
+        weights.extend(probs.iter().map(|p| p * scale));
+    }
+    Ok((ids, weights))
 }
 
 /// An active expert's rows: the tokens that chose it and their weights.
@@ -344,6 +410,34 @@ mod tests {
             }
         }
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn routes_by_softmax_top_k() {
+        // two tokens, four experts; the router is the identity on 4 inputs
+        // (hidden 4): the logits are the inputs
+        let weight: Vec<f32> = (0..16)
+            .map(|i| if i % 5 == 0 { 1.0 } else { 0.0 })
+            .collect();
+        let x = [0.0, 2.0, 1.0, -1.0, 5.0, 5.5, -3.0, 5.0];
+        let plain = Router {
+            weight: &weight,
+            top_k: 2,
+            renormalize: false,
+        };
+        let (ids, w) = route(&x, 4, &plain, 1).unwrap();
+        assert_eq!(ids, [1, 2, 1, 0]); // ties (experts 0 and 3 of token 2) to the lower index
+        let row: Vec<f32> = x[..4].iter().map(|v| v.exp()).collect();
+        let total: f32 = row.iter().sum();
+        assert!((w[0] - row[1] / total).abs() < 1e-6 && (w[1] - row[2] / total).abs() < 1e-6);
+        let renorm = Router {
+            renormalize: true,
+            ..plain
+        };
+        let (_, w) = route(&x, 4, &renorm, 1).unwrap();
+        assert!((w[0] + w[1] - 1.0).abs() < 1e-6 && (w[2] + w[3] - 1.0).abs() < 1e-6);
+        let too_many = Router { top_k: 5, ..renorm };
+        assert!(route(&x, 4, &too_many, 1).is_err());
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! `CpuMoeExperts`: an MoE block's experts in block formats, held once, and
-//! their forward on a few tokens (`ferrox_cpu::moe_experts`).
+//! `CpuMoeExperts`: an MoE block's router and block-format experts, held
+//! once, and the block's forward on a few tokens (`ferrox_cpu::route`, then
+//! `ferrox_cpu::moe_experts`).
 
-use ferrox_cpu::{moe_experts, ExpertWeights, MoeArgs, QuantFormat};
+use ferrox_cpu::{moe_experts, route, ExpertWeights, MoeArgs, QuantFormat, Router};
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
@@ -10,6 +11,9 @@ use crate::kernels::{contiguous, quant_format};
 
 #[pyclass(module = "ferrox._native", frozen)]
 pub struct CpuMoeExperts {
+    router: Py<PyArray2<f32>>, // [experts, hidden]
+    top_k: usize,
+    renormalize: bool,
     gate_up: Vec<Py<PyArray2<u8>>>, // per expert: [2 I, row bytes of hidden]
     down: Vec<Py<PyArray2<u8>>>,    // per expert: [hidden, row bytes of I]
     gate_up_fmt: QuantFormat,
@@ -20,11 +24,17 @@ pub struct CpuMoeExperts {
 
 #[pymethods]
 impl CpuMoeExperts {
+    /// `router`: float32 [experts, hidden], picking `top_k` experts a
+    /// token (their weights rescaled to sum to one with `renormalize`);
     /// `gate_up[e]` and `down[e]`: expert e's block-format weights (uint8),
     /// in `gate_up_fmt` and `down_fmt` ("q8_0" / "q4_1").
     #[new]
-    #[pyo3(signature = (gate_up, down, gate_up_fmt, down_fmt, hidden, inter))]
+    #[pyo3(signature = (router, top_k, renormalize, gate_up, down, gate_up_fmt, down_fmt, hidden, inter))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        router: Bound<'_, PyArray2<f32>>,
+        top_k: usize,
+        renormalize: bool,
         gate_up: Vec<Bound<'_, PyArray2<u8>>>,
         down: Vec<Bound<'_, PyArray2<u8>>>,
         gate_up_fmt: &str,
@@ -38,6 +48,14 @@ impl CpuMoeExperts {
                 "{} gate/up and {} down weights: one of each per expert",
                 gate_up.len(),
                 down.len()
+            )));
+        }
+        if router.shape() != [gate_up.len(), hidden] || top_k == 0 || top_k > gate_up.len() {
+            return Err(invalid_argument(format!(
+                "the router must be [{}, {hidden}] float32 and pick 1 to {} experts, got {:?} and {top_k}",
+                gate_up.len(),
+                gate_up.len(),
+                router.shape()
             )));
         }
         let expected = |fmt: QuantFormat, rows: usize, k: usize| [rows, fmt.row_bytes(k)];
@@ -57,6 +75,9 @@ impl CpuMoeExperts {
             )));
         }
         Ok(Self {
+            router: router.unbind(),
+            top_k,
+            renormalize,
             gate_up: gate_up.into_iter().map(Bound::unbind).collect(),
             down: down.into_iter().map(Bound::unbind).collect(),
             gate_up_fmt,
@@ -66,23 +87,30 @@ impl CpuMoeExperts {
         })
     }
 
-    /// `out` ([T, hidden]) = the routing-weighted sum of each token's chosen
-    /// experts (`expert_ids`, `expert_weights`: [T, k]) on `x` ([T, hidden]).
-    /// Only the chosen experts' weights are read.
-    #[pyo3(signature = (out, x, expert_ids, expert_weights, num_threads))]
+    /// `out` ([T, hidden]) = the block on `x` ([T, hidden]): each token's
+    /// chosen experts, weighted by the router. Only the chosen experts'
+    /// weights are read.
+    #[pyo3(signature = (out, x, num_threads))]
     fn forward(
         &self,
         py: Python<'_>,
         mut out: PyReadwriteArray2<'_, f32>,
         x: PyReadonlyArray2<'_, f32>,
-        expert_ids: PyReadonlyArray2<'_, i64>,
-        expert_weights: PyReadonlyArray2<'_, f32>,
         num_threads: usize,
     ) -> PyResult<()> {
-        let ids = contiguous(expert_ids.as_slice())?;
+        let x = contiguous(x.as_slice())?;
+        let router_array = self.router.bind(py).readonly();
+        let router = Router {
+            weight: contiguous(router_array.as_slice())?,
+            top_k: self.top_k,
+            renormalize: self.renormalize,
+        };
+        let (ids, weights) = py
+            .detach(|| route(x, self.hidden, &router, num_threads))
+            .map_err(|e| invalid_argument(e.to_string()))?;
         let num_experts = self.gate_up.len();
         let mut used = vec![false; num_experts];
-        for &id in ids {
+        for &id in &ids {
             match usize::try_from(id).ok().filter(|&e| e < num_experts) {
                 Some(e) => used[e] = true,
                 None => {
@@ -119,9 +147,9 @@ impl CpuMoeExperts {
             })
             .collect::<PyResult<Vec<_>>>()?;
         let args = MoeArgs {
-            x: contiguous(x.as_slice())?,
-            expert_ids: ids,
-            expert_weights: contiguous(expert_weights.as_slice())?,
+            x,
+            expert_ids: &ids,
+            expert_weights: &weights,
             experts: &experts,
             gate_up_fmt: self.gate_up_fmt,
             down_fmt: self.down_fmt,
