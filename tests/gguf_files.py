@@ -85,6 +85,9 @@ def _write_gguf(
     rope_freq_base: float = 10000.0,
     extra_metadata: dict[str, int | float | str] | None = None,
 ) -> None:
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.block_count", config.num_hidden_layers)
     writer.add_uint32(f"{arch}.context_length", config.max_position_embeddings)
@@ -92,8 +95,8 @@ def _write_gguf(
     writer.add_uint32(f"{arch}.feed_forward_length", config.intermediate_size)
     writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
     writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
-    writer.add_uint32(f"{arch}.attention.key_length", config.head_dim)
-    writer.add_uint32(f"{arch}.rope.dimension_count", config.head_dim)
+    writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+    writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
     writer.add_float32(f"{arch}.rope.freq_base", rope_freq_base)
     for key, value in (extra_metadata or {}).items():
         if isinstance(value, str):

@@ -191,7 +191,7 @@ def build_tiny_model(path: Path, name: str, **overrides: Any) -> Path:
     config_cls, spec = TINY_SPECS[name]
     options: dict[str, Any] = {"vocab_size": VOCAB_SIZE, **spec, **overrides}
     tokenizer = train_tokenizer()
-    config = config_cls(
+    defaults: dict[str, Any] = dict(
         intermediate_size=128,
         num_hidden_layers=2,
         max_position_embeddings=256,
@@ -201,8 +201,8 @@ def build_tiny_model(path: Path, name: str, **overrides: Any) -> Path:
         # Large weights make logits spread out, so greedy choices are not
         # near-ties that rounding could flip.
         initializer_range=0.25,
-        **options,
     )
+    config = config_cls(**(defaults | options))
     torch.manual_seed(zlib.crc32(name.encode()))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if "qwen2" in name:

@@ -349,6 +349,46 @@ def test_gemma3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) ->
         assert got == pytest.approx(expected_lp, abs=1e-3)
 
 
+def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -> None:
+    """A SmolLM3 GGUF as llama.cpp's converter writes it (Llama's tensors and
+    Q/K row order, no NoPE pattern in the metadata: llama.cpp's graph puts
+    it at every fourth layer): ferrox's greedy tokens and logprobs equal
+    transformers' on the checkpoint's weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from ferrox import LLM, SamplingParams
+    from tests import models
+
+    source = models.build_tiny_model(
+        tmp_path / "hf", "smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
+        vocab_size=258,
+    )  # fmt: skip
+    config = AutoConfig.from_pretrained(source)
+    tensors = {}
+    for name, weight in load_file(source / "model.safetensors").items():
+        if ".q_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_attention_heads)
+        elif ".k_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_key_value_heads)
+        tensors[_gguf_name(name)] = weight.numpy()
+    path = tmp_path / "smollm3.gguf"
+    theta = config.rope_parameters["rope_theta"]
+    _write_gguf(path, "smollm3", config, tensors, rope_freq_base=theta)
+    assert load_gguf(path).config.no_rope_layers == [1, 1, 1, 0]
+
+    hf = models.hf_model(source)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4)
+    prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40)), [200, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        expected, expected_lp = models.hf_greedy(hf, prompt, 8)
+        completion = out.outputs[0]
+        assert completion.token_ids == expected
+        got = [lp[t].logprob for lp, t in zip(completion.logprobs or [], expected, strict=True)]
+        assert got == pytest.approx(expected_lp, abs=1e-3)
+
+
 def _round_expert_inputs(hf: torch.nn.Module) -> None:
     """transformers' experts (3-D parameters, `F.linear` inside their
     forward) with each projection's input rounded as the block kernel rounds
