@@ -511,12 +511,13 @@ class EngineCore:
         return deltas
 
     def _note_first_schedules(self, plan: BatchPlan) -> None:
-        """A prefill row seen for the first time: when it was scheduled, and
-        the prompt tokens the prefix cache served (computed before its chunk)."""
-        rows = range(plan.num_decodes, plan.num_reqs)
+        """A row seen for the first time: when it was scheduled, and the
+        prompt tokens the prefix cache served (computed before its chunk).
+        Every row is looked at: a prompt whose cache hit leaves one token to
+        compute is planned as a decode row."""
         req_ids, computed = plan.req_ids, plan.num_computed_tokens
         t_now = None
-        for row in rows:
+        for row in range(plan.num_reqs):
             seq = self._seqs.get(int(req_ids[row]))
             if seq is not None and seq.num_cached_tokens is None:
                 seq.num_cached_tokens = int(computed[row])
