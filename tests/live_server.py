@@ -25,6 +25,53 @@ CHAT_TEMPLATE = (
 )
 
 
+# A chat template that renders tools, tool calls and results, and Qwen3's
+# enable_thinking; two tools with bounded arguments.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}"
+    "{% if m.tool_call_id is defined %} [result of {{ m.tool_call_id }}]{% endif %}"
+    "{{ '\\n' }}{{ m.content }}"
+    "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<tool_call>"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 16},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"tz": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+                "required": ["tz"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
 class Server:
     def __init__(
         self,

@@ -27,6 +27,8 @@ from ferrox.common.structured_outputs import (
 from ferrox.runner.token_bitmask import apply_token_bitmask, apply_token_bitmask_torch
 from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import ChatOutput, tool_structured_outputs
+from tests.live_server import TOOL_CHAT_TEMPLATE as TEMPLATE
+from tests.live_server import WEATHER_TOOLS as TOOLS
 from tests.live_server import Server
 
 # ---- parameters -------------------------------------------------------------
@@ -519,49 +521,6 @@ def test_required_output_cut_short_stays_text() -> None:
 
 # ---- through the server ------------------------------------------------------
 
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}"
-    "{% if m.tool_call_id is defined %} [result of {{ m.tool_call_id }}]{% endif %}"
-    "{{ '\\n' }}{{ m.content }}"
-    "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<tool_call>"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
-    "</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% endif %}{% endif %}"
-)
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 16},
-                    "unit": {"enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city", "unit"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "parameters": {
-                "type": "object",
-                "properties": {"tz": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-                "required": ["tz"],
-                "additionalProperties": False,
-            },
-        },
-    },
-]
 _PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible ASGI application (Starlette).
+"""The ASGI application (Starlette): OpenAI-compatible routes and Anthropic's
+Messages API.
 
 Starlette rather than FastAPI: the request and response schemas are msgspec
 Structs decoded and encoded by hand, so FastAPI's pydantic validation and
@@ -22,7 +23,13 @@ from starlette.routing import Route
 
 from ferrox.common.runtime import __version__
 from ferrox.server import openai_protocol as op
-from ferrox.server.error_responses import error_response, exception_response
+from ferrox.server.anthropic_messages import AnthropicServing
+from ferrox.server.error_responses import (
+    anthropic_error_response,
+    error_response,
+    exception_response,
+    is_anthropic_path,
+)
 from ferrox.server.middleware import GuardMiddleware
 from ferrox.server.serving import OpenAIServing, ServingContext
 
@@ -51,6 +58,7 @@ def build_app(
     profiling: bool = False,
 ) -> Starlette:
     serving = OpenAIServing(ctx)
+    anthropic = AnthropicServing(serving)
 
     async def health(_: Request) -> Response:
         if ctx.client.is_dead:
@@ -127,8 +135,13 @@ def build_app(
         except Exception as e:
             return exception_response(e)
 
-    async def http_error(_: Request, exc: Exception) -> Response:
+    async def http_error(http: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        if is_anthropic_path(http.url.path):
+            message = {404: "no such route", 405: "method not allowed for this route"}
+            return anthropic_error_response(
+                exc.status_code, message.get(exc.status_code, str(exc.detail))
+            )
         if exc.status_code == 404:
             return error_response(404, "no such route", code="not_found")
         if exc.status_code == 405:
@@ -150,6 +163,8 @@ def build_app(
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/completions", serving.completions, methods=["POST"]),
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
+        Route("/v1/messages", anthropic.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     ]
     if profiling:
         routes += [

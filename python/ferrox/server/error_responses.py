@@ -1,4 +1,6 @@
-"""OpenAI error envelopes: `{"error": {"message", "type", "param", "code"}}`.
+"""Error envelopes: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
+and Anthropic's `{"type": "error", "error": {"type", "message"}}` for the
+Messages API's routes (`is_anthropic_path`).
 
 An error the server did not expect is a 500 whose message says only that:
 its traceback goes to the server log, never to the client."""
@@ -95,3 +97,55 @@ def sse_error(exc: BaseException) -> bytes:
     status, message, param, code = describe(exc)
     body = msgspec.json.encode(error_body(status, message, param=param, code=code))
     return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+
+
+# ---- Anthropic's shape -----------------------------------------------------------
+
+ANTHROPIC_OVERLOADED = 529  # Anthropic's status for "busy, retry later"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    ANTHROPIC_OVERLOADED: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The Messages API's routes, whose errors take Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_error_response(status: int, message: str) -> Response:
+    body = msgspec.json.encode(anthropic_error_body(status, message))
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def _anthropic_describe(exc: BaseException) -> tuple[int, str]:
+    status, message, _, _ = describe(exc)
+    if isinstance(exc, ServerBusyError):
+        status = ANTHROPIC_OVERLOADED
+    return status, message
+
+
+def anthropic_exception_response(exc: BaseException) -> Response:
+    status, message = _anthropic_describe(exc)
+    response = anthropic_error_response(status, message)
+    if isinstance(exc, ServerBusyError):
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+def anthropic_sse_error(exc: BaseException) -> bytes:
+    """The `error` event of a Messages stream that already started."""
+    status, message = _anthropic_describe(exc)
+    body = msgspec.json.encode(anthropic_error_body(status, message))
+    return b"event: error\ndata: " + body + b"\n\n"

@@ -1,5 +1,7 @@
-"""Pure ASGI middleware: API-key check (constant time), request header and
-body size limits, all answering with the OpenAI error envelope. A body sent
+"""Pure ASGI middleware: API-key check (constant time; a bearer token or
+Anthropic's `x-api-key` header), request header and body size limits, all
+answering with the OpenAI error envelope (Anthropic's on the Messages API's
+routes). A body sent
 in chunks is counted as it arrives: past the limit, reading it raises
 `HTTPLimitError`, which the routes answer with 413."""
 
@@ -8,9 +10,15 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ferrox.server.error_responses import HTTPLimitError, error_response
+from ferrox.server.error_responses import (
+    HTTPLimitError,
+    anthropic_error_response,
+    error_response,
+    is_anthropic_path,
+)
 
 OPEN_PATHS = frozenset({"/health", "/ping"})
 MAX_HEADER_BYTES = 32 << 10
@@ -36,18 +44,22 @@ class GuardMiddleware:
             return
         raw_headers = scope.get("headers") or []
         if sum(len(k) + len(v) for k, v in raw_headers) > self.max_header_bytes:
-            await error_response(
+            await _error(
+                scope,
                 431,
                 f"request headers exceed {self.max_header_bytes} bytes",
-                code="request_header_fields_too_large",
+                "request_header_fields_too_large",
             )(scope, receive, send)
             return
         headers = dict(raw_headers)
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):
-                await error_response(401, "missing or invalid API key", code="invalid_api_key")(
+            other = headers.get(b"x-api-key", b"")
+            if not (
+                hmac.compare_digest(token, self.api_key) or hmac.compare_digest(other, self.api_key)
+            ):
+                await _error(scope, 401, "missing or invalid API key", "invalid_api_key")(
                     scope, receive, send
                 )
                 return
@@ -75,8 +87,13 @@ class GuardMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = self._too_large_error()
-        response = error_response(error.status, str(error), code=error.code)
-        await response(scope, receive, send)
+        await _error(scope, error.status, str(error), error.code)(scope, receive, send)
+
+
+def _error(scope: Scope, status: int, message: str, code: str) -> Response:
+    if is_anthropic_path(scope["path"]):
+        return anthropic_error_response(status, message)
+    return error_response(status, message, code=code)
 
 
 def client_address(scope: dict[str, Any]) -> str:

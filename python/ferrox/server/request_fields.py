@@ -15,6 +15,8 @@ is one of three kinds:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import msgspec
 
@@ -54,11 +56,24 @@ IGNORED_FIELDS = frozenset(
     {"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
 )
 
+
+@dataclass(frozen=True)
+class FieldRules:
+    """One API's fields beyond its structs': refused with a reason, or ignored."""
+
+    unsupported: Mapping[str, str]
+    ignored: frozenset[str]
+
+
+OPENAI_FIELDS = FieldRules(UNSUPPORTED_FIELDS, IGNORED_FIELDS)
+
 _logged: set[str] = set()
 _known: dict[type, frozenset[str]] = {}
 
 
-def check_fields(body: bytes, kind: type[msgspec.Struct]) -> None:
+def check_fields(
+    body: bytes, kind: type[msgspec.Struct], rules: FieldRules = OPENAI_FIELDS
+) -> None:
     """Raises BadRequest for an unsupported top-level field of `body`; logs
     an unknown one once. A body that is not a JSON object is left for
     decoding to report."""
@@ -71,9 +86,9 @@ def check_fields(body: bytes, kind: type[msgspec.Struct]) -> None:
         info = msgspec.structs.fields(kind)
         known = _known[kind] = frozenset(f.encode_name for f in info)
     for name in fields:
-        if name in known or name in IGNORED_FIELDS:
+        if name in known or name in rules.ignored:
             continue
-        reason = UNSUPPORTED_FIELDS.get(name)
+        reason = rules.unsupported.get(name)
         if reason is not None:
             raise BadRequest(f"{name} is not supported by this server: {reason}", param=name)
         if name not in _logged and len(_logged) < 1024:

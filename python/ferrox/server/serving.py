@@ -35,7 +35,7 @@ from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.error_responses import error_response, exception_response, sse_error
 from ferrox.server.metrics import Metrics
 from ferrox.server.output_constraints import ToolPlan, tool_plan
-from ferrox.server.request_fields import check_fields
+from ferrox.server.request_fields import OPENAI_FIELDS, FieldRules, check_fields
 from ferrox.server.request_translation import (
     ServerLimits,
     chat_messages,
@@ -124,8 +124,10 @@ class OpenAIServing:
 
     # ---- shared ----------------------------------------------------------
 
-    def decode(self, body: bytes, kind: type[T]) -> T:
-        check_fields(body, kind)  # type: ignore[arg-type]
+    def decode(self, body: bytes, kind: type[T], fields: FieldRules = OPENAI_FIELDS) -> T:
+        """The body as `kind`, its top-level fields sorted out by `fields`
+        (see `request_fields`)."""
+        check_fields(body, kind, fields)  # type: ignore[arg-type]
         try:
             return msgspec.json.decode(body, type=kind)
         except msgspec.ValidationError as e:
@@ -228,17 +230,26 @@ class OpenAIServing:
                 run.finish(self.ctx.metrics)
 
     def stream(
-        self, chunks: AsyncIterator[bytes], runs: list[RequestRun], admitted: int
+        self,
+        chunks: AsyncIterator[bytes],
+        runs: list[RequestRun],
+        admitted: int,
+        *,
+        done: bytes = _DONE,
+        on_error: Callable[[BaseException], bytes] = sse_error,
     ) -> Response:
-        """The SSE response; it gives back the request's `admitted` places when it ends."""
+        """The SSE response; it gives back the request's `admitted` places
+        when it ends. `done` ends a whole stream, `on_error` writes the event
+        of a failure (OpenAI's by default)."""
 
         async def body() -> AsyncIterator[bytes]:
             try:
                 async for chunk in chunks:
                     yield chunk
-                yield _DONE
+                if done:
+                    yield done
             except Exception as e:
-                yield sse_error(e)
+                yield on_error(e)
             finally:
                 self.record(runs)
 
@@ -261,10 +272,16 @@ class OpenAIServing:
             prompt_tokens_details=op.PromptTokensDetails(cached_tokens=cached),
         )
 
-    async def handle(self, http: Request, build: Callable[[bytes, list[int]], Any]) -> Response:
+    async def handle(
+        self,
+        http: Request,
+        build: Callable[[bytes, list[int]], Any],
+        on_error: Callable[[BaseException], Response] = exception_response,
+    ) -> Response:
         """Runs one request. `build` admits it (adding its places to the
         list); a non-streamed response gives them back here, a stream when
-        it ends."""
+        it ends. `on_error` answers a failure (in OpenAI's envelope by
+        default)."""
         admitted: list[int] = []
         streaming = False
         try:
@@ -274,7 +291,7 @@ class OpenAIServing:
         except ClientGone:
             return Response(status_code=499)
         except Exception as e:
-            return exception_response(e)
+            return on_error(e)
         finally:
             if not streaming:
                 self.ctx.release(sum(admitted))
