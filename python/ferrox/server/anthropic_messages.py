@@ -404,7 +404,7 @@ class AnthropicServing:
         try:
             run = self.serving.new_run(ap.message_id(), prompt, chat, tools)
         except BadRequest as e:
-            raise _renamed(e) from None
+            raise e.renamed({"stop": "stop_sequences"}) from None
         if req.stream:
             events = self._events(req.model, run, tools)
             return self.serving.stream(
@@ -465,13 +465,6 @@ def _usage(run: RequestRun) -> ap.Usage:
         output_tokens=run.num_output_tokens,
         cache_read_input_tokens=cached,
     )
-
-
-def _renamed(error: BadRequest) -> BadRequest:
-    """A sampling check's error, with the Messages API's name for `stop`."""
-    if error.param != "stop":
-        return error
-    return BadRequest(error.message.replace("stop", "stop_sequences", 1), "stop_sequences")
 
 
 __all__ = ["AnthropicServing", "BlockEvents", "chat_request", "content_blocks"]

@@ -1,5 +1,5 @@
-"""The ASGI application (Starlette): OpenAI-compatible routes and Anthropic's
-Messages API.
+"""The ASGI application (Starlette): OpenAI-compatible routes (the Responses
+API among them) and Anthropic's Messages API.
 
 Starlette rather than FastAPI: the request and response schemas are msgspec
 Structs decoded and encoded by hand, so FastAPI's pydantic validation and
@@ -31,6 +31,7 @@ from ferrox.server.error_responses import (
     is_anthropic_path,
 )
 from ferrox.server.middleware import GuardMiddleware
+from ferrox.server.responses_api import ResponsesServing
 from ferrox.server.serving import OpenAIServing, ServingContext
 
 
@@ -59,6 +60,7 @@ def build_app(
 ) -> Starlette:
     serving = OpenAIServing(ctx)
     anthropic = AnthropicServing(serving)
+    responses = ResponsesServing(serving)
 
     async def health(_: Request) -> Response:
         if ctx.client.is_dead:
@@ -163,6 +165,9 @@ def build_app(
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/completions", serving.completions, methods=["POST"]),
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     ]

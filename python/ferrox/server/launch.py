@@ -164,6 +164,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-body-bytes", type=non_negative_int, default=8 << 20, help="largest request body"
     )
+    group.add_argument(
+        "--max-stored-responses",
+        type=non_negative_int,
+        default=ServingContext.max_stored_responses,
+        help="how many /v1/responses results are kept in memory for previous_response_id and "
+        "GET (least recently used go first; 0: none)",
+    )
     limits = ServerLimits()  # the one definition of the defaults
     group.add_argument(
         "--max-n", type=int, default=limits.max_n, help="largest `n` a request may ask for"
@@ -305,6 +312,7 @@ def build_server_app(
         tool_parser=tool_parser,
         reasoning_parser=args.reasoning_parser,
         disable_additional_properties=disable_additional_properties_option(args),
+        max_stored_responses=args.max_stored_responses,
     )
 
     @contextlib.asynccontextmanager

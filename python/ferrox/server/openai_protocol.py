@@ -13,6 +13,7 @@ Responses encode with ``msgspec.json.encode`` in the OpenAI wire format. The
 
 from __future__ import annotations
 
+import copy
 import secrets
 import time
 from typing import Any, Literal
@@ -30,6 +31,19 @@ class BadRequest(InvalidArgumentError):
         self.message = message
         self.param = param
         self.code = code
+
+    def renamed(self, names: dict[str, str]) -> BadRequest:
+        """This error with its field called as another API calls it
+        (`{"max_tokens": "max_output_tokens"}`); the same error when its
+        field is not in `names`."""
+        new = names.get(self.param or "")
+        if new is None or self.param is None:
+            return self
+        error = copy.copy(self)
+        error.message = self.message.replace(self.param, new, 1)
+        error.param = new
+        error.args = (error.message,)
+        return error
 
 
 class ContextLengthBadRequest(BadRequest, ContextLengthExceededError):

@@ -81,6 +81,8 @@ class ServingContext:
     reasoning_parser: str | None = None
     # JSON schemas' objects allow no unlisted properties (as under strict: true).
     disable_additional_properties: bool = False
+    # /v1/responses: how many stored responses are kept (least recently used go first).
+    max_stored_responses: int = 1024
     draining: bool = False
     in_flight: int = 0
     executor: ThreadPoolExecutor = field(
