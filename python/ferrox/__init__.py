@@ -12,17 +12,28 @@ _EXPORTS = {
     "LLM": "ferrox.llm",
     "AsyncLLM": "ferrox.frontend.async_llm",
     "CompletionOutput": "ferrox.common.outputs",
+    "EmbeddingRequestOutput": "ferrox.common.outputs",
     "EngineConfig": "ferrox.common.config",
     "Logprob": "ferrox.common.outputs",
     "RequestMetrics": "ferrox.common.outputs",
     "RequestOutput": "ferrox.common.outputs",
+    "PoolingParams": "ferrox.common.pooling_params",
     "SamplingParams": "ferrox.common.sampling_params",
+    "ScoringRequestOutput": "ferrox.common.outputs",
     "StructuredOutputsParams": "ferrox.common.structured_outputs",
 }
 
 if TYPE_CHECKING:
     from ferrox.common.config import EngineConfig
-    from ferrox.common.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from ferrox.common.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestMetrics,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from ferrox.common.pooling_params import PoolingParams
     from ferrox.common.sampling_params import SamplingParams
     from ferrox.common.structured_outputs import StructuredOutputsParams
     from ferrox.frontend.async_llm import AsyncLLM
@@ -46,11 +57,14 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "Logprob",
+    "PoolingParams",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "__version__",
 ]

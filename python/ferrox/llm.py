@@ -8,11 +8,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError, error_class
-from ferrox.common.outputs import RequestOutput
+from ferrox.common.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from ferrox.common.pooling_params import PoolingParams, score_pairs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.engine.core import EngineCore
 from ferrox.frontend.output_processor import OutputProcessor
@@ -65,6 +73,70 @@ class LLM:
         for (_text, ids), sp in zip(requests, params, strict=True):
             self.engine.validate(ids, sp)
         return self._run(requests, params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: the final hidden state of its last token,
+        unit length unless `pooling_params` says `normalize=False` (see
+        `PoolingParams`); outputs in input order. The prompts are prefilled
+        through the same scheduler as generation, so the prefix cache serves
+        what it holds of them."""
+        items = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling = [pooling_params or PoolingParams()] * len(items)
+        else:
+            pooling = list(pooling_params)
+            if len(pooling) != len(items):
+                raise InvalidArgumentError(
+                    f"got {len(pooling)} pooling params for {len(items)} prompts; give one, or "
+                    "one per prompt"
+                )
+        params = [SamplingParams(max_tokens=1, temperature=0.0, pooling=p) for p in pooling]
+        requests = [self._tokenize(p) for p in items]
+        outputs = self._run(requests, params, use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                request_id=out.request_id,
+                prompt_token_ids=out.prompt_token_ids or [],
+                outputs=EmbeddingOutput(embedding=cast(list[float], out.embedding)),
+                metrics=out.metrics,
+            )
+            for out in outputs
+        ]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The score of each pair: `text_1` against every text of `text_2`,
+        or the two lists pair by pair. A score is the cosine similarity of
+        the texts' embeddings (see `embed`); each distinct text is embedded
+        once."""
+        pairs = score_pairs(
+            text_1 if isinstance(text_1, str) else list(text_1),
+            text_2 if isinstance(text_2, str) else list(text_2),
+        )
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        vectors = {
+            text: np.asarray(out.outputs.embedding, dtype=np.float64)
+            for text, out in zip(texts, self.embed(texts, use_tqdm=use_tqdm), strict=True)
+        }
+        outputs = []
+        for a, b in pairs:
+            x, y = vectors[a], vectors[b]
+            cosine = float(x @ y / max(float(np.linalg.norm(x) * np.linalg.norm(y)), 1e-12))
+            outputs.append(
+                ScoringRequestOutput(
+                    request_id=f"score-{next(self._counter)}", outputs=ScoringOutput(cosine)
+                )
+            )
+        return outputs
 
     def chat(
         self,

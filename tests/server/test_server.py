@@ -154,6 +154,78 @@ def test_other_endpoints(server: Server) -> None:
     assert chat_toks["count"] > 3
 
 
+def test_embeddings_equal_transformers_and_come_as_floats_or_base64(
+    server: Server, model_dir: Path
+) -> None:
+    """/v1/embeddings through the SDK (which asks for base64 and decodes it)
+    and as floats: each input's normalised last hidden state, as
+    transformers computes it on the served weights."""
+    import numpy as np
+
+    from tests.engine.test_embeddings import hf_embeddings
+
+    client = server.client()
+    ids = server.post("/tokenize", {"prompt": "Hello world"}).json()["tokens"]
+    packed = client.embeddings.create(model=MODEL, input=["Hello world", "Hello"])
+    as_ids = [ids, server.post("/tokenize", {"prompt": "Hello"}).json()["tokens"]]
+    floats = server.post("/v1/embeddings", {"model": MODEL, "input": as_ids}).json()
+    assert floats["object"] == "list" and [d["index"] for d in floats["data"]] == [0, 1]
+    expected = hf_embeddings(model_dir, as_ids)
+    for got_packed, got, want in zip(packed.data, floats["data"], expected, strict=True):
+        np.testing.assert_allclose(np.asarray(got["embedding"]), want, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(got_packed.embedding), got["embedding"], atol=2e-6)
+    assert packed.usage.prompt_tokens == sum(len(i) for i in as_ids)
+    for body, words in (
+        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": []}, "must not be empty"),
+        ({"input": [[10**9]]}, "outside the vocabulary"),
+        ({"input": "x" * 20000}, "embeds at most"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ):
+        response = server.post("/v1/embeddings", {"model": MODEL, **body})
+        assert response.status_code == 400 and words in response.json()["error"]["message"], (
+            response.text
+        )
+    server.wait_idle()
+
+
+def test_score_and_rerank_order_by_the_cosine_of_embeddings(
+    server: Server, model_dir: Path
+) -> None:
+    from tests.engine.test_embeddings import hf_embeddings
+
+    query, docs = "the weather", ["sunny and warm", "the weather", "a recipe for bread"]
+    ids = [server.post("/tokenize", {"prompt": t}).json()["tokens"] for t in (query, *docs)]
+    vectors = hf_embeddings(model_dir, ids)
+    expected = [float(vectors[0] @ v) for v in vectors[1:]]
+    score = server.post("/v1/score", {"model": MODEL, "text_1": query, "text_2": docs}).json()
+    assert [d["index"] for d in score["data"]] == [0, 1, 2]
+    assert [d["score"] for d in score["data"]] == pytest.approx(expected, abs=1e-5)
+    order = sorted(range(3), key=lambda i: -expected[i])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        body = {"model": MODEL, "query": query, "documents": docs, "top_n": 2}
+        ranked = server.post(path, body).json()
+        assert [r["index"] for r in ranked["results"]] == order[:2]
+        assert ranked["results"][0]["document"]["text"] == docs[order[0]]
+        assert ranked["results"][0]["relevance_score"] == pytest.approx(expected[order[0]], 1e-5)
+    bare = server.post(
+        "/v1/rerank", {"query": query, "documents": docs, "return_documents": False}
+    ).json()
+    assert "document" not in bare["results"][0] and len(bare["results"]) == 3
+    for path, body, words in (
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "give one text_1"),
+        ("/v1/score", {"text_1": [], "text_2": "c"}, "must not be empty"),
+        ("/v1/rerank", {"query": "q", "documents": []}, "must not be empty"),
+        ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
+        ("/v1/rerank", {"query": "q" * 20000, "documents": ["d"]}, "embeds at most"),
+    ):
+        response = server.post(path, body)
+        assert response.status_code == 400 and words in response.json()["error"]["message"], (
+            response.text
+        )
+    server.wait_idle()
+
+
 def _scrape(server: Server) -> dict[str, float]:
     """Every sample of /metrics: `name{labels}` -> value."""
     text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text

@@ -100,6 +100,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # An embedding request's pooled state (see `EmbeddingRequestOutput`).
+    embedding: list[float] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -108,6 +110,37 @@ class RequestOutput:
             f"prompt_logprobs={_short(self.prompt_logprobs, limit=4)}, "
             f"outputs={self.outputs!r}, finished={self.finished}, metrics={self.metrics!r})"
         )
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (`LLM.embed`), as vLLM's pooling output has it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (`LLM.score`): the cosine similarity of the two
+    texts' embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput
+    finished: bool = True
 
 
 def _elapsed(start: float, end: float | None) -> float | None:

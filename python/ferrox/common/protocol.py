@@ -96,6 +96,7 @@ class SequenceDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts verified
     num_accepted_tokens: int = 0  # ... and kept
+    embedding: list[float] | None = None  # an embedding request's, when it finishes
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.pooling_params import PoolingParams
 from ferrox.common.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this sample greedily (argmax); dividing logits by them would overflow.
@@ -53,6 +54,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # The output must match a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # An embedding request (`LLM.embed`, /v1/embeddings): the prompt's pooled
+    # hidden state is the output; one sequence, one token, nothing sampled
+    # that anyone reads.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, minimum=1, maximum=MAX_INT32)
@@ -100,6 +105,10 @@ class SamplingParams:
                 "min_tokens cannot be combined with structured_outputs: the grammar decides "
                 "where the output ends"
             )
+        if isinstance(self.pooling, dict):
+            self.pooling = PoolingParams(**self.pooling)
+        if self.pooling is not None:
+            self._check_pooling()
         for name in (
             "ignore_eos",
             "skip_special_tokens",
@@ -110,6 +119,22 @@ class SamplingParams:
                 raise InvalidArgumentError(
                     f"{name} must be a bool, got {type(getattr(self, name)).__name__}"
                 )
+
+    def _check_pooling(self) -> None:
+        if not isinstance(self.pooling, PoolingParams):
+            raise InvalidArgumentError(
+                f"pooling must be a PoolingParams, got {type(self.pooling).__name__}"
+            )
+        if self.n != 1 or self.max_tokens != 1 or self.min_tokens:
+            raise InvalidArgumentError("an embedding request has n = 1 and max_tokens = 1")
+        if (
+            self.logprobs is not None
+            or self.prompt_logprobs is not None
+            or self.structured_outputs is not None
+        ):
+            raise InvalidArgumentError(
+                "an embedding request has no logprobs, prompt logprobs or structured outputs"
+            )
 
     @property
     def is_greedy(self) -> bool:

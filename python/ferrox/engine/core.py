@@ -174,6 +174,15 @@ class EngineCore:
                 )
         if grammar and params.structured_outputs is not None:
             check_grammar(params.structured_outputs)
+        if (
+            params.pooling is not None
+            and self.executor.worker_processes()
+            and self.runner.graphs is not None
+        ):
+            raise InvalidArgumentError(
+                "embeddings are not supported with tensor parallelism and CUDA graphs; "
+                "start the engine with enforce_eager=True"
+            )
         bad_stop = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
         bad_bias = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
         if bad_stop or bad_bias:
@@ -393,8 +402,11 @@ class EngineCore:
         prompt_rows = (
             prompt_logprob_rows(plan, self._seqs) if self._num_prompt_logprob_requests else []
         )
-        out = self.executor.execute(plan, batch, prompt_rows)
+        pool_rows = self._pool_rows(live) if "pooling" in self._features else None
+        out = self.executor.execute(plan, batch, prompt_rows, pool_rows)
         self.faults.stage = "applying"
+        if pool_rows:
+            _keep_embeddings(live, pool_rows, out)
         # (before the update, which retires the sequences that finished)
         prompt = prompt_logprobs_of(plan, out, self._seqs) if out.prompt_logprobs else []
         progressed = self._update(plan, live, seqs, batch, out, drafts)
@@ -402,6 +414,12 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.end_step(plan)
         return result
+
+    @staticmethod
+    def _pool_rows(live: list[SequenceState | None]) -> list[int]:
+        """The sample rows of embedding requests (each samples once: at the
+        end of its prompt)."""
+        return [i for i, s in enumerate(live) if s is not None and s.params.pooling is not None]
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar has compiled reach the scheduler; one whose
@@ -560,3 +578,14 @@ class _Compiling:
     priority: int
     final_only: bool
     grammar: PendingGrammar
+
+
+def _keep_embeddings(live: list[SequenceState | None], rows: list[int], out: RunnerOutput) -> None:
+    """Each pooled row's hidden state becomes its sequence's embedding."""
+    assert out.pooled is not None
+    for row, vector in zip(rows, out.pooled, strict=True):
+        seq = live[row]
+        assert seq is not None and seq.params.pooling is not None
+        if seq.params.pooling.normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        seq.embedding = vector.astype(np.float32).tolist()

@@ -45,6 +45,7 @@ class SequenceState:
     draft_synced: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's pooled state
 
 
 @dataclass
@@ -121,4 +122,5 @@ def delta_of(seq: SequenceState) -> SequenceDelta:
         num_preemptions=seq.num_preemptions if seq.is_finished else 0,
         num_draft_tokens=seq.num_draft_tokens if seq.is_finished else 0,
         num_accepted_tokens=seq.num_accepted_tokens if seq.is_finished else 0,
+        embedding=seq.embedding if seq.is_finished else None,
     )

@@ -59,12 +59,14 @@ class Executor:
         plan: BatchPlan,
         sampling: SamplingBatch,
         prompt_logprob_rows: list[tuple[int, int, int]] | None = None,
+        pool_rows: list[int] | None = None,
     ) -> RunnerOutput:
-        """Runs one step on every rank; rank 0 samples (see ModelRunner.execute)."""
+        """Runs one step on every rank; rank 0 samples and pools (see
+        ModelRunner.execute)."""
         try:
             if self._workers is not None:
                 send_step(plan, prompt_logprob_rows)
-            return self.runner.execute(plan, sampling, prompt_logprob_rows)
+            return self.runner.execute(plan, sampling, prompt_logprob_rows, pool_rows)
         except RuntimeError as exc:
             if self._workers is not None:
                 self._workers.raise_if_lost(exc)

@@ -184,6 +184,7 @@ class RequestState:
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts verified
     num_accepted_tokens: int = 0  # ... and kept
+    embedding: list[float] | None = None  # an embedding request's pooled state
 
     def __post_init__(self) -> None:
         if self.tokenizer is None and self.params.stop:
@@ -226,6 +227,8 @@ class RequestState:
         if item.num_draft_tokens:
             self.num_draft_tokens += item.num_draft_tokens
             self.num_accepted_tokens += item.num_accepted_tokens
+        if item.embedding is not None:
+            self.embedding = item.embedding
         if item.token_ids:
             if self.first_token_time is None:
                 self.first_token_time = item.first_token_time or now
@@ -251,6 +254,7 @@ class RequestState:
             outputs=completions,
             finished=self.is_finished,
             metrics=self.metrics(),
+            embedding=self.embedding,
         )
 
     def metrics(self) -> RequestMetrics:

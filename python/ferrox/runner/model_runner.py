@@ -61,6 +61,8 @@ class RunnerOutput:
     top_ids: np.ndarray | None  # [S, k]
     top_logprobs: np.ndarray | None  # [S, k]
     prompt_logprobs: list[PromptChunkLogprobs]
+    # The final hidden states of the pooled sample rows [P, hidden] float32.
+    pooled: np.ndarray | None = None
 
     def row_logprobs(self, i: int, k: int) -> tuple[float, int, list[int], list[float]] | None:
         """Sample row i's (logprob, rank, top-k ids, top-k logprobs), or None
@@ -306,12 +308,19 @@ class ModelRunner:
         plan: BatchPlan,
         sampling: SamplingBatch,
         prompt_logprob_rows: list[tuple[int, int, int]] | None = None,
+        pool_rows: list[int] | None = None,
     ) -> RunnerOutput:
         """Runs one step. `prompt_logprob_rows` lists (row, num_top, next
         token) for prefill chunks whose prompt logprobs are wanted: each of
         their positions gets logits; `next token` is the prompt token after
-        the chunk (-1 when the chunk ends the prompt)."""
-        logits, hidden = self._forward(plan, prompt_logprob_rows)
+        the chunk (-1 when the chunk ends the prompt). `pool_rows`: sample
+        rows (embedding requests) whose final hidden state is returned."""
+        logits, hidden = self._forward(plan, prompt_logprob_rows, eager=bool(pool_rows))
+        pooled = None
+        if pool_rows:
+            assert hidden is not None
+            at = plan.logits_indices[np.asarray(pool_rows)]
+            pooled = hidden[self._tensor(at, "pool")].float().cpu().numpy()
         out = self.sampler(logits, sampling)
         prompt = [
             self._prompt_logprobs(hidden, plan, row, k, nxt)
@@ -325,17 +334,22 @@ class ModelRunner:
             top_ids=_np(out.top_ids),
             top_logprobs=_np(out.top_logprobs),
             prompt_logprobs=prompt,
+            pooled=pooled,
         )
 
     def _forward(
-        self, plan: BatchPlan | StepPlan, prompt_logprob_rows: list[tuple[int, int, int]] | None
+        self,
+        plan: BatchPlan | StepPlan,
+        prompt_logprob_rows: list[tuple[int, int, int]] | None,
+        eager: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled rows' logits [S, V], and the hidden states [T, hidden]
-        (None from a CUDA graph)."""
+        (None from a CUDA graph; `eager`: never from one)."""
         meta = self.build_metadata(plan)
         input_ids = self._tensor(plan.input_ids, "ids")
         positions = self._tensor(plan.positions, "positions")
-        graphs = self.graphs if self._graph_fits(meta, prompt_logprob_rows) else None
+        fits = not eager and self._graph_fits(meta, prompt_logprob_rows)
+        graphs = self.graphs if fits else None
         if graphs is not None:
             # A decode-only step samples every row, in order.
             logits = graphs.run(

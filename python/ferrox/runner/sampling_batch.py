@@ -59,6 +59,8 @@ def sampling_features(params: SamplingParams) -> Iterable[str]:
         yield "logprobs"
     if params.structured_outputs is not None:
         yield "grammar"
+    if params.pooling is not None:
+        yield "pooling"
 
 
 # The features the batch builder reads (the grammar's masks come from the engine).

@@ -31,8 +31,11 @@ from ferrox.server.error_responses import (
     is_anthropic_path,
 )
 from ferrox.server.middleware import GuardMiddleware
+from ferrox.server.pooling import PoolingServing
 from ferrox.server.responses_api import ResponsesServing
 from ferrox.server.serving import OpenAIServing, ServingContext
+
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
 
 
 def _json(value: msgspec.Struct | dict) -> Response:
@@ -61,6 +64,7 @@ def build_app(
     serving = OpenAIServing(ctx)
     anthropic = AnthropicServing(serving)
     responses = ResponsesServing(serving)
+    pooling = PoolingServing(serving)
 
     async def health(_: Request) -> Response:
         if ctx.client.is_dead:
@@ -165,6 +169,9 @@ def build_app(
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/completions", serving.completions, methods=["POST"]),
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
+        Route("/v1/embeddings", pooling.embeddings, methods=["POST"]),
+        Route("/v1/score", pooling.score, methods=["POST"]),
+        *(Route(path, pooling.rerank, methods=["POST"]) for path in RERANK_PATHS),
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),

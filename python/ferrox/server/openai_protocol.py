@@ -244,6 +244,19 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
             raise BadRequest("give exactly one of 'prompt' or 'messages'", param="prompt")
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/embeddings``."""
+
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM extensions.
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     """``POST /detokenize``."""
 
@@ -399,6 +412,22 @@ class ChatCompletionStreamResponse(
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None  # only on the last chunk, with include_usage
+
+
+class EmbeddingData(msgspec.Struct, kw_only=True, tag_field="object", tag="embedding"):
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True, tag_field="object", tag="list"):
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(msgspec.Struct, kw_only=True, tag_field="object", tag="model"):

@@ -164,7 +164,12 @@ def sampling_params_from(
 
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     """The prompts of a completion request: texts or token-id lists, never empty."""
-    prompt = request.prompt
+    return prompt_list(request.prompt, "prompt")
+
+
+def prompt_list(prompt: str | list[Any], param: str) -> list[str | list[int]]:
+    """A string, strings, token ids or lists of them (the field `param`), as
+    a list of prompts: texts or token-id lists, never empty."""
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -176,17 +181,17 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
         prompts = cast(list[str | list[int]], list(prompt))
     else:
         raise BadRequest(
-            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            f"{param} must be a string, a list of strings, a list of token ids or a list of "
             "token-id lists, not a mix of them",
-            param="prompt",
+            param=param,
         )
     if not prompts:
-        raise BadRequest("prompt must not be empty", param="prompt")
+        raise BadRequest(f"{param} must not be empty", param=param)
     for item in prompts:
         if len(item) == 0:
-            raise BadRequest("prompt must not contain an empty prompt", param="prompt")
+            raise BadRequest(f"{param} must not contain an empty prompt", param=param)
         if isinstance(item, list) and min(item) < 0:
-            raise BadRequest(f"prompt token ids must be >= 0, got {min(item)}", param="prompt")
+            raise BadRequest(f"{param} token ids must be >= 0, got {min(item)}", param=param)
     return prompts
 
 

@@ -26,6 +26,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ferrox.common.errors import ServerBusyError
 from ferrox.common.outputs import PositionLogprobs
+from ferrox.common.sampling_params import SamplingParams
 from ferrox.frontend.engine_client import AsyncEngineClient
 from ferrox.frontend.output_processor import SequenceUpdate
 from ferrox.frontend.replicas import ReplicaPool
@@ -176,17 +177,25 @@ class OpenAIServing:
         return str(self.ctx.tokenizer.decode(token_ids))
 
     def new_run(
-        self, request_id: str, prompt_ids: list[int], request: Any, tools: ToolPlan | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        request: Any,
+        tools: ToolPlan | None = None,
+        params: SamplingParams | None = None,
     ) -> RequestRun:
-        params = sampling_params_from(
-            request,
-            max_model_len=self.ctx.max_model_len,
-            prompt_len=len(prompt_ids),
-            limits=self.ctx.limits,
-            defaults=self.ctx.sampling_defaults,
-            tool_outputs=tools.structured if tools is not None else None,
-            disable_additional_properties=self.ctx.disable_additional_properties,
-        )
+        """A run of the request's prompt; `params` (else the request's own
+        sampling fields) say how."""
+        if params is None:
+            params = sampling_params_from(
+                request,
+                max_model_len=self.ctx.max_model_len,
+                prompt_len=len(prompt_ids),
+                limits=self.ctx.limits,
+                defaults=self.ctx.sampling_defaults,
+                tool_outputs=tools.structured if tools is not None else None,
+                disable_additional_properties=self.ctx.disable_additional_properties,
+            )
         timeout = self.ctx.request_timeout
         return RequestRun(
             client=self.ctx.client.pick(prompt_ids),  # the replica it goes to
@@ -199,7 +208,7 @@ class OpenAIServing:
             log_token_ids=self.ctx.log_token_ids,
             log_request=self.ctx.log_requests,
             max_log_len=self.ctx.max_log_len,
-            stream=bool(request.stream),
+            stream=bool(getattr(request, "stream", False)),
             deadline=None if timeout is None else time.monotonic() + timeout,
         )
 

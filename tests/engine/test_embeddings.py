@@ -1,0 +1,135 @@
+"""Embeddings (`LLM.embed`): the final hidden state of each prompt's last
+token, equal to transformers' on the same weights, in a mixed batch with a
+shared prefix, with chunked prefill and from the prefix cache (a prompt of
+whole cached blocks and one token more is planned as a decode row); and
+generation and embedding requests in one step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ferrox import LLM, PoolingParams, SamplingParams
+from ferrox.common import errors
+from tests import models
+
+
+def hf_embeddings(path: Path, prompts: list[list[int]], normalize: bool = True) -> list[np.ndarray]:
+    hf = models.hf_model(path)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1]
+            vector = hidden[0, -1].double()
+            if normalize:
+                vector = vector / vector.norm()
+            out.append(vector.numpy())
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(2, models.VOCAB_SIZE, (12,), generator=gen).tolist()
+    return [
+        [*prefix, 5],  # 13 tokens: three blocks of 4 and one token more
+        [*prefix, 7, 8, 9],
+        torch.randint(2, models.VOCAB_SIZE, (30,), generator=gen).tolist(),
+        [3],
+    ]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen3"])
+@pytest.mark.parametrize(
+    "options", [{}, {"max_num_batched_tokens": 8, "max_num_seqs": 4}], ids=["whole", "chunked"]
+)
+def test_embeddings_match_transformers(
+    tiny_models: dict[str, Path], name: str, options: dict
+) -> None:
+    path = tiny_models[name]
+    prompts = _prompts()
+    expected = hf_embeddings(path, prompts)
+    llm = LLM(str(path), num_kv_blocks=128, block_size=4, **options)
+    for run in range(2):  # the second run finds the prompts in the prefix cache
+        outputs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        assert [o.prompt_token_ids for o in outputs] == prompts
+        for out, want in zip(outputs, expected, strict=True):
+            got = np.asarray(out.outputs.embedding)
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, atol=2e-5)
+        cached = [o.metrics.num_cached_tokens for o in outputs if o.metrics]
+        if run == 1:
+            assert cached[0] == 12 and cached[2] == 28
+    assert llm.engine.stats().num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_unnormalized_embeddings_and_a_mixed_step(tiny_models: dict[str, Path]) -> None:
+    path = tiny_models["llama-gqa-tied"]
+    prompts = _prompts()[:2]
+    raw = hf_embeddings(path, prompts, normalize=False)
+    llm = LLM(str(path), num_kv_blocks=128, block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([prompts[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    embed = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(normalize=False))
+    mixed = llm.generate([prompts[0], prompts[1]], [embed, greedy], use_tqdm=False)
+    np.testing.assert_allclose(np.asarray(mixed[0].embedding), raw[0], rtol=1e-4, atol=1e-4)
+    assert mixed[1].embedding is None and mixed[1].outputs[0].token_ids == alone
+    out = llm.embed(prompts[1], PoolingParams(normalize=False), use_tqdm=False)[0]
+    np.testing.assert_allclose(np.asarray(out.outputs.embedding), raw[1], rtol=1e-4, atol=1e-4)
+    assert llm.engine.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n": 2}, "n = 1 and max_tokens = 1"),
+        ({"max_tokens": 4}, "n = 1 and max_tokens = 1"),
+        ({"logprobs": 2}, "no logprobs"),
+    ],
+)
+def test_embedding_params_are_checked(fields: dict, message: str) -> None:
+    with pytest.raises(errors.InvalidArgumentError, match=message):
+        SamplingParams(**{"max_tokens": 1, "pooling": PoolingParams(), **fields})
+    with pytest.raises(errors.InvalidArgumentError, match="normalize must be a bool"):
+        PoolingParams(normalize="yes")  # type: ignore[arg-type]
+
+
+def test_scores_are_the_cosine_of_the_embeddings(tiny_models: dict[str, Path]) -> None:
+    path = tiny_models["llama-gqa-tied"]
+    llm = LLM(str(path), num_kv_blocks=128, block_size=4)
+    tok = llm.get_tokenizer()
+    query, docs = "the weather", ["sunny and warm", "a recipe for bread", "the weather"]
+    vectors = hf_embeddings(path, [tok.encode(t) for t in (query, *docs)])
+    expected = [float(vectors[0] @ v) for v in vectors[1:]]
+    one_to_many = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    assert one_to_many == pytest.approx(expected, abs=1e-5)
+    assert one_to_many[2] == pytest.approx(1.0, abs=1e-6)
+    pairs = llm.score([query, docs[1]], [docs[0], docs[1]], use_tqdm=False)
+    assert [o.outputs.score for o in pairs] == pytest.approx([expected[0], 1.0], abs=1e-5)
+    with pytest.raises(errors.InvalidArgumentError, match="give one text_1"):
+        llm.score(["a", "b"], ["c", "d", "e"])
+
+
+def test_embeddings_beside_speculative_decoding(tiny_models: dict[str, Path]) -> None:
+    """Under n-gram speculation (prompts that repeat themselves, so drafts
+    are found), embedding requests keep the state of their prompt's last
+    token, cached or not, next to generating requests."""
+    path = tiny_models["llama-gqa-tied"]
+    prompts = [[5, 6, 7, 8] * 3 + [5], [9, 10, 11] * 5]
+    expected = hf_embeddings(path, prompts)
+    llm = LLM(
+        str(path),
+        num_kv_blocks=128,
+        block_size=4,
+        speculative_config={"model": "[ngram]", "num_speculative_tokens": 3},
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    embed = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams())
+    for _ in range(2):
+        outs = llm.generate([*prompts, *prompts], [embed, embed, greedy, greedy], use_tqdm=False)
+        for out, want in zip(outs[:2], expected, strict=True):
+            np.testing.assert_allclose(np.asarray(out.embedding), want, atol=2e-5)
+    assert llm.engine.stats().num_used_blocks == 0
