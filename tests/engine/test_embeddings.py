@@ -133,3 +133,46 @@ def test_embeddings_beside_speculative_decoding(tiny_models: dict[str, Path]) ->
         for out, want in zip(outs[:2], expected, strict=True):
             np.testing.assert_allclose(np.asarray(out.embedding), want, atol=2e-5)
     assert llm.engine.stats().num_used_blocks == 0
+
+
+def test_a_base_model_checkpoint_serves_embeddings_only(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """An embedding model published as its base model (Qwen3-Embedding's
+    layout: `Qwen3Model`, tensor names without `model.`, no LM head) loads;
+    its embeddings are transformers' `last_hidden_state`, and generation is
+    refused with the reason."""
+    import shutil
+
+    from transformers import AutoModel
+
+    source = tiny_models["qwen3"]
+    hf = models.hf_model(source)
+    base = hf.model
+    base.config.tie_word_embeddings = False
+    base.config.architectures = ["Qwen3Model"]
+    base.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, tmp_path / name)
+    with torch.no_grad():
+        hf_base = AutoModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    from safetensors import safe_open
+
+    with safe_open(str(next(tmp_path.glob("*.safetensors"))), framework="pt") as f:
+        names = list(f.keys())
+    assert "embed_tokens.weight" in names and not any(
+        n.startswith(("model.", "lm_head")) for n in names
+    )
+    prompts = _prompts()
+    llm = LLM(str(tmp_path), num_kv_blocks=64, block_size=4)
+    assert not llm.engine.runner.model.generates
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            want = hf_base(torch.tensor([prompt])).last_hidden_state[0, -1].double()
+        want = (want / want.norm()).numpy()
+        np.testing.assert_allclose(np.asarray(out.outputs.embedding), want, atol=2e-5)
+    with pytest.raises(errors.InvalidArgumentError, match="no LM head"):
+        llm.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.stats().num_used_blocks == 0

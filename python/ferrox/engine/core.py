@@ -149,6 +149,12 @@ class EngineCore:
         `grammar`: whether the output grammar is checked here too (else where
         it compiles, off the step)."""
         n = len(prompt_token_ids)
+        if params.pooling is None and not self.runner.model.generates:
+            raise InvalidArgumentError(
+                "this model's checkpoint has no LM head (an embedding model's base model): it "
+                "serves embeddings (LLM.embed, /v1/embeddings, /v1/score, /v1/rerank), not "
+                "generation"
+            )
         if n == 0:
             raise InvalidArgumentError("the prompt is empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]

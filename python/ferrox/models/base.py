@@ -66,6 +66,9 @@ class CausalLM(nn.Module):
     # Whether decode steps may be captured in CUDA graphs (False where a
     # layer's work depends on values read back to the host: MoE routing).
     supports_cuda_graphs: ClassVar[bool] = True
+    # False for a checkpoint without an LM head (an embedding model's base
+    # model): it serves embedding requests only.
+    generates: bool = True
 
     def forward(
         self,

@@ -143,7 +143,12 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     # Hugging Face `architectures` names this class serves.
-    architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "MistralForCausalLM")
+    architectures: ClassVar[tuple[str, ...]] = (
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "LlamaModel",  # an embedding model's base model, without an LM head
+        "MistralModel",
+    )
     qkv_bias = False
     qk_norm = False
     # GGUF: llama.cpp's architecture name, the config class its metadata
@@ -323,6 +328,15 @@ class LlamaForCausalLM(CausalLM):
         return param.narrow(0, start, sizes[index])
 
     def _check_complete(self, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
+        """Every parameter was loaded; but for the LM head of a base model's
+        checkpoint (an embedding model's), which then serves embeddings only."""
+        if "lm_head.weight" not in loaded and not self.tie_word_embeddings:
+            others = [k for k in loaded if k != "lm_head.weight"]
+            if others and all(not k.startswith("lm_head.") for k in loaded):
+                self.generates = False
+                with torch.no_grad():
+                    params["lm_head.weight"].zero_()
+                loaded = loaded | {"lm_head.weight"}
         missing = []
         for key in params:
             if key in loaded or (key == "lm_head.weight" and self.tie_word_embeddings):

@@ -8,7 +8,7 @@ from ferrox.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM",)
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM", "Qwen2Model")
     qkv_bias = True
     gguf_architecture: ClassVar[str | None] = "qwen2"
     gguf_config_class: ClassVar[Any] = Qwen2Config
