@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -14,13 +15,15 @@ from tqdm.auto import tqdm
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError, error_class
 from ferrox.common.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from ferrox.common.pooling_params import PoolingParams, score_pairs
+from ferrox.common.pooling_params import PoolingParams, cosine, score_pairs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.engine.core import EngineCore
 from ferrox.frontend.output_processor import OutputProcessor
@@ -85,19 +88,7 @@ class LLM:
         `PoolingParams`); outputs in input order. The prompts are prefilled
         through the same scheduler as generation, so the prefix cache serves
         what it holds of them."""
-        items = _as_prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            pooling = [pooling_params or PoolingParams()] * len(items)
-        else:
-            pooling = list(pooling_params)
-            if len(pooling) != len(items):
-                raise InvalidArgumentError(
-                    f"got {len(pooling)} pooling params for {len(items)} prompts; give one, or "
-                    "one per prompt"
-                )
-        params = [SamplingParams(max_tokens=1, temperature=0.0, pooling=p) for p in pooling]
-        requests = [self._tokenize(p) for p in items]
-        outputs = self._run(requests, params, use_tqdm)
+        outputs = self._pool(prompts, pooling_params, "embed", use_tqdm)
         return [
             EmbeddingRequestOutput(
                 request_id=out.request_id,
@@ -108,6 +99,50 @@ class LLM:
             for out in outputs
         ]
 
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities, from the model's
+        sequence-classification head (`*ForSequenceClassification`; the
+        labels are `llm.engine.runner.model.labels`): a sigmoid for one
+        label, a softmax over several, or logits with `activation=False`."""
+        outputs = self._pool(prompts, pooling_params, "classify", use_tqdm)
+        return [
+            ClassificationRequestOutput(
+                request_id=out.request_id,
+                prompt_token_ids=out.prompt_token_ids or [],
+                outputs=ClassificationOutput(probs=cast(list[float], out.embedding)),
+                metrics=out.metrics,
+            )
+            for out in outputs
+        ]
+
+    def _pool(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        task: Literal["embed", "classify"],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        items = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling = [pooling_params or PoolingParams()] * len(items)
+        else:
+            pooling = list(pooling_params)
+            if len(pooling) != len(items):
+                raise InvalidArgumentError(
+                    f"got {len(pooling)} pooling params for {len(items)} prompts; give one, or "
+                    "one per prompt"
+                )
+        params = [
+            SamplingParams(max_tokens=1, temperature=0.0, pooling=dataclasses.replace(p, task=task))
+            for p in pooling
+        ]
+        return self._run([self._tokenize(p) for p in items], params, use_tqdm)
+
     def score(
         self,
         text_1: str | Sequence[str],
@@ -115,28 +150,48 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
         """The score of each pair: `text_1` against every text of `text_2`,
-        or the two lists pair by pair. A score is the cosine similarity of
-        the texts' embeddings (see `embed`); each distinct text is embedded
-        once."""
+        or the two lists pair by pair. With a cross-encoder (a one-label
+        sequence-classification head) a score is the head's probability for
+        the pair, encoded together as the tokenizer pairs two texts; with
+        other models it is the cosine similarity of the texts' embeddings
+        (see `embed`), each distinct text embedded once."""
         pairs = score_pairs(
             text_1 if isinstance(text_1, str) else list(text_1),
             text_2 if isinstance(text_2, str) else list(text_2),
         )
+        labels = self.engine.runner.model.labels
+        if labels is not None:
+            scores = self._cross_encoder_scores(pairs, labels, use_tqdm)
+        else:
+            scores = self._cosine_scores(pairs, use_tqdm)
+        return [
+            ScoringRequestOutput(
+                request_id=f"score-{next(self._counter)}", outputs=ScoringOutput(score)
+            )
+            for score in scores
+        ]
+
+    def _cross_encoder_scores(
+        self, pairs: list[tuple[str, str]], labels: list[str], use_tqdm: bool
+    ) -> list[float]:
+        if len(labels) != 1:
+            raise InvalidArgumentError(
+                f"scoring needs a cross-encoder with one label; this classifier has "
+                f"{len(labels)} ({labels[:4]}): use classify"
+            )
+        tokenizer = self._require_tokenizer()
+        prompts: list[PromptInput] = [
+            {"prompt_token_ids": list(tokenizer(a, text_pair=b)["input_ids"])} for a, b in pairs
+        ]
+        return [out.outputs.probs[0] for out in self.classify(prompts, use_tqdm=use_tqdm)]
+
+    def _cosine_scores(self, pairs: list[tuple[str, str]], use_tqdm: bool) -> list[float]:
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
         vectors = {
             text: np.asarray(out.outputs.embedding, dtype=np.float64)
             for text, out in zip(texts, self.embed(texts, use_tqdm=use_tqdm), strict=True)
         }
-        outputs = []
-        for a, b in pairs:
-            x, y = vectors[a], vectors[b]
-            cosine = float(x @ y / max(float(np.linalg.norm(x) * np.linalg.norm(y)), 1e-12))
-            outputs.append(
-                ScoringRequestOutput(
-                    request_id=f"score-{next(self._counter)}", outputs=ScoringOutput(cosine)
-                )
-            )
-        return outputs
+        return [cosine(vectors[a], vectors[b]) for a, b in pairs]
 
     def chat(
         self,

@@ -176,3 +176,80 @@ def test_a_base_model_checkpoint_serves_embeddings_only(
     with pytest.raises(errors.InvalidArgumentError, match="no LM head"):
         llm.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.engine.stats().num_used_blocks == 0
+
+
+def _classifier(tiny_models: dict[str, Path], root: Path, num_labels: int) -> Path:
+    """A tiny Qwen3ForSequenceClassification with random weights (its head
+    included), saved with the tiny models' tokenizer."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    source = tiny_models["qwen3"]
+    config = AutoConfig.from_pretrained(source)
+    config.architectures = ["Qwen3ForSequenceClassification"]
+    config.num_labels = num_labels
+    config.tie_word_embeddings = False
+    torch.manual_seed(num_labels)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.3)
+    path = root / f"classifier-{num_labels}"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, path / name)
+    return path
+
+
+def _hf_logits(path: Path, prompts: list[list[int]]) -> list[np.ndarray]:
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(torch.tensor([p])).logits[0].double().numpy() for p in prompts]
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_a_classifier_head_matches_transformers(
+    tiny_models: dict[str, Path], tmp_path: Path, num_labels: int
+) -> None:
+    """*ForSequenceClassification: the head on the last token's state, as
+    probabilities (a sigmoid for one label, a softmax for several) or
+    logits; with one label, a cross-encoder's scores of text pairs. It
+    neither embeds nor generates."""
+    path = _classifier(tiny_models, tmp_path, num_labels)
+    prompts = _prompts()
+    logits = _hf_logits(path, prompts)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4)
+    assert llm.engine.runner.model.labels is not None
+    assert len(llm.engine.runner.model.labels) == num_labels
+    for _ in range(2):  # the second from the prefix cache
+        probs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        for out, want in zip(probs, logits, strict=True):
+            expected = (
+                1 / (1 + np.exp(-want)) if num_labels == 1 else np.exp(want) / np.exp(want).sum()
+            )
+            np.testing.assert_allclose(out.outputs.probs, expected, atol=2e-5)
+    raw = llm.classify(prompts[0], PoolingParams(activation=False), use_tqdm=False)[0]
+    np.testing.assert_allclose(raw.outputs.probs, logits[0], atol=1e-4)
+    with pytest.raises(errors.InvalidArgumentError, match="sequence classifier"):
+        llm.embed(prompts[0], use_tqdm=False)
+    with pytest.raises(errors.InvalidArgumentError, match="no LM head"):
+        llm.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    if num_labels == 1:
+        query, docs = "the weather", ["sunny and warm", "a recipe"]
+        pairs = [list(tok(query, text_pair=d)["input_ids"]) for d in docs]
+        want = [1 / (1 + np.exp(-x[0])) for x in _hf_logits(path, pairs)]
+        scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+        assert scores == pytest.approx(want, abs=2e-5)
+    else:
+        with pytest.raises(errors.InvalidArgumentError, match="one label"):
+            llm.score("a", "b", use_tqdm=False)
+    assert llm.engine.stats().num_used_blocks == 0
+
+
+def test_a_model_without_a_head_does_not_classify(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(str(tiny_models["llama-gqa-tied"]), num_kv_blocks=64, block_size=4)
+    with pytest.raises(errors.InvalidArgumentError, match="no sequence-classification head"):
+        llm.classify([5, 6, 7], use_tqdm=False)

@@ -218,12 +218,50 @@ def test_score_and_rerank_order_by_the_cosine_of_embeddings(
         ("/v1/rerank", {"query": "q", "documents": []}, "must not be empty"),
         ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
         ("/v1/rerank", {"query": "q" * 20000, "documents": ["d"]}, "embeds at most"),
+        ("/v1/classify", {"input": "x"}, "no sequence-classification head"),
     ):
         response = server.post(path, body)
         assert response.status_code == 400 and words in response.json()["error"]["message"], (
             response.text
         )
     server.wait_idle()
+
+
+def test_a_cross_encoder_scores_and_reranks_pairs(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A one-label sequence classifier served: /v1/score and /v1/rerank give
+    its probability for each (query, document) pair as transformers does,
+    /v1/classify its probabilities; embeddings and generation are refused."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from tests.engine.test_embeddings import _classifier, _hf_logits
+
+    path = _classifier(tiny_models, tmp_path, 1)
+    tok = AutoTokenizer.from_pretrained(path)
+    query, docs = "the weather", ["sunny and warm", "the weather", "a recipe"]
+    pairs = [list(tok(query, text_pair=d)["input_ids"]) for d in docs]
+    want = [float(1 / (1 + np.exp(-x[0]))) for x in _hf_logits(path, pairs)]
+    server = Server(path)
+    try:
+        score = server.post("/v1/score", {"text_1": query, "text_2": docs}).json()
+        assert [d["score"] for d in score["data"]] == pytest.approx(want, abs=2e-5)
+        ranked = server.post("/v1/rerank", {"query": query, "documents": docs}).json()
+        order = sorted(range(3), key=lambda i: -want[i])
+        assert [r["index"] for r in ranked["results"]] == order
+        classes = server.post("/v1/classify", {"input": [pairs[0]]}).json()["data"]
+        assert classes[0]["probs"] == pytest.approx([want[0]], abs=2e-5)
+        assert classes[0]["num_classes"] == 1
+        for route, body, words in (
+            ("/v1/embeddings", {"input": "x"}, "sequence classifier"),
+            ("/v1/completions", {"prompt": "x", "max_tokens": 2}, "no LM head"),
+        ):
+            response = server.post(route, body)
+            assert response.status_code == 400 and words in response.text, response.text
+        server.wait_idle()
+    finally:
+        server.stop()
 
 
 def _scrape(server: Server) -> dict[str, float]:

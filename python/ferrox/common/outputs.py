@@ -129,6 +129,22 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (logits when the request asked for no activation)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's classes (`LLM.classify`), from a sequence-classification head."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
 class ScoringOutput:
     score: float
 
@@ -136,7 +152,7 @@ class ScoringOutput:
 @dataclass
 class ScoringRequestOutput:
     """One pair's score (`LLM.score`): the cosine similarity of the two
-    texts' embeddings."""
+    texts' embeddings, or a cross-encoder's probability for the pair."""
 
     request_id: str
     outputs: ScoringOutput

@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
 
 from ferrox.common.errors import InvalidArgumentError
 
 
 @dataclass(kw_only=True)
 class PoolingParams:
-    """The prompt's embedding: the final hidden state of its last token
-    (last-token pooling, as decoder-only embedding models such as
-    Qwen3-Embedding are trained), scaled to unit length when `normalize`."""
+    """What a pooling request returns, from the final hidden state of its
+    prompt's last token (last-token pooling, as decoder-only embedding
+    models such as Qwen3-Embedding and sequence classifiers are trained):
 
+    - task "embed": that state, scaled to unit length when `normalize`;
+    - task "classify" (a model with a sequence-classification head): the
+      head's output, as probabilities when `activation` (a sigmoid for one
+      label, a softmax over several), else as logits.
+
+    `LLM.embed`, `LLM.classify` and `LLM.score` set the task."""
+
+    task: Literal["embed", "classify"] = "embed"
     normalize: bool = True
+    activation: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.normalize, bool):
-            raise InvalidArgumentError(
-                f"normalize must be a bool, got {type(self.normalize).__name__}"
-            )
+        if self.task not in ("embed", "classify"):
+            raise InvalidArgumentError(f"task must be 'embed' or 'classify', got {self.task!r}")
+        for name in ("normalize", "activation"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(
+                    f"{name} must be a bool, got {type(getattr(self, name)).__name__}"
+                )
 
 
 def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
@@ -37,3 +52,9 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[
             "as many as text_2"
         )
     return list(zip(firsts, seconds, strict=True))
+
+
+def cosine(x: Any, y: Any) -> float:
+    """The cosine similarity of two vectors (numpy arrays or lists)."""
+    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))

@@ -153,6 +153,8 @@ class Ready(msgspec.Struct, tag="ready"):
     load_seconds: float
     device: str  # the torch device and dtype the model runs in: "cpu", "float32"
     dtype: str
+    # A sequence classifier's labels (see CausalLM.labels); None for other models.
+    labels: list[str] | None = None
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

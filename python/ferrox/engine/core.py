@@ -149,6 +149,8 @@ class EngineCore:
         `grammar`: whether the output grammar is checked here too (else where
         it compiles, off the step)."""
         n = len(prompt_token_ids)
+        if params.pooling is not None:
+            self._check_pooling_task(params.pooling.task)
         if params.pooling is None and not self.runner.model.generates:
             raise InvalidArgumentError(
                 "this model's checkpoint has no LM head (an embedding model's base model): it "
@@ -412,7 +414,7 @@ class EngineCore:
         out = self.executor.execute(plan, batch, prompt_rows, pool_rows)
         self.faults.stage = "applying"
         if pool_rows:
-            _keep_embeddings(live, pool_rows, out)
+            _keep_pooled(live, pool_rows, out)
         # (before the update, which retires the sequences that finished)
         prompt = prompt_logprobs_of(plan, out, self._seqs) if out.prompt_logprobs else []
         progressed = self._update(plan, live, seqs, batch, out, drafts)
@@ -420,6 +422,19 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.end_step(plan)
         return result
+
+    def _check_pooling_task(self, task: str) -> None:
+        model = self.runner.model
+        if task == "classify" and model.labels is None:
+            raise InvalidArgumentError(
+                "this model has no sequence-classification head: it embeds (LLM.embed, "
+                "/v1/embeddings) and scores by the cosine of embeddings, but does not classify"
+            )
+        if task == "embed" and model.labels is not None:
+            raise InvalidArgumentError(
+                "this model is a sequence classifier (a cross-encoder): use LLM.classify or "
+                "LLM.score (/v1/classify, /v1/score, /v1/rerank), not embeddings"
+            )
 
     @staticmethod
     def _pool_rows(live: list[SequenceState | None]) -> list[int]:
@@ -586,12 +601,22 @@ class _Compiling:
     grammar: PendingGrammar
 
 
-def _keep_embeddings(live: list[SequenceState | None], rows: list[int], out: RunnerOutput) -> None:
-    """Each pooled row's hidden state becomes its sequence's embedding."""
+def _keep_pooled(live: list[SequenceState | None], rows: list[int], out: RunnerOutput) -> None:
+    """Each pooled row's output becomes its sequence's `embedding`: a unit
+    (when asked) hidden state, or a classifier's probabilities (when asked)
+    or logits."""
     assert out.pooled is not None
     for row, vector in zip(rows, out.pooled, strict=True):
         seq = live[row]
         assert seq is not None and seq.params.pooling is not None
-        if seq.params.pooling.normalize:
-            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-        seq.embedding = vector.astype(np.float32).tolist()
+        pooling = seq.params.pooling
+        values = vector.astype(np.float64)
+        if pooling.task == "embed" and pooling.normalize:
+            values = values / max(float(np.linalg.norm(values)), 1e-12)
+        elif pooling.task == "classify" and pooling.activation:
+            if len(values) == 1:
+                values = 1.0 / (1.0 + np.exp(-values))
+            else:
+                values = np.exp(values - values.max())
+                values = values / values.sum()
+        seq.embedding = values.astype(np.float32).tolist()

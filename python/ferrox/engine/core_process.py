@@ -61,6 +61,7 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                     load_seconds=engine.loaded.load_seconds,
                     device=str(torch_device(engine.config)),
                     dtype=str(torch_dtype(engine.config)).removeprefix("torch."),
+                    labels=engine.runner.model.labels,
                 )
             )
         )

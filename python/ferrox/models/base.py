@@ -69,6 +69,10 @@ class CausalLM(nn.Module):
     # False for a checkpoint without an LM head (an embedding model's base
     # model): it serves embedding requests only.
     generates: bool = True
+    # A sequence classifier's labels (`*ForSequenceClassification`; its
+    # head is the submodule `score`, as Hugging Face names it); None for
+    # other models.
+    labels: list[str] | None = None
 
     def forward(
         self,
@@ -78,6 +82,13 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         raise NotImplementedError
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[P, hidden] final hidden states of pooled rows -> what a pooling
+        request returns: the classifier's logits [P, labels], else the
+        states themselves."""
+        head = self._modules.get("score")
+        return hidden if head is None else head(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] float32 (every rank's vocabulary)."""

@@ -148,6 +148,8 @@ class LlamaForCausalLM(CausalLM):
         "MistralForCausalLM",
         "LlamaModel",  # an embedding model's base model, without an LM head
         "MistralModel",
+        "LlamaForSequenceClassification",  # a classifier's or cross-encoder's head
+        "MistralForSequenceClassification",
     )
     qkv_bias = False
     qk_norm = False
@@ -172,6 +174,12 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_rows, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
+            num_labels = int(getattr(config, "num_labels", 2))
+            self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
+            names = getattr(config, "id2label", None) or {}
+            self.labels = [str(names.get(i, f"LABEL_{i}")) for i in range(num_labels)]
+            self.generates = False
         self.fused_decode: FusedCpuDecode | None = None
 
     def decoder_layer(

@@ -8,7 +8,11 @@ from ferrox.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM", "Qwen2Model")
+    architectures: ClassVar[tuple[str, ...]] = (
+        "Qwen2ForCausalLM",
+        "Qwen2Model",
+        "Qwen2ForSequenceClassification",
+    )
     qkv_bias = True
     gguf_architecture: ClassVar[str | None] = "qwen2"
     gguf_config_class: ClassVar[Any] = Qwen2Config

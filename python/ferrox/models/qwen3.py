@@ -8,7 +8,11 @@ from ferrox.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM", "Qwen3Model")
+    architectures: ClassVar[tuple[str, ...]] = (
+        "Qwen3ForCausalLM",
+        "Qwen3Model",
+        "Qwen3ForSequenceClassification",
+    )
     qk_norm = True
     gguf_architecture: ClassVar[str | None] = "qwen3"
     gguf_config_class: ClassVar[Any] = Qwen3Config

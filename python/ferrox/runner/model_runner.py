@@ -320,7 +320,7 @@ class ModelRunner:
         if pool_rows:
             assert hidden is not None
             at = plan.logits_indices[np.asarray(pool_rows)]
-            pooled = hidden[self._tensor(at, "pool")].float().cpu().numpy()
+            pooled = self.model.pool(hidden[self._tensor(at, "pool")]).float().cpu().numpy()
         out = self.sampler(logits, sampling)
         prompt = [
             self._prompt_logprobs(hidden, plan, row, k, nxt)

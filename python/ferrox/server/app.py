@@ -170,6 +170,7 @@ def build_app(
         Route("/v1/completions", serving.completions, methods=["POST"]),
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
         Route("/v1/embeddings", pooling.embeddings, methods=["POST"]),
+        Route("/v1/classify", pooling.classify, methods=["POST"]),
         Route("/v1/score", pooling.score, methods=["POST"]),
         *(Route(path, pooling.rerank, methods=["POST"]) for path in RERANK_PATHS),
         Route("/v1/responses", responses.create, methods=["POST"]),

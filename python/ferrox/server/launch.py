@@ -320,6 +320,7 @@ def build_server_app(
         info = await engine.start()
         ctx.max_model_len = info.max_model_len
         ctx.vocab_size = info.vocab_size
+        ctx.labels = info.labels
         client.on_dead = on_dead
         client.on_step = ctx.metrics.iteration_tokens.observe
         ctx.metrics.set_cache_config(

@@ -1,14 +1,16 @@
-"""The pooling routes: `POST /v1/embeddings`, `POST /v1/score` and
-`POST /v1/rerank` (also at `/rerank` and `/v2/rerank`, the Jina and Cohere
-shape).
+"""The pooling routes: `POST /v1/embeddings`, `POST /v1/classify`,
+`POST /v1/score` and `POST /v1/rerank` (also at `/rerank` and `/v2/rerank`,
+the Jina and Cohere shape).
 
-Every input is an embedding request through the same scheduler as
-generation (one prefill, the prefix cache applies): the final hidden state
-of its last token, scaled to unit length (see `PoolingParams`). A score is
-the cosine similarity of two inputs' embeddings (a bi-encoder's score),
-which for unit vectors is their dot product; rerank orders the documents
-by their score against the query. Cross-encoder scoring (a
-sequence-classification head) is not served.
+Every input is a pooling request through the same scheduler as generation
+(one prefill, the prefix cache applies) whose output is computed from the
+final hidden state of its last token (see `PoolingParams`): an embedding
+(that state, unit length) or, for a model with a sequence-classification
+head, the head's probabilities. A score is, with a cross-encoder (a
+one-label head), the head's probability for the pair, encoded together as
+the tokenizer pairs two texts; with other models the cosine similarity of
+the two texts' embeddings (a bi-encoder's score). Rerank orders the
+documents by their score against the query.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ferrox.common.errors import InvalidArgumentError
-from ferrox.common.pooling_params import PoolingParams, score_pairs
+from ferrox.common.pooling_params import PoolingParams, cosine, score_pairs
 from ferrox.common.sampling_params import SamplingParams, check_priority
 from ferrox.server import openai_protocol as op
 from ferrox.server.request_translation import prompt_list
 from ferrox.server.serving import OpenAIServing
 
-_EMBED = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams())
+_PARAMS = {
+    task: SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(task=task))
+    for task in ("embed", "classify")
+}
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True):
@@ -37,6 +42,15 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
     text_1: str | list[str]
     text_2: str | list[str]
     model: str | None = None
+    priority: int = 0
+
+
+class ClassifyRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /v1/classify``."""
+
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    add_special_tokens: bool = True
     priority: int = 0
 
 
@@ -56,17 +70,19 @@ class PoolingServing:
         self.serving = serving
         self.ctx = serving.ctx
 
-    async def _embed(
+    async def _pool(
         self,
         http: Request,
         inputs: list[str | list[int]],
         priority: int,
         admitted: list[int],
         *,
+        task: str = "embed",
         param: str = "input",
         add_special_tokens: bool = True,
     ) -> tuple[list[list[float]], int]:
-        """Each input's embedding, and the prompt tokens they took."""
+        """Each input's pooled output (an embedding, or a classifier's
+        probabilities), and the prompt tokens they took."""
         try:
             check_priority(priority)
         except InvalidArgumentError as exc:
@@ -99,14 +115,14 @@ class PoolingServing:
                 )
         base = op.random_id("embd")
         runs = [
-            self.serving.new_run(f"{base}-{i}", ids, _Fields(priority), params=_EMBED)
+            self.serving.new_run(f"{base}-{i}", ids, _Fields(priority), params=_PARAMS[task])
             for i, ids in enumerate(prompts)
         ]
         await self.serving.run_all(http, runs)
         vectors = []
         for i, run in enumerate(runs):
             if run.state.embedding is None:
-                raise RuntimeError(f"the engine returned no embedding for input {i}")
+                raise RuntimeError(f"the engine returned no pooled output for input {i}")
             vectors.append(run.state.embedding)
         return vectors, sum(len(ids) for ids in prompts)
 
@@ -122,8 +138,9 @@ class PoolingServing:
                     "dimensions is not supported: embeddings have the model's hidden size",
                     param="dimensions",
                 )
+            self._require(classifier=False)
             inputs = prompt_list(req.input, "input")
-            vectors, tokens = await self._embed(
+            vectors, tokens = await self._pool(
                 http, inputs, req.priority, admitted, add_special_tokens=req.add_special_tokens
             )
             data = [
@@ -139,6 +156,92 @@ class PoolingServing:
 
         return await self.serving.handle(http, build)
 
+    # ---- /v1/classify ------------------------------------------------------------
+
+    async def classify(self, http: Request) -> Response:
+        async def build(body: bytes, admitted: list[int]) -> Response:
+            req = self.serving.decode(body, ClassifyRequest)
+            if (missing := self.serving.check_model(req.model)) is not None:
+                return missing
+            labels = self._require(classifier=True)
+            inputs = prompt_list(req.input, "input")
+            probs, tokens = await self._pool(
+                http,
+                inputs,
+                req.priority,
+                admitted,
+                task="classify",
+                add_special_tokens=req.add_special_tokens,
+            )
+            data = [
+                {
+                    "index": i,
+                    "label": labels[int(np.argmax(p))],
+                    "probs": p,
+                    "num_classes": len(labels),
+                }
+                for i, p in enumerate(probs)
+            ]
+            return _json(
+                {
+                    "id": op.random_id("classify"),
+                    "object": "list",
+                    "model": req.model or self.ctx.model_name,
+                    "data": data,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                }
+            )
+
+        return await self.serving.handle(http, build)
+
+    def _require(self, *, classifier: bool) -> list[str]:
+        """The classifier's labels, or a 400 where the route needs the other
+        kind of model."""
+        labels = self.ctx.labels
+        if classifier and labels is None:
+            raise op.BadRequest(
+                "this model has no sequence-classification head: it serves /v1/embeddings, and "
+                "/v1/score and /v1/rerank by the cosine of embeddings"
+            )
+        if not classifier and labels is not None:
+            raise op.BadRequest(
+                "this model is a sequence classifier (a cross-encoder): it serves /v1/classify, "
+                "/v1/score and /v1/rerank, not embeddings"
+            )
+        return labels or []
+
+    async def _scores(
+        self,
+        http: Request,
+        pairs: list[tuple[str, str]],
+        priority: int,
+        admitted: list[int],
+        param: str,
+    ) -> tuple[list[float], int]:
+        """Each pair's score (see the module's docstring), and the tokens it took."""
+        labels = self.ctx.labels
+        if labels is None:
+            texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+            inputs: list[str | list[int]] = list(texts)
+            vectors, tokens = await self._pool(http, inputs, priority, admitted, param=param)
+            by_text = dict(zip(texts, vectors, strict=True))
+            return [cosine(by_text[a], by_text[b]) for a, b in pairs], tokens
+        if len(labels) != 1:
+            raise op.BadRequest(
+                f"scoring needs a cross-encoder with one label; this classifier has "
+                f"{len(labels)}: use /v1/classify",
+                param=param,
+            )
+        tokenizer = self.ctx.tokenizer
+        size = sum(len(a) + len(b) for a, b in pairs)
+        encoded: list[str | list[int]] = await self.serving.offload(
+            size, lambda: [list(tokenizer(a, text_pair=b)["input_ids"]) for a, b in pairs]
+        )
+        probs, tokens = await self._pool(
+            http, encoded, priority, admitted, task="classify", param=param
+        )
+        return [p[0] for p in probs], tokens
+
     # ---- /v1/score ---------------------------------------------------------------
 
     async def score(self, http: Request) -> Response:
@@ -150,15 +253,9 @@ class PoolingServing:
                 pairs = score_pairs(req.text_1, req.text_2)
             except InvalidArgumentError as exc:
                 raise op.BadRequest(str(exc), param="text_2") from exc
-            texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-            inputs: list[str | list[int]] = list(texts)
-            vectors, tokens = await self._embed(
-                http, inputs, req.priority, admitted, param="text_2"
-            )
-            by_text = dict(zip(texts, vectors, strict=True))
+            scores, tokens = await self._scores(http, pairs, req.priority, admitted, "text_2")
             data = [
-                {"index": i, "object": "score", "score": _cosine(by_text[a], by_text[b])}
-                for i, (a, b) in enumerate(pairs)
+                {"index": i, "object": "score", "score": score} for i, score in enumerate(scores)
             ]
             return _json(
                 {
@@ -183,12 +280,8 @@ class PoolingServing:
                 raise op.BadRequest("documents must not be empty", param="documents")
             if req.top_n is not None and req.top_n < 1:
                 raise op.BadRequest(f"top_n must be at least 1, got {req.top_n}", "top_n")
-            inputs: list[str | list[int]] = [req.query, *req.documents]
-            vectors, tokens = await self._embed(
-                http, inputs, req.priority, admitted, param="documents"
-            )
-            query, documents = vectors[0], vectors[1:]
-            scores = [_cosine(query, document) for document in documents]
+            pairs = [(req.query, document) for document in req.documents]
+            scores, tokens = await self._scores(http, pairs, req.priority, admitted, "documents")
             order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
             results: list[dict[str, Any]] = []
             for i in order:
@@ -212,11 +305,6 @@ class _Fields(msgspec.Struct):
     """The request fields a run reads besides its sampling parameters."""
 
     priority: int = 0
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(x @ y / max(float(np.linalg.norm(x) * np.linalg.norm(y)), 1e-12))
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -84,6 +84,8 @@ class ServingContext:
     disable_additional_properties: bool = False
     # /v1/responses: how many stored responses are kept (least recently used go first).
     max_stored_responses: int = 1024
+    # The model's classifier labels (a cross-encoder's: one); None: it embeds.
+    labels: list[str] | None = None
     draining: bool = False
     in_flight: int = 0
     executor: ThreadPoolExecutor = field(
