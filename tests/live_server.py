@@ -172,6 +172,27 @@ class Server:
                 self.proc.kill()
 
 
+def tool_server(model: Path, folder: Path, *extra: str, name: str = "smol") -> Server:
+    """A server of `model` that renders TOOL_CHAT_TEMPLATE (written into
+    `folder`), reads hermes tool calls and qwen3 reasoning."""
+    template = folder / "chat.jinja"
+    template.write_text(TOOL_CHAT_TEMPLATE)
+    return Server(
+        model,
+        "--max-model-len",
+        "1024",
+        "--chat-template",
+        str(template),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        *extra,
+        served_names=(name,),
+    )
+
+
 def engine_processes_of(pid: int) -> list[psutil.Process]:
     """The engine-core child (its command runs engine_process_main)."""
     try:

@@ -27,9 +27,8 @@ from ferrox.common.structured_outputs import (
 from ferrox.runner.token_bitmask import apply_token_bitmask, apply_token_bitmask_torch
 from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import ChatOutput, tool_structured_outputs
-from tests.live_server import TOOL_CHAT_TEMPLATE as TEMPLATE
 from tests.live_server import WEATHER_TOOLS as TOOLS
-from tests.live_server import Server
+from tests.live_server import Server, tool_server
 
 # ---- parameters -------------------------------------------------------------
 
@@ -527,21 +526,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    srv = Server(
-        smollm2_path,
-        "--max-model-len",
-        "1024",
-        "--chat-template",
-        str(template),
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--reasoning-parser",
-        "qwen3",
-        served_names=("smol",),
-    )
+    srv = tool_server(smollm2_path, tmp_path_factory.mktemp("template"))
     yield srv
     srv.stop()
 

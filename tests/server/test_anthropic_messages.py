@@ -26,7 +26,7 @@ from ferrox.server import anthropic_protocol as ap
 from ferrox.server.anthropic_messages import BlockEvents, chat_request, content_blocks
 from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.openai_protocol import BadRequest
-from tests.live_server import API_KEY, TOOL_CHAT_TEMPLATE, WEATHER_TOOLS, Server
+from tests.live_server import API_KEY, WEATHER_TOOLS, Server, tool_server
 
 MODEL = "smol"
 TOOLS = [
@@ -46,22 +46,8 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TOOL_CHAT_TEMPLATE)
-    srv = Server(
-        smollm2_path,
-        "--max-model-len",
-        "1024",
-        "--chat-template",
-        str(template),
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--reasoning-parser",
-        "qwen3",
-        "--max-body-bytes",
-        str(64 * 1024),
-        served_names=(MODEL,),
+    srv = tool_server(
+        smollm2_path, tmp_path_factory.mktemp("template"), "--max-body-bytes", str(64 * 1024)
     )
     yield srv
     srv.stop()

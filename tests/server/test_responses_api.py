@@ -28,7 +28,7 @@ from ferrox.server.responses_api import (
     StoredResponse,
     input_messages,
 )
-from tests.live_server import TOOL_CHAT_TEMPLATE, WEATHER_TOOLS, Server
+from tests.live_server import WEATHER_TOOLS, Server, tool_server
 
 MODEL = "smol"
 TOOLS = [{"type": "function", **t["function"]} for t in WEATHER_TOOLS]
@@ -38,22 +38,8 @@ QUESTION = "What is the weather in Paris?"
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TOOL_CHAT_TEMPLATE)
-    srv = Server(
-        smollm2_path,
-        "--max-model-len",
-        "1024",
-        "--chat-template",
-        str(template),
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--reasoning-parser",
-        "qwen3",
-        "--max-stored-responses",
-        "8",
-        served_names=(MODEL,),
+    srv = tool_server(
+        smollm2_path, tmp_path_factory.mktemp("template"), "--max-stored-responses", "8"
     )
     yield srv
     srv.stop()
