@@ -253,3 +253,27 @@ def test_a_model_without_a_head_does_not_classify(tiny_models: dict[str, Path]) 
     llm = LLM(str(tiny_models["llama-gqa-tied"]), num_kv_blocks=64, block_size=4)
     with pytest.raises(errors.InvalidArgumentError, match="no sequence-classification head"):
         llm.classify([5, 6, 7], use_tqdm=False)
+
+
+def test_vllms_runner_and_convert_options(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    path = tiny_models["llama-gqa-tied"]
+    pooling = LLM(str(path), num_kv_blocks=64, block_size=4, runner="pooling")
+    hidden = pooling.engine.hf_config.hidden_size
+    assert len(pooling.embed([5, 6, 7], use_tqdm=False)[0].outputs.embedding) == hidden
+    with pytest.raises(errors.InvalidArgumentError, match="runner='pooling'"):
+        pooling.generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False)
+    generating = LLM(str(path), num_kv_blocks=64, block_size=4, runner="generate")
+    with pytest.raises(errors.InvalidArgumentError, match="runner='generate'"):
+        generating.embed([5, 6, 7], use_tqdm=False)
+    plain = LLM(str(path), num_kv_blocks=64, block_size=4, convert="none")
+    with pytest.raises(errors.InvalidArgumentError, match="convert='none'"):
+        plain.embed([5, 6, 7], use_tqdm=False)
+    classifier = _classifier(tiny_models, tmp_path, 1)
+    with pytest.raises(errors.ModelLoadError, match="runner='generate' needs"):
+        LLM(str(classifier), num_kv_blocks=64, block_size=4, runner="generate")
+    served = LLM(str(classifier), num_kv_blocks=64, block_size=4, convert="none")
+    assert len(served.classify([5, 6, 7], use_tqdm=False)[0].outputs.probs) == 1
+    with pytest.raises(errors.InvalidArgumentError, match="not turned into a classifier"):
+        LLM(str(path), convert="classify")
+    with pytest.raises(errors.InvalidArgumentError, match="runner must be one of"):
+        LLM(str(path), runner="draft")

@@ -26,6 +26,9 @@ DTYPE_NAMES = {
 }
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# vLLM's --runner and --convert (see engine_args.HELP).
+RUNNERS = ("auto", "generate", "pooling")
+CONVERSIONS = ("auto", "embed", "none")
 # How linear weights are held (see loader/model_loader.py): None keeps a GGUF
 # file's 4- and 8-bit blocks as stored (CPU) and loads other checkpoints in
 # `dtype`; "gguf" says the same of a GGUF file explicitly; "q8_0" / "q4_1"
@@ -80,6 +83,8 @@ class EngineConfig:
     # engine runs on GPU r.
     tensor_parallel_size: int = 1
     profiler_dir: str | None = None  # enables start_profile / stop_profile
+    runner: str = "auto"  # one of RUNNERS
+    convert: str = "auto"  # one of CONVERSIONS
 
     @property
     def max_admitted_requests(self) -> int | None:
@@ -148,6 +153,17 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHEDTYPE_NAMES:
             raise InvalidArgumentError(
                 f"kv_cache_dtype must be one of {KV_CACHEDTYPE_NAMES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.runner not in RUNNERS:
+            raise InvalidArgumentError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.convert == "classify":
+            raise InvalidArgumentError(
+                "convert='classify' is not supported: a causal LM is not turned into a "
+                "classifier; load a *ForSequenceClassification checkpoint"
+            )
+        if self.convert not in CONVERSIONS:
+            raise InvalidArgumentError(
+                f"convert must be one of {CONVERSIONS}, got {self.convert!r}"
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidArgumentError(

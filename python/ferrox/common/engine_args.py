@@ -48,6 +48,11 @@ HELP = {
     '"disable_by_batch_size", and "adaptive" (default true: draft lengths from measured '
     "acceptance and step cost)",
     "max_logprobs": "largest logprobs / top_logprobs a request may ask for",
+    "runner": "auto | generate (refuse a checkpoint that cannot generate) | pooling (serve "
+    "embeddings, classification and scores; generation requests are refused)",
+    "convert": "auto | embed (a causal LM's pooling requests embed: its last token's final "
+    "hidden state) | none (only a checkpoint made for pooling, a base model or a classifier, "
+    "serves them)",
     "profiler_dir": "enable the torch profiler (LLM.start_profile / stop_profile, the server's "
     "POST /start_profile and /stop_profile); traces are written to this folder",
 }

@@ -38,6 +38,7 @@ from ferrox.common.errors import (
     ContextLengthExceededError,
     DuplicateRequestError,
     InvalidArgumentError,
+    ModelLoadError,
 )
 from ferrox.common.outputs import FinishReason
 from ferrox.common.protocol import SequenceDelta
@@ -92,6 +93,11 @@ class EngineCore:
 
     def _init(self, config: EngineConfig, spec: SpeculativeConfig | None) -> None:
         loaded = self.loaded = self.executor.loaded
+        if config.runner == "generate" and not loaded.model.generates:
+            raise ModelLoadError(
+                "runner='generate' needs a model with an LM head; this checkpoint (an "
+                "embedding model's base model or a classifier) serves pooling requests only"
+            )
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.vocab_size = int(loaded.hf_config.vocab_size)
@@ -153,9 +159,14 @@ class EngineCore:
             self._check_pooling_task(params.pooling.task)
         if params.pooling is None and not self.runner.model.generates:
             raise InvalidArgumentError(
-                "this model's checkpoint has no LM head (an embedding model's base model): it "
-                "serves embeddings (LLM.embed, /v1/embeddings, /v1/score, /v1/rerank), not "
-                "generation"
+                "this model's checkpoint has no LM head (an embedding model's base model or a "
+                "classifier): it serves pooling requests (LLM.embed / classify / score, "
+                "/v1/embeddings, /v1/classify, /v1/score, /v1/rerank), not generation"
+            )
+        if params.pooling is None and self.config.runner == "pooling":
+            raise InvalidArgumentError(
+                "this engine runs its model for pooling (runner='pooling'): it serves "
+                "embeddings, classification and scores, not generation"
             )
         if n == 0:
             raise InvalidArgumentError("the prompt is empty")
@@ -425,6 +436,16 @@ class EngineCore:
 
     def _check_pooling_task(self, task: str) -> None:
         model = self.runner.model
+        if self.config.runner == "generate":
+            raise InvalidArgumentError(
+                "this engine runs its model for generation (runner='generate'): it serves no "
+                "pooling requests"
+            )
+        if task == "embed" and model.generates and self.config.convert == "none":
+            raise InvalidArgumentError(
+                "this causal LM is not converted into an embedding model (convert='none'); "
+                "start the engine with convert='embed' (or 'auto')"
+            )
         if task == "classify" and model.labels is None:
             raise InvalidArgumentError(
                 "this model has no sequence-classification head: it embeds (LLM.embed, "
