@@ -6,6 +6,7 @@ generation and embedding requests in one step."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -277,3 +278,31 @@ def test_vllms_runner_and_convert_options(tiny_models: dict[str, Path], tmp_path
         LLM(str(path), convert="classify")
     with pytest.raises(errors.InvalidArgumentError, match="runner must be one of"):
         LLM(str(path), runner="draft")
+
+
+def test_a_causal_lm_scores_as_a_yes_no_reranker(tiny_models: dict[str, Path]) -> None:
+    """Qwen3-Reranker's way, as vLLM serves it (hf_overrides): the causal
+    LM's p("yes") against p("no") at the prompt's last token becomes a
+    one-label head, so classify and score give that probability."""
+    path = tiny_models["qwen3"]
+    hf = models.hf_model(path)
+    llm_probe = LLM(str(path), num_kv_blocks=64, block_size=4)
+    tok = llm_probe.get_tokenizer()
+    no, yes = tok.convert_ids_to_tokens([40, 41])
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": [no, yes],
+        "is_original_qwen3_reranker": True,
+    }
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4, hf_overrides=json.dumps(overrides))
+    assert llm.engine.runner.model.labels == [yes]
+    prompts = _prompts()
+    got = [o.outputs.probs[0] for o in llm.classify(prompts, use_tqdm=False)]
+    with torch.no_grad():
+        logits = [hf(torch.tensor([p])).logits[0, -1].double() for p in prompts]
+    want = [float(torch.softmax(x[[40, 41]], dim=0)[1]) for x in logits]
+    assert got == pytest.approx(want, abs=2e-5)
+    with pytest.raises(errors.ModelLoadError, match="two classifier_from_token"):
+        LLM(str(path), hf_overrides={**overrides, "classifier_from_token": [yes]})
+    with pytest.raises(errors.InvalidArgumentError, match="not valid JSON"):
+        LLM(str(path), hf_overrides="{")

@@ -9,6 +9,7 @@ resolved where the engine runs (`ferrox.parallel.device`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     profiler_dir: str | None = None  # enables start_profile / stop_profile
     runner: str = "auto"  # one of RUNNERS
+    # Attributes set on the model's Hugging Face config before the model is
+    # built (vLLM's --hf-overrides): a dict, or its JSON text.
+    hf_overrides: dict[str, Any] | str | None = None
     convert: str = "auto"  # one of CONVERSIONS
 
     @property
@@ -106,7 +110,9 @@ class EngineConfig:
             )
         config = cls(**options)
         config = dataclasses.replace(
-            config, speculative_config=SpeculativeConfig.parse(config.speculative_config)
+            config,
+            speculative_config=SpeculativeConfig.parse(config.speculative_config),
+            hf_overrides=parse_overrides(config.hf_overrides),
         )
         config.validate()
         return config
@@ -215,3 +221,19 @@ class EngineConfig:
             return self.max_num_batched_tokens
         limit = max(8192, self.max_num_seqs)
         return limit if self.enable_chunked_prefill else max(limit, max_model_len)
+
+
+def parse_overrides(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """hf_overrides as a dict (from its JSON text), checked."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidArgumentError(f"hf_overrides is not valid JSON: {e}") from e
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise InvalidArgumentError(
+            f"hf_overrides must be a JSON object of config attributes, got {value!r}"
+        )
+    return value

@@ -48,6 +48,9 @@ HELP = {
     '"disable_by_batch_size", and "adaptive" (default true: draft lengths from measured '
     "acceptance and step cost)",
     "max_logprobs": "largest logprobs / top_logprobs a request may ask for",
+    "hf_overrides": "attributes set on the model's config before it is built, as JSON: "
+    '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", '
+    '"yes"], "is_original_qwen3_reranker": true} serves Qwen3-Reranker as a cross-encoder',
     "runner": "auto | generate (refuse a checkpoint that cannot generate) | pooling (serve "
     "embeddings, classification and scores; generation requests are refused)",
     "convert": "auto | embed (a causal LM's pooling requests embed: its last token's final "
@@ -75,8 +78,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         flags = (flag, "-tp") if f.name == "tensor_parallel_size" else (flag,)
-        # speculative_config: JSON text, parsed by EngineConfig.create.
-        kind = str if f.name == "speculative_config" else _base_type(f.type)
+        # speculative_config, hf_overrides: JSON text, parsed by EngineConfig.create.
+        json_text = f.name in ("speculative_config", "hf_overrides")
+        kind = str if json_text else _base_type(f.type)
         help_text = f"{HELP.get(f.name, '')} (default: {f.default})"
         if kind is bool:
             group.add_argument(

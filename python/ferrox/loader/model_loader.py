@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from ferrox.common.config import EngineConfig
+from ferrox.common.config import EngineConfig, parse_overrides
 from ferrox.common.errors import InvalidArgumentError, ModelLoadError
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
@@ -81,11 +81,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
         )
         gguf = load_gguf(path, dtype=torch_dtype(config), keep_blocks=keep_blocks)
         hf_config, tokenizer = gguf.config, gguf.tokenizer
+        _apply_overrides(hf_config, config.hf_overrides)
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         plan = block_plan(gguf.state_dict, tied, resolve_model_class(hf_config).module_of)
         state = gguf.state_dict
     else:
         hf_config = _read_config(path)
+        _apply_overrides(hf_config, config.hf_overrides)
     if config.tokenizer is not None or tokenizer is None:
         source = resolve_model_path(config.tokenizer) if config.tokenizer else path
         tokenizer = _load_tokenizer(source, fmt)
@@ -111,6 +113,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
                 for name, t in weights
             )
     model.eval()
+    tokens = model.score_from_tokens
+    if tokens:
+        model.derive_score_head(_token_ids(tokenizer, tokens))
     if quantize_to is not None:
         quantize_linear_layers(model, quantize_to)
     if _block_kernels(config) == "triton":
@@ -267,6 +272,26 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
                 param.zero_()
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+
+
+def _apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | str | None) -> None:
+    for key, value in (parse_overrides(overrides) or {}).items():
+        setattr(hf_config, key, value)
+
+
+def _token_ids(tokenizer: Any | None, tokens: list[str]) -> list[int]:
+    """The vocabulary ids of `tokens` (classifier_from_token), each one token."""
+    if tokenizer is None:
+        raise ModelLoadError("classifier_from_token needs the model's tokenizer")
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            raise ModelLoadError(
+                f"classifier_from_token: {token!r} is not a token of the vocabulary"
+            )
+        ids.append(token_id)
+    return ids
 
 
 def _read_config(path: Path) -> PretrainedConfig:

@@ -73,6 +73,8 @@ class CausalLM(nn.Module):
     # head is the submodule `score`, as Hugging Face names it); None for
     # other models.
     labels: list[str] | None = None
+    # A head made from LM-head rows (classifier_from_token): those tokens.
+    score_from_tokens: list[str] | None = None
 
     def forward(
         self,
@@ -81,6 +83,11 @@ class CausalLM(nn.Module):
         kv_caches: list[KvCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
+        raise NotImplementedError
+
+    def derive_score_head(self, token_ids: list[int]) -> None:
+        """Fills the classifier head from the LM-head rows of `token_ids`
+        (the ids of `score_from_tokens`)."""
         raise NotImplementedError
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -175,12 +175,51 @@ class LlamaForCausalLM(CausalLM):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
-            num_labels = int(getattr(config, "num_labels", 2))
-            self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
-            names = getattr(config, "id2label", None) or {}
-            self.labels = [str(names.get(i, f"LABEL_{i}")) for i in range(num_labels)]
-            self.generates = False
+            self._classifier_head(config)
         self.fused_decode: FusedCpuDecode | None = None
+
+    def _classifier_head(self, config: Any) -> None:
+        """A sequence classifier's `score` head: from the checkpoint, or (vLLM's
+        `classifier_from_token`) from the LM head's rows of those tokens; with
+        `is_original_qwen3_reranker`, one label: the "yes" row minus the "no"
+        row, so that its sigmoid is the model's p(yes) against p(no)."""
+        tokens = getattr(config, "classifier_from_token", None)
+        self.score_difference = bool(getattr(config, "is_original_qwen3_reranker", False))
+        names = getattr(config, "id2label", None) or {}
+        if tokens is not None:
+            if not (
+                isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)
+            ):
+                raise ModelLoadError(f"classifier_from_token must list tokens, got {tokens!r}")
+            if self.score_difference and len(tokens) != 2:
+                raise ModelLoadError(
+                    "is_original_qwen3_reranker needs two classifier_from_token: the 'no' and "
+                    f"the 'yes' token, got {tokens!r}"
+                )
+            if distributed.state().size > 1:
+                raise ModelLoadError(
+                    "classifier_from_token is not supported with tensor parallelism"
+                )
+            self.score_from_tokens = list(tokens)
+            names = dict(enumerate(tokens[1:] if self.score_difference else tokens))
+        num_labels = len(names) if tokens is not None else int(getattr(config, "num_labels", 2))
+        self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
+        self.labels = [str(names.get(i, f"LABEL_{i}")) for i in range(num_labels)]
+        self.generates = False
+
+    def derive_score_head(self, token_ids: list[int]) -> None:
+        lm_head = self.lm_head
+        if type(lm_head) is not nn.Linear:
+            raise ModelLoadError(
+                "classifier_from_token needs the LM head in float (not in a GGUF file's blocks)"
+            )
+        rows = lm_head.weight[token_ids]
+        if self.score_difference:
+            rows = (rows[1] - rows[0])[None]
+        head = self._modules["score"]
+        assert isinstance(head, nn.Linear)
+        with torch.no_grad():
+            head.weight.copy_(rows)
 
     def decoder_layer(
         self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend]
@@ -338,6 +377,8 @@ class LlamaForCausalLM(CausalLM):
     def _check_complete(self, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
         """Every parameter was loaded; but for the LM head of a base model's
         checkpoint (an embedding model's), which then serves embeddings only."""
+        if self.score_from_tokens:
+            loaded = loaded | {"score.weight"}  # made from LM-head rows after loading
         if "lm_head.weight" not in loaded and not self.tie_word_embeddings:
             others = [k for k in loaded if k != "lm_head.weight"]
             if others and all(not k.startswith("lm_head.") for k in loaded):

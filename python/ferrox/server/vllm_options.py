@@ -26,7 +26,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--download-dir": "hub models go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE)",
     "--max-seq-len-to-capture": "CUDA graphs cover decode batches up to --max-num-seqs",
     "--compilation-config": "ferrox does not use torch.compile",
-    "--hf-overrides": "the model's config is used as it is",
     "--num-scheduler-steps": "ferrox schedules every step",
 }
 
