@@ -306,3 +306,37 @@ def test_a_causal_lm_scores_as_a_yes_no_reranker(tiny_models: dict[str, Path]) -
         LLM(str(path), hf_overrides={**overrides, "classifier_from_token": [yes]})
     with pytest.raises(errors.InvalidArgumentError, match="not valid JSON"):
         LLM(str(path), hf_overrides="{")
+
+
+def test_matryoshka_dimensions(tiny_models: dict[str, Path]) -> None:
+    """`dimensions` keeps an embedding's first values, then normalises;
+    only where the model's config says it was trained for it."""
+    path = tiny_models["llama-gqa-tied"]
+    prompts = _prompts()[:2]
+    raw = hf_embeddings(path, prompts, normalize=False)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4, hf_overrides={"is_matryoshka": True})
+    out = llm.embed(prompts, PoolingParams(dimensions=16), use_tqdm=False)
+    for got, full in zip(out, raw, strict=True):
+        want = full[:16] / np.linalg.norm(full[:16])
+        np.testing.assert_allclose(got.outputs.embedding, want, atol=2e-5)
+    hidden = llm.engine.hf_config.hidden_size
+    with pytest.raises(errors.InvalidArgumentError, match=f"at most {hidden}"):
+        llm.embed(prompts, PoolingParams(dimensions=hidden + 1), use_tqdm=False)
+    listed = LLM(
+        str(path), num_kv_blocks=64, block_size=4, hf_overrides={"matryoshka_dimensions": [8, 32]}
+    )
+    assert (
+        len(
+            listed.embed(prompts[0], PoolingParams(dimensions=8), use_tqdm=False)[
+                0
+            ].outputs.embedding
+        )
+        == 8
+    )
+    with pytest.raises(errors.InvalidArgumentError, match=r"one of \[8, 32\]"):
+        listed.embed(prompts[0], PoolingParams(dimensions=16), use_tqdm=False)
+    plain = LLM(str(path), num_kv_blocks=64, block_size=4)
+    with pytest.raises(errors.InvalidArgumentError, match="Matryoshka-trained"):
+        plain.embed(prompts[0], PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(errors.InvalidArgumentError, match="dimensions must be an int"):
+        PoolingParams(dimensions=0)

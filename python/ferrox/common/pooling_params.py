@@ -16,7 +16,8 @@ class PoolingParams:
     prompt's last token (last-token pooling, as decoder-only embedding
     models such as Qwen3-Embedding and sequence classifiers are trained):
 
-    - task "embed": that state, scaled to unit length when `normalize`;
+    - task "embed": that state (its first `dimensions` values, for a
+      Matryoshka-trained model), scaled to unit length when `normalize`;
     - task "classify" (a model with a sequence-classification head): the
       head's output, as probabilities when `activation` (a sigmoid for one
       label, a softmax over several), else as logits.
@@ -26,10 +27,17 @@ class PoolingParams:
     task: Literal["embed", "classify"] = "embed"
     normalize: bool = True
     activation: bool = True
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in ("embed", "classify"):
             raise InvalidArgumentError(f"task must be 'embed' or 'classify', got {self.task!r}")
+        if self.dimensions is not None and (
+            isinstance(self.dimensions, bool)
+            or not isinstance(self.dimensions, int)
+            or self.dimensions < 1
+        ):
+            raise InvalidArgumentError(f"dimensions must be an int >= 1, got {self.dimensions!r}")
         for name in ("normalize", "activation"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(

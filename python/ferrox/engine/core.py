@@ -157,6 +157,8 @@ class EngineCore:
         n = len(prompt_token_ids)
         if params.pooling is not None:
             self._check_pooling_task(params.pooling.task)
+            if params.pooling.dimensions is not None:
+                self._check_dimensions(params.pooling.dimensions, params.pooling.task)
         if params.pooling is None and not self.runner.model.generates:
             raise InvalidArgumentError(
                 "this model's checkpoint has no LM head (an embedding model's base model or a "
@@ -434,6 +436,24 @@ class EngineCore:
             self.speculator.end_step(plan)
         return result
 
+    def _check_dimensions(self, dimensions: int, task: str) -> None:
+        """Matryoshka truncation: only for a model trained for it (its config
+        says `is_matryoshka`, or lists `matryoshka_dimensions`)."""
+        config = self.hf_config
+        allowed = getattr(config, "matryoshka_dimensions", None)
+        if task != "embed":
+            raise InvalidArgumentError("dimensions applies to embeddings only")
+        if not (getattr(config, "is_matryoshka", False) or allowed):
+            raise InvalidArgumentError(
+                "dimensions needs a Matryoshka-trained model: this model's config says neither "
+                "is_matryoshka nor matryoshka_dimensions (hf_overrides can set them for a model "
+                "trained so)"
+            )
+        hidden = int(config.hidden_size)
+        if dimensions > hidden or (allowed and dimensions not in allowed):
+            valid = f"one of {list(allowed)}" if allowed else f"at most {hidden}"
+            raise InvalidArgumentError(f"dimensions must be {valid}, got {dimensions}")
+
     def _check_pooling_task(self, task: str) -> None:
         model = self.runner.model
         if self.config.runner == "generate":
@@ -632,6 +652,8 @@ def _keep_pooled(live: list[SequenceState | None], rows: list[int], out: RunnerO
         assert seq is not None and seq.params.pooling is not None
         pooling = seq.params.pooling
         values = vector.astype(np.float64)
+        if pooling.dimensions is not None:
+            values = values[: pooling.dimensions]
         if pooling.task == "embed" and pooling.normalize:
             values = values / max(float(np.linalg.norm(values)), 1e-12)
         elif pooling.task == "classify" and pooling.activation:

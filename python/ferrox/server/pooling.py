@@ -80,6 +80,7 @@ class PoolingServing:
         task: str = "embed",
         param: str = "input",
         add_special_tokens: bool = True,
+        dimensions: int | None = None,
     ) -> tuple[list[list[float]], int]:
         """Each input's pooled output (an embedding, or a classifier's
         probabilities), and the prompt tokens they took."""
@@ -113,9 +114,13 @@ class PoolingServing:
                     f"{self.ctx.max_model_len - 1}",
                     param=param,
                 )
+        params = _PARAMS[task]
+        if dimensions is not None:
+            pooling = PoolingParams(task="embed", dimensions=dimensions)
+            params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
         base = op.random_id("embd")
         runs = [
-            self.serving.new_run(f"{base}-{i}", ids, _Fields(priority), params=_PARAMS[task])
+            self.serving.new_run(f"{base}-{i}", ids, _Fields(priority), params=params)
             for i, ids in enumerate(prompts)
         ]
         await self.serving.run_all(http, runs)
@@ -133,15 +138,19 @@ class PoolingServing:
             req = self.serving.decode(body, op.EmbeddingRequest)
             if (missing := self.serving.check_model(req.model)) is not None:
                 return missing
-            if req.dimensions is not None:
+            if req.dimensions is not None and (req.dimensions < 1 or req.dimensions >= 1 << 31):
                 raise op.BadRequest(
-                    "dimensions is not supported: embeddings have the model's hidden size",
-                    param="dimensions",
+                    f"dimensions must be at least 1, got {req.dimensions}", param="dimensions"
                 )
             self._require(classifier=False)
             inputs = prompt_list(req.input, "input")
             vectors, tokens = await self._pool(
-                http, inputs, req.priority, admitted, add_special_tokens=req.add_special_tokens
+                http,
+                inputs,
+                req.priority,
+                admitted,
+                add_special_tokens=req.add_special_tokens,
+                dimensions=req.dimensions,
             )
             data = [
                 op.EmbeddingData(index=i, embedding=_encoded(vector, req.encoding_format))
