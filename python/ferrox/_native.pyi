@@ -13,6 +13,7 @@ __all__ = [
     "BatchPlan",
     "BlockAllocator",
     "CpuDecoderLayer",
+    "CpuMoeExperts",
     "RadixCache",
     "Scheduler",
     "SchedulerStats",
@@ -330,6 +331,7 @@ class CpuDecoderLayer:
         num_threads: int,
     ) -> None: ...
 
+@final
 class CpuMoeExperts:
     """An MoE block (float32 router, block-format experts), run on a few tokens in one call."""
 

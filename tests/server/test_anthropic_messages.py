@@ -162,6 +162,42 @@ def test_tool_use_enforced_by_tool_choice(server: Server, stream: bool) -> None:
     server.wait_idle()
 
 
+def test_a_tool_use_round_trip(server: Server) -> None:
+    """A forced tool call, its result sent back as a tool_result block, and
+    the reply that reads it."""
+    client = _client(server)
+    first = client.messages.create(
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        max_tokens=80,
+        extra_body=GREEDY,
+    )
+    [call] = [block for block in first.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and first.stop_reason == "tool_use"
+    second = client.messages.create(
+        model=MODEL,
+        messages=[
+            *QUESTION,
+            {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 C"}],
+            },
+        ],
+        tools=TOOLS,
+        tool_choice={"type": "none"},
+        max_tokens=8,
+        extra_body=GREEDY,
+    )
+    assert [block.type for block in second.content] == ["text"]
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens > (
+        first.usage.input_tokens + first.usage.cache_read_input_tokens
+    )
+    server.wait_idle()
+
+
 def test_structured_output_format(server: Server) -> None:
     schema = {
         "type": "object",

@@ -209,6 +209,23 @@ def test_structured_output_format(server: Server) -> None:
     server.wait_idle()
 
 
+def test_parse_with_a_pydantic_model(server: Server) -> None:
+    """`responses.parse(text_format=Model)`: the SDK sends the model's
+    strict schema and reads the reply back into the model."""
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=12)
+        sunny: bool
+
+    reply = server.client().responses.parse(
+        model=MODEL, input=QUESTION, text_format=Weather, max_output_tokens=60, temperature=0
+    )
+    assert isinstance(reply.output_parsed, Weather)
+    assert Weather.model_validate_json(reply.output_text) == reply.output_parsed
+    server.wait_idle()
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [

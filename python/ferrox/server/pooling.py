@@ -123,7 +123,14 @@ class PoolingServing:
             self.serving.new_run(f"{base}-{i}", ids, _Fields(priority), params=params)
             for i, ids in enumerate(prompts)
         ]
-        await self.serving.run_all(http, runs)
+        try:
+            await self.serving.run_all(http, runs)
+        except InvalidArgumentError as e:
+            # The engine checks dimensions against the model's config; its
+            # messages start with the field's name.
+            if dimensions is not None and str(e).startswith("dimensions"):
+                raise op.BadRequest(str(e), param="dimensions") from e
+            raise
         vectors = []
         for i, run in enumerate(runs):
             if run.state.embedding is None:
@@ -210,12 +217,14 @@ class PoolingServing:
         if classifier and labels is None:
             raise op.BadRequest(
                 "this model has no sequence-classification head: it serves /v1/embeddings, and "
-                "/v1/score and /v1/rerank by the cosine of embeddings"
+                "/v1/score and /v1/rerank by the cosine of embeddings",
+                param="model",
             )
         if not classifier and labels is not None:
             raise op.BadRequest(
                 "this model is a sequence classifier (a cross-encoder): it serves /v1/classify, "
-                "/v1/score and /v1/rerank, not embeddings"
+                "/v1/score and /v1/rerank, not embeddings",
+                param="model",
             )
         return labels or []
 

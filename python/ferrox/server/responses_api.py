@@ -74,7 +74,8 @@ RESPONSES_FIELDS = FieldRules(
         }
     ),
 )
-_RENAMES = {"max_tokens": "max_output_tokens"}
+# The chat request's field names of a check's error, as the Responses API calls them.
+_RENAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
 
 
 def _id(prefix: str) -> str:
@@ -554,11 +555,11 @@ class ResponsesServing:
                 return self._not_stored(req.previous_response_id, "previous_response_id")
             history = previous.history
         chat, conversation = chat_request(req, history)
-        tools = tool_plan(chat, self.ctx.tool_parser, self.ctx.disable_additional_properties)
-        self.ctx.admit(1)
-        admitted.append(1)
-        prompt = await self.serving.chat_prompt_async(chat)
         try:
+            tools = tool_plan(chat, self.ctx.tool_parser, self.ctx.disable_additional_properties)
+            self.ctx.admit(1)
+            admitted.append(1)
+            prompt = await self.serving.chat_prompt_async(chat)
             run = self.serving.new_run(_id("resp"), prompt, chat, tools)
         except BadRequest as e:
             raise e.renamed(_RENAMES) from None
