@@ -479,9 +479,15 @@ class EngineCore:
 
     @staticmethod
     def _pool_rows(live: list[SequenceState | None]) -> list[int]:
-        """The sample rows of embedding requests (each samples once: at the
-        end of its prompt)."""
-        return [i for i, s in enumerate(live) if s is not None and s.params.pooling is not None]
+        """The sample rows of pooling requests: each one's first, the end of
+        its prompt (a row that verifies drafts, should one have them, comes
+        after it)."""
+        rows, seen = [], set()
+        for i, seq in enumerate(live):
+            if seq is not None and seq.params.pooling is not None and seq.seq_id not in seen:
+                seen.add(seq.seq_id)
+                rows.append(i)
+        return rows
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar has compiled reach the scheduler; one whose
