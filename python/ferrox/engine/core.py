@@ -124,6 +124,8 @@ class EngineCore:
         self._requests: dict[str, EngineRequest] = {}
         self._compiling: dict[str, _Compiling] = {}  # requests waiting for their grammar
         self._seqs: dict[int, SequenceState] = {}
+        # Sequences not yet in a plan (see _note_first_schedules).
+        self._unscheduled: set[int] = set()
         self._next_seq_id = 0
         # Requests whose prompt logprobs are still to come: a step scans its
         # rows for them only while there are some.
@@ -313,10 +315,12 @@ class EngineCore:
             use_prefix_cache=params.prompt_logprobs is None or seq.index > 0,
         )
         self._seqs[seq.seq_id] = seq
+        self._unscheduled.add(seq.seq_id)
         self._features.add(params)
 
     def _retire(self, seq: SequenceState) -> None:
         """The sequence leaves the scheduler (finished, stopped or aborted)."""
+        self._unscheduled.discard(seq.seq_id)
         if self._seqs.pop(seq.seq_id, None) is not None:
             self._features.add(seq.params, -1)
 
@@ -599,13 +603,21 @@ class EngineCore:
     def _note_first_schedules(self, plan: BatchPlan) -> None:
         """A row seen for the first time: when it was scheduled, and the
         prompt tokens the prefix cache served (computed before its chunk).
-        Every row is looked at: a prompt whose cache hit leaves one token to
-        compute is planned as a decode row."""
+        Any row may be one (a prompt whose cache hit leaves one token to
+        compute is planned as a decode row); a step with no sequence waiting
+        for its first plan looks at none."""
+        unscheduled = self._unscheduled
+        if not unscheduled:
+            return
         req_ids, computed = plan.req_ids, plan.num_computed_tokens
         t_now = None
         for row in range(plan.num_reqs):
-            seq = self._seqs.get(int(req_ids[row]))
-            if seq is not None and seq.num_cached_tokens is None:
+            sid = int(req_ids[row])
+            if sid not in unscheduled:
+                continue
+            unscheduled.discard(sid)
+            seq = self._seqs.get(sid)
+            if seq is not None:
                 seq.num_cached_tokens = int(computed[row])
                 req = seq.request
                 if req.first_scheduled_time is None:
