@@ -21,10 +21,6 @@ def message_id() -> str:
     return f"msg_{secrets.token_hex(12)}"
 
 
-def tool_use_id() -> str:
-    return f"toolu_{secrets.token_hex(12)}"
-
-
 # ---- request content blocks ---------------------------------------------------
 
 

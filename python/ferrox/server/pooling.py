@@ -74,7 +74,7 @@ class PoolingServing:
         self,
         http: Request,
         inputs: list[str | list[int]],
-        priority: int,
+        req: Any,
         admitted: list[int],
         *,
         task: str = "embed",
@@ -83,9 +83,10 @@ class PoolingServing:
         dimensions: int | None = None,
     ) -> tuple[list[list[float]], int]:
         """Each input's pooled output (an embedding, or a classifier's
-        probabilities), and the prompt tokens they took."""
+        probabilities), and the prompt tokens they took. `req`: the decoded
+        request (its `priority` is read)."""
         try:
-            check_priority(priority)
+            check_priority(req.priority)
         except InvalidArgumentError as exc:
             raise op.BadRequest(str(exc), param="priority") from exc
         if len(inputs) > self.ctx.limits.max_prompts:
@@ -120,7 +121,7 @@ class PoolingServing:
             params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
         base = op.random_id("embd")
         runs = [
-            self.serving.new_run(f"{base}-{i}", ids, _Fields(priority), params=params)
+            self.serving.new_run(f"{base}-{i}", ids, req, params=params)
             for i, ids in enumerate(prompts)
         ]
         try:
@@ -154,7 +155,7 @@ class PoolingServing:
             vectors, tokens = await self._pool(
                 http,
                 inputs,
-                req.priority,
+                req,
                 admitted,
                 add_special_tokens=req.add_special_tokens,
                 dimensions=req.dimensions,
@@ -184,7 +185,7 @@ class PoolingServing:
             probs, tokens = await self._pool(
                 http,
                 inputs,
-                req.priority,
+                req,
                 admitted,
                 task="classify",
                 add_special_tokens=req.add_special_tokens,
@@ -232,7 +233,7 @@ class PoolingServing:
         self,
         http: Request,
         pairs: list[tuple[str, str]],
-        priority: int,
+        req: Any,
         admitted: list[int],
         param: str,
     ) -> tuple[list[float], int]:
@@ -241,7 +242,7 @@ class PoolingServing:
         if labels is None:
             texts = list(dict.fromkeys(text for pair in pairs for text in pair))
             inputs: list[str | list[int]] = list(texts)
-            vectors, tokens = await self._pool(http, inputs, priority, admitted, param=param)
+            vectors, tokens = await self._pool(http, inputs, req, admitted, param=param)
             by_text = dict(zip(texts, vectors, strict=True))
             return [cosine(by_text[a], by_text[b]) for a, b in pairs], tokens
         if len(labels) != 1:
@@ -255,9 +256,7 @@ class PoolingServing:
         encoded: list[str | list[int]] = await self.serving.offload(
             size, lambda: [list(tokenizer(a, text_pair=b)["input_ids"]) for a, b in pairs]
         )
-        probs, tokens = await self._pool(
-            http, encoded, priority, admitted, task="classify", param=param
-        )
+        probs, tokens = await self._pool(http, encoded, req, admitted, task="classify", param=param)
         return [p[0] for p in probs], tokens
 
     # ---- /v1/score ---------------------------------------------------------------
@@ -271,7 +270,7 @@ class PoolingServing:
                 pairs = score_pairs(req.text_1, req.text_2)
             except InvalidArgumentError as exc:
                 raise op.BadRequest(str(exc), param="text_2") from exc
-            scores, tokens = await self._scores(http, pairs, req.priority, admitted, "text_2")
+            scores, tokens = await self._scores(http, pairs, req, admitted, "text_2")
             data = [
                 {"index": i, "object": "score", "score": score} for i, score in enumerate(scores)
             ]
@@ -299,7 +298,7 @@ class PoolingServing:
             if req.top_n is not None and req.top_n < 1:
                 raise op.BadRequest(f"top_n must be at least 1, got {req.top_n}", "top_n")
             pairs = [(req.query, document) for document in req.documents]
-            scores, tokens = await self._scores(http, pairs, req.priority, admitted, "documents")
+            scores, tokens = await self._scores(http, pairs, req, admitted, "documents")
             order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
             results: list[dict[str, Any]] = []
             for i in order:
@@ -317,12 +316,6 @@ class PoolingServing:
             )
 
         return await self.serving.handle(http, build)
-
-
-class _Fields(msgspec.Struct):
-    """The request fields a run reads besides its sampling parameters."""
-
-    priority: int = 0
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
