@@ -22,12 +22,9 @@ import pytest
 from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.openai_protocol import BadRequest
-from ferrox.server.responses_api import (
-    OutputItems,
-    ResponseStore,
-    StoredResponse,
-    input_messages,
-)
+from ferrox.server.responses_api import ResponseStore, StoredResponse
+from ferrox.server.responses_input import input_messages
+from ferrox.server.responses_output import OutputItems
 from tests.live_server import WEATHER_TOOLS, Server, tool_server
 
 MODEL = "smol"
