@@ -306,6 +306,8 @@ def test_a_causal_lm_scores_as_a_yes_no_reranker(tiny_models: dict[str, Path]) -
         LLM(str(path), hf_overrides={**overrides, "classifier_from_token": [yes]})
     with pytest.raises(errors.InvalidArgumentError, match="not valid JSON"):
         LLM(str(path), hf_overrides="{")
+    with pytest.raises(errors.ModelLoadError, match="hf_overrides cannot set 'hidden_size'"):
+        LLM(str(path), hf_overrides={"hidden_size": "wide"})
 
 
 def test_matryoshka_dimensions(tiny_models: dict[str, Path]) -> None:

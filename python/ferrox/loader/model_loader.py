@@ -276,7 +276,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
 
 def _apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | str | None) -> None:
     for key, value in (parse_overrides(overrides) or {}).items():
-        setattr(hf_config, key, value)
+        try:
+            setattr(hf_config, key, value)
+        except Exception as e:  # the config class checks its fields (its own error types)
+            raise ModelLoadError(f"hf_overrides cannot set {key!r} to {value!r}: {e}") from e
 
 
 def _token_ids(tokenizer: Any | None, tokens: list[str]) -> list[int]:
