@@ -11,7 +11,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
+    MistralConfig,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -108,6 +110,65 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+    # The same with a window of 8 positions, well inside the test prompts:
+    # the local layer reads the window pool, whose blocks behind the window
+    # go back while a request runs.
+    "gemma3-window": (
+        Gemma3TextConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        ),
+    ),
+    # Every layer with a sliding window of 6 (Mistral 7B v0.1's kind): no
+    # full-attention memory at all.
+    "mistral-window": (
+        MistralConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            sliding_window=6,
+        ),
+    ),
+    # Attention sinks, a window of 8 on every other layer, q/k/v/o biases,
+    # YaRN, four experts (two a token) with biases and clamped SwiGLUs behind
+    # a router with a bias.
+    "gpt-oss": (
+        GptOssConfig,
+        dict(
+            hidden_size=64,
+            intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=1.0,  # (small: the clamps bite)
+            sliding_window=8,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 150000.0,
             },
         ),
     ),
@@ -219,6 +280,13 @@ def build_tiny_model(path: Path, name: str, **overrides: Any) -> Path:
             for param_name, param in model.named_parameters():
                 if param_name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
+    if name == "gpt-oss":
+        with torch.no_grad():  # sinks that matter, expert and router biases
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("sinks"):
+                    param.normal_(1.0, 2.0)
+                elif param_name.endswith(("_bias", "router.bias")):
+                    param.normal_(0.0, 0.5)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

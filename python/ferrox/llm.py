@@ -27,6 +27,7 @@ from ferrox.common.pooling_params import PoolingParams, cosine, score_pairs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.engine.core import EngineCore
 from ferrox.frontend.output_processor import OutputProcessor
+from ferrox.model_files.tokenizer import chat_refusal
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 Message = dict[str, Any]
@@ -207,6 +208,9 @@ class LLM:
         """Applies the model's chat template to one conversation or a list of
         them (with `tools` and `chat_template_kwargs` passed to it)."""
         tokenizer = self._require_tokenizer()
+        refusal = chat_refusal(tokenizer)
+        if refusal is not None:
+            raise InvalidArgumentError(refusal)
         if not messages:
             raise InvalidArgumentError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)

@@ -12,6 +12,7 @@ import torch
 
 from ferrox import LLM, SamplingParams
 from ferrox.common.errors import InvalidArgumentError
+from ferrox.layers.attention.torch_backend import TorchAttentionBackend
 from tests import models
 
 MAX_TOKENS = 10
@@ -72,13 +73,19 @@ def test_tiny_models_match_transformers(tiny_models: dict[str, Path], name: str)
         ("chunked-prefill", dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)),
     ],
 )
-@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen3-moe"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa-tied", "qwen3-moe", "gemma3-window", "mistral-window", "gpt-oss"]
+)
 def test_scheduling_regimes_match_transformers(
     tiny_models: dict[str, Path], label: str, options: dict, name: str
 ) -> None:
     path = tiny_models[name]
     hf = models.hf_model(path)
     batch = prompts(models.VOCAB_SIZE, seed=1)
+    if name == "mistral-window" and label == "preemption":
+        # No full-attention memory: only a window pool smaller than the
+        # batch's windows preempts (num_kv_blocks sizes it).
+        options = dict(options, num_kv_blocks=7, max_num_batched_tokens=16)
     llm = LLM(str(path), **{"num_kv_blocks": 256, "max_num_seqs": 8, **options})
     outputs = llm.generate(batch, greedy(), use_tqdm=False)
     assert_matches_hf(outputs, hf, batch, check_logprobs=False)
@@ -131,14 +138,55 @@ def test_a_fan_out_computes_its_shared_prefix_once(tiny_models: dict[str, Path])
     llm.engine.scheduler.check_integrity()
 
 
-def test_a_sliding_window_caps_the_context(tiny_models: dict[str, Path]) -> None:
-    """Gemma 3's local layers see 128 positions: until windows are
-    implemented, the context stays inside the window, and a longer one is
-    refused naming it."""
+def test_a_backend_without_windows_caps_the_context(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3's local layers see 128 positions. The CPU backends implement
+    windows, so the context is the model's; under a backend that does not,
+    the context stays inside the window (where local and global attention
+    agree), and a longer one is refused naming it."""
     path = str(tiny_models["gemma3"])
-    assert LLM(path, num_kv_blocks=64).engine.max_model_len == 128
+    assert LLM(path, num_kv_blocks=64).engine.max_model_len == 256
+    monkeypatch.setattr(TorchAttentionBackend, "supports_sliding_window", False)
+    capped = LLM(path, num_kv_blocks=64, attention_backend="torch")
+    assert capped.engine.max_model_len == 128
+    assert capped.engine.runner.num_window_blocks == 0  # every layer full attention
     with pytest.raises(InvalidArgumentError, match="sliding window of 128 tokens"):
-        LLM(path, max_model_len=200)
+        LLM(path, max_model_len=200, attention_backend="torch")
+
+
+@pytest.mark.parametrize("name", ["gemma3-window", "mistral-window"])
+def test_a_long_request_holds_only_its_window(tiny_models: dict[str, Path], name: str) -> None:
+    """A 200-token sequence under a window of 6-8 positions: its window pool
+    blocks stay a few however long it grows (the full-attention layers' grow
+    with it), and its tokens are transformers'."""
+    path = tiny_models[name]
+    hf = models.hf_model(path)
+    prompt = torch.randint(2, models.VOCAB_SIZE, (150,), generator=torch.Generator().manual_seed(3))
+    batch = [prompt.tolist()]
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    engine = llm.engine
+    engine.add_request("long", batch[0], greedy(max_tokens=50))
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        info = engine.scheduler.request_info(0)
+        if info is not None and info["status"] == "running":
+            held.append(
+                (info["num_computed_tokens"], info["num_blocks"], info["num_window_blocks"])
+            )
+    window = engine.runner.sliding_window
+    assert window is not None
+    computed, blocks, window_blocks = held[-1]
+    assert computed > 190 and blocks == -(-(computed + 1) // 4)
+    # The window behind the next position, and the step's chunk (32 tokens).
+    assert max(w for _, _, w in held) <= -(-(window - 1) // 4) + 2 + 32 // 4
+    assert window_blocks <= -(-(window - 1) // 4) + 2
+    expected, _ = models.hf_greedy(hf, batch[0], 50)
+    out = llm.generate(batch, greedy(max_tokens=50), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected
+    assert engine.stats().num_used_blocks == 0
+    engine.scheduler.check_integrity()
 
 
 def test_longrope_picks_its_factors_by_the_context_length(tmp_path: Path) -> None:

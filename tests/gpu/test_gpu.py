@@ -53,7 +53,12 @@ def greedy(logprobs: int | None = None) -> SamplingParams:
     )
 
 
-@pytest.mark.parametrize("name", list(models.TINY_SPECS))
+# (the GPU backends do not read sliding windows: a model whose window lies
+# inside the test prompts is capped there, see test_model_correctness; nor
+# do they have attention sinks, which gpt-oss needs)
+@pytest.mark.parametrize(
+    "name", [n for n in models.TINY_SPECS if "window" not in n and n != "gpt-oss"]
+)
 def test_tiny_models_fp32_match_transformers(tiny_models: dict[str, Path], name: str) -> None:
     path = tiny_models[name]
     hf = models.hf_model(path)

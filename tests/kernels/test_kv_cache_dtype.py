@@ -51,7 +51,7 @@ def test_a_float16_cache_stays_close_to_float32(
         llm = LLM(
             path, num_kv_blocks=64, max_num_seqs=4, attention_backend=backend, kv_cache_dtype=dtype
         )
-        assert llm.engine.runner.kv_cache.storage.dtype == (
+        assert llm.engine.runner.kv_cache.dtype == (
             torch.float16 if dtype == "float16" else torch.float32
         )
         _greedy(llm, prompts[:1])  # the shared prefix is cached from here on
@@ -80,7 +80,7 @@ def test_auto_is_float16_under_block_weights_on_the_cpu(tiny_models: dict[str, P
     path = str(tiny_models["llama-gqa-tied"])
 
     def kv_dtype(**options: object) -> torch.dtype:
-        return LLM(path, num_kv_blocks=16, **options).engine.runner.kv_cache.storage.dtype
+        return LLM(path, num_kv_blocks=16, **options).engine.runner.kv_cache.dtype
 
     assert kv_dtype() == torch.float32  # float weights: the model's dtype
     assert kv_dtype(quantization="q8_0") == torch.float16
@@ -97,4 +97,4 @@ def test_kv_cache_dtypes_are_checked(tiny_models: dict[str, Path]) -> None:
         dtype="float16",
         kv_cache_dtype="float16",
     )
-    assert llm.engine.runner.kv_cache.storage.dtype == torch.float16
+    assert llm.engine.runner.kv_cache.dtype == torch.float16

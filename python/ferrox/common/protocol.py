@@ -113,6 +113,9 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_total_blocks: int = 0
     num_used_blocks: int = 0
     num_cached_blocks: int = 0
+    # The sliding-window layers' pool (0 without one).
+    num_window_blocks: int = 0
+    num_free_window_blocks: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0

@@ -113,6 +113,8 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            sliding_window=self.runner.sliding_window,
+            num_window_blocks=self.runner.num_window_blocks,
             **(spec.scheduler_options() if spec is not None else {}),
         )
         self.speculator = (

@@ -225,6 +225,8 @@ class EngineLoop:
             num_total_blocks=s.num_total_blocks,
             num_used_blocks=s.num_used_blocks,
             num_cached_blocks=s.num_cached_blocks,
+            num_window_blocks=s.num_window_blocks,
+            num_free_window_blocks=s.num_free_window_blocks,
             prefix_queried_tokens=s.prefix_queried_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions,

@@ -98,6 +98,7 @@ class FusedCpuDecode:
                 (dense or _native_moe(layer) is not None)
                 and all(_fusable(m) for m in linears)
                 and isinstance(attn.attn, CpuAttentionBackend)
+                and attn.sliding_window is None
                 and (attn.q_norm is None) == (attn.k_norm is None)
                 and all(n.weight.dtype == torch.float32 for n in norms)
                 and len({n.eps for n in norms}) == 1

@@ -96,6 +96,7 @@ class SparseMoe(nn.Module):
         top_k: int,
         renormalize: bool,
         expert: Callable[[], nn.Module],
+        router_bias: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -103,7 +104,7 @@ class SparseMoe(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Router(hidden_size, num_experts, bias=False)
+        self.gate = Router(hidden_size, num_experts, bias=router_bias)
         self.experts = nn.ModuleList(expert() for _ in range(num_experts))
         self.native: CpuMoeExperts | None = None
 
@@ -124,7 +125,11 @@ class SparseMoe(nn.Module):
         if len({(g.fmt, d.fmt) for g, d in pairs}) != 1:
             return False
         router = self.gate.weight.detach()
-        if router.dtype != torch.float32 or router.device.type != "cpu":
+        if (
+            router.dtype != torch.float32
+            or router.device.type != "cpu"
+            or self.gate.bias is not None
+        ):
             return False
         gate_up, down = pairs[0]
         self.native = CpuMoeExperts(

@@ -1,5 +1,6 @@
-"""Rotary position embeddings (half-split layout), with the `linear` and
-`llama3` frequency scalings and LongRoPE (`longrope`: Phi-3). Reads both the older (`rope_theta`
+"""Rotary position embeddings (half-split layout), with the `linear`,
+`llama3` and YaRN (`yarn`: gpt-oss) frequency scalings and LongRoPE
+(`longrope`: Phi-3). Reads both the older (`rope_theta`
 / `rope_scaling`) and the newer (`rope_parameters`) Hugging Face config
 styles.
 
@@ -53,6 +54,43 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn(
+    inv_freq: torch.Tensor, head_dim: int, max_position: int, params: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the
+    pretraining length are divided by `factor`, those turning more than
+    `beta_fast` times are kept, a linear ramp blends the ones between; cos
+    and sin are scaled by the attention factor (0.1 ln(factor) + 1, or as the
+    config's mscales say)."""
+    base = float(params["rope_theta"])
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or max_position / original
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the frequency as pretrained (extrapolated)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention)
+
+
 def _longrope(
     head_dim: int, max_position: int, params: dict[str, Any], context_length: int
 ) -> tuple[torch.Tensor, float]:
@@ -84,7 +122,7 @@ class RotaryEmbedding(nn.Module):
         picks its factors by it; default `max_position`)."""
         super().__init__()
         rope_type = params["rope_type"]
-        if rope_type not in ("default", "linear", "llama3", "longrope"):
+        if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
             raise UnsupportedModelError(f"rope type {rope_type!r} is not supported")
         if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnsupportedModelError(
@@ -98,6 +136,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / float(params["factor"])
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type == "yarn":
+            inv_freq, attention = _yarn(inv_freq, head_dim, max_position, params)
         elif rope_type == "longrope":
             factors, attention = _longrope(
                 head_dim, max_position, params, context_length or max_position

@@ -41,21 +41,32 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
     window = int(getattr(hf_config, "sliding_window", None) or 0)
     uses_window = getattr(hf_config, "use_sliding_window", True)
-    windowed = bool(window and uses_window and window < model_max)
-    if windowed:
-        # Sliding-window attention is not implemented: stay inside the window.
+    capped = bool(window and uses_window and window < model_max) and not windows_implemented(
+        config, hf_config
+    )
+    if capped:
+        # This backend does not implement sliding windows: stay inside the window.
         model_max = window
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
         why = (
-            f"the model's sliding window of {model_max} tokens (ferrox does not implement "
-            "sliding-window attention yet, so the context stays inside the window)"
-            if windowed
+            f"the model's sliding window of {model_max} tokens (the "
+            f"{config.attention_backend!r} attention backend does not implement sliding "
+            "windows, so the context stays inside the window)"
+            if capped
             else f"the model's limit of {model_max}"
         )
         raise InvalidArgumentError(f"max_model_len={config.max_model_len} exceeds {why}")
     return config.max_model_len
+
+
+def windows_implemented(config: EngineConfig, hf_config: Any) -> bool:
+    """Whether the model's sliding-window layers run as such (the family and
+    the attention backend both implement windows)."""
+    backend = get_attention_backend(config.attention_backend, torch_device(config))
+    family = resolve_model_class(hf_config)
+    return backend.supports_sliding_window and family.implements_sliding_window
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -88,6 +99,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     else:
         hf_config = _read_config(path)
         _apply_overrides(hf_config, config.hf_overrides)
+        if (
+            fmt == "safetensors"
+            and config.quantization is None
+            and _block_kernels(config) == "native"
+        ):
+            plan = resolve_model_class(hf_config).checkpoint_block_plan(hf_config)
     if config.tokenizer is not None or tokenizer is None:
         source = resolve_model_path(config.tokenizer) if config.tokenizer else path
         tokenizer = _load_tokenizer(source, fmt)

@@ -49,6 +49,23 @@ _EXPORT_TIMEOUT_S = 300.0
 _PLAIN_CLASS = "TokenizersBackend"
 
 
+# OpenAI's harmony chat format (gpt-oss) marks its channels with these.
+HARMONY_TOKENS = ("<|channel|>", "<|message|>")
+
+
+def chat_refusal(tokenizer: Any) -> str | None:
+    """Why chat requests cannot be served with this tokenizer, or None: a
+    model that speaks the harmony format answers in channels (analysis,
+    commentary, final) that ferrox does not parse yet."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if all(token in vocab for token in HARMONY_TOKENS):
+        return (
+            "this model speaks OpenAI's harmony chat format (gpt-oss), whose output channels "
+            "ferrox does not parse yet; send a prompt in that format to the completions API"
+        )
+    return None
+
+
 def load_tokenizer(config: EngineConfig) -> Any | None:
     """The tokenizer of `config.tokenizer` or else of `config.model`; None for
     random weights (`load_format="dummy"`) that come without one."""

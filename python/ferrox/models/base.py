@@ -35,9 +35,21 @@ class FullAttention:
     head_dim: int
 
 
-# The kinds of per-layer state the runner and the Rust core manage. Sliding-
-# window KV and recurrent (linear-attention) state are the next kinds.
-LayerState = FullAttention
+@dataclass(frozen=True)
+class SlidingWindowAttention:
+    """A layer that attends over the last `window` positions only (each
+    position sees itself and the `window - 1` before it): paged KV in the
+    window pool, whose blocks behind every window go back while a request
+    runs."""
+
+    num_kv_heads: int
+    head_dim: int
+    window: int
+
+
+# The kinds of per-layer state the runner and the Rust core manage.
+# Recurrent (linear-attention) state is the next kind.
+LayerState = FullAttention | SlidingWindowAttention
 
 
 def gguf_value(metadata: dict[str, Any], arch: str, key: str, default: Any = None) -> Any:
@@ -59,6 +71,10 @@ class CausalLM(nn.Module):
 
     # Hugging Face `architectures` names the class serves.
     architectures: ClassVar[tuple[str, ...]] = ()
+    # Whether the family's layers honour a config's sliding window (where
+    # the attention backend does too); otherwise the loader caps the
+    # context at the window.
+    implements_sliding_window: ClassVar[bool] = False
     # llama.cpp's name for the family in GGUF files; None: no GGUF support.
     gguf_architecture: ClassVar[str | None] = None
     vocab_size: int
@@ -127,6 +143,12 @@ class CausalLM(nn.Module):
         `device`. `context_length`: the engine's longest sequence
         (max_model_len), for schemes that depend on it (LongRoPE)."""
         raise NotImplementedError
+
+    @classmethod
+    def checkpoint_block_plan(cls, config: Any) -> dict[str, str]:
+        """Modules (our names) a safetensors checkpoint holds in a block
+        format the kernels run (gpt-oss's MXFP4 experts), and that format."""
+        return {}
 
     def prepare_fused_decode(self) -> bool:
         """Once the weights are loaded: whether decode steps run one native

@@ -10,10 +10,12 @@ checkpoints): the Llama decoder with
 - RMSNorm on queries and keys, scores scaled by `query_pre_attn_scalar`,
   GeGLU (tanh GELU) MLPs, embeddings multiplied by sqrt(hidden_size);
 - interleaved local and global layers (`layer_types`): each kind has its own
-  rotary base (and scaling). The local layers attend over a sliding window;
-  ferrox does not implement windows yet, so the context is capped at the
-  window (`loader.model_loader.resolve_max_model_len`), inside which local
-  and global attention are the same.
+  rotary base (and scaling). The local layers attend over a sliding window
+  (`models.llama.layer_windows`), their KV in the window pool whose blocks
+  behind the window go back while a request runs (docs/architecture.md,
+  "Sliding windows"); under an attention backend without windows the
+  context is capped at the window, inside which local and global attention
+  are the same.
 
 Layers run on the module path (the CPU's fused decode chains Llama's layer
 shape). Logit soft-capping (Gemma 2) and bidirectional attention are

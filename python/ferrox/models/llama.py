@@ -30,8 +30,29 @@ from ferrox.layers.attention.base import KvCache
 from ferrox.layers.cpu_decoder import FusedCpuDecode
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
-from ferrox.models.base import CausalLM, FullAttention, LayerState, gguf_value
+from ferrox.models.base import (
+    CausalLM,
+    FullAttention,
+    LayerState,
+    SlidingWindowAttention,
+    gguf_value,
+)
 from ferrox.parallel import state as distributed
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it: the config's
+    `sliding_window` on the layers `layer_types` calls "sliding_attention",
+    or on every layer of a config without `layer_types` (Mistral, Phi-3);
+    None for full attention."""
+    window = int(getattr(config, "sliding_window", None) or 0)
+    uses_window = getattr(config, "use_sliding_window", True) is not False
+    types = getattr(config, "layer_types", None)
+    if not window or not uses_window:
+        return [None] * config.num_hidden_layers
+    if types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 def head_dim_of(config: Any) -> int:
@@ -67,6 +88,11 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.use_rope = True  # False: a layer without position encoding (NoPE)
+        # Attends over the last `sliding_window` positions, in the window
+        # pool (`AttentionMetadata.window`); None: full attention.
+        self.sliding_window: int | None = None
+        # Attention sinks (gpt-oss): this rank's heads' logits; None: none.
+        self.sinks: nn.Parameter | None = None
         scale = self.head_dim**-0.5 if scale is None else scale
         self.attn = backend(self.num_heads, self.num_kv_heads, self.head_dim, scale)
 
@@ -83,7 +109,12 @@ class DecoderAttention(nn.Module):
         if self.use_rope:
             self.rotary.rotate_(positions, qk, h + hkv)  # queries and keys, in place
         q, k = qk[:, :h], qk[:, h : h + hkv]
-        o = self.attn.forward(q, k, v, kv[0], kv[1], meta)  # [T, H, D]
+        if self.sliding_window is not None:
+            assert meta.window is not None, (
+                "a sliding-window layer needs the window pool's metadata"
+            )
+            meta = meta.window
+        o = self.attn.forward(q, k, v, kv[0], kv[1], meta, self.sinks)  # [T, H, D]
         return distributed.all_reduce(self.o_proj(o.reshape(t, -1)))
 
 
@@ -158,6 +189,7 @@ class LlamaForCausalLM(CausalLM):
     gguf_architecture: ClassVar[str | None] = "llama"
     gguf_config_class: ClassVar[Any] = LlamaConfig
     gguf_rotary_interleaved: ClassVar[bool] = True
+    implements_sliding_window: ClassVar[bool] = True
 
     def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
         super().__init__()
@@ -169,6 +201,9 @@ class LlamaForCausalLM(CausalLM):
         self.layers = nn.ModuleList(
             self.decoder_layer(config, rotary, backend) for rotary in self.rotary_tables(None)
         )
+        if backend.supports_sliding_window:  # (else the context is capped at the window)
+            for layer, window in zip(self.decoder_layers(), layer_windows(config), strict=True):
+                layer.self_attn.sliding_window = window
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_rows, bias=False)
@@ -246,11 +281,18 @@ class LlamaForCausalLM(CausalLM):
         return self.fused_decode is not None
 
     def layer_states(self) -> list[LayerState]:
-        """The per-request state of each layer: paged KV of every position."""
-        return [
-            FullAttention(layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
-            for layer in self.decoder_layers()
-        ]
+        """The per-request state of each layer: paged KV of every position,
+        or of the positions inside its sliding window."""
+        states: list[LayerState] = []
+        for layer in self.decoder_layers():
+            attn = layer.self_attn
+            if attn.sliding_window is None:
+                states.append(FullAttention(attn.num_kv_heads, attn.head_dim))
+            else:
+                states.append(
+                    SlidingWindowAttention(attn.num_kv_heads, attn.head_dim, attn.sliding_window)
+                )
+        return states
 
     @property
     def attention_backend(self) -> AttentionBackend:

@@ -5,8 +5,8 @@ ferrox's own merged layout), and LongRoPE on the long-context checkpoints
 
 Sharding: a fused checkpoint tensor is split into Llama's q/k/v and
 gate/up pieces, each sliced to this rank as Llama's are; on one rank it
-loads whole. Phi-3's sliding window (the 4k models') caps the context at
-the window, as for every model with one. GGUF (llama.cpp's `phi3`): the
+loads whole. Phi-3's sliding window (the 4k models') is on every layer, as
+for Mistral (`models.llama.layer_windows`). GGUF (llama.cpp's `phi3`): the
 fused `attn_qkv` and `ffn_up` tensors, the rotary rows as transformers has
 them; files with LongRoPE factor tensors are refused.
 """

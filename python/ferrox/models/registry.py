@@ -7,6 +7,7 @@ from typing import Any
 
 from ferrox.common.errors import UnsupportedModelError
 from ferrox.models.gemma3 import Gemma3ForCausalLM
+from ferrox.models.gpt_oss import GptOssForCausalLM
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.phi3 import Phi3ForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
@@ -22,6 +23,7 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     SmolLM3ForCausalLM,
     Phi3ForCausalLM,
     Gemma3ForCausalLM,
+    GptOssForCausalLM,
 )
 
 _BY_ARCHITECTURE = {name: cls for cls in MODEL_CLASSES for name in cls.architectures}

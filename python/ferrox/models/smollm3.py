@@ -3,9 +3,8 @@
 rotate queries and keys as Llama does.
 
 Its optional sliding window (`use_sliding_window`, on the NoPE layers only)
-is handled as for every model with one: the context is capped at the window
-(`loader.model_loader.resolve_max_model_len`), inside which it changes
-nothing.
+is handled as for every model with one: transformers' `layer_types` say
+which layers keep a window (`models.llama.layer_windows`).
 
 GGUF (llama.cpp's `smollm3`): Llama's tensors, names and Q/K row order; the
 file records no NoPE pattern, llama.cpp's graph fixes it at every fourth

@@ -25,6 +25,8 @@ PLAN_FIELDS = (
     "num_computed_tokens",
     "num_scheduled_tokens",
     "logits_indices",
+    "window_slot_mapping",  # (empty without a window pool)
+    "window_block_table",
 )
 _FIELD_DTYPES = {
     "input_ids": np.int64,
@@ -36,6 +38,8 @@ _FIELD_DTYPES = {
     "num_computed_tokens": np.int32,
     "num_scheduled_tokens": np.int32,
     "logits_indices": np.int64,
+    "window_slot_mapping": np.int64,
+    "window_block_table": np.int32,
 }
 # kind, num_reqs, num_decodes, num_tokens, block table columns, prompt rows,
 # then the length of each field
@@ -58,6 +62,8 @@ class StepPlan:
     num_computed_tokens: np.ndarray
     num_scheduled_tokens: np.ndarray
     logits_indices: np.ndarray
+    window_slot_mapping: np.ndarray | None = None
+    window_block_table: np.ndarray | None = None
 
 
 def _broadcast_header(header: np.ndarray) -> None:
@@ -71,7 +77,14 @@ def send_stop() -> None:
 
 def send_step(plan: Any, prompt_rows: list[tuple[int, int, int]] | None) -> None:
     """Rank 0: the step's plan (and prompt-logprob rows) to every worker."""
-    arrays = [np.ascontiguousarray(getattr(plan, name)) for name in PLAN_FIELDS]
+    arrays = [
+        np.ascontiguousarray(
+            np.zeros(0, dtype=_FIELD_DTYPES[name])
+            if getattr(plan, name, None) is None
+            else getattr(plan, name)
+        )
+        for name in PLAN_FIELDS
+    ]
     rows = np.asarray(prompt_rows or [], dtype=np.int64).reshape(-1)
     header = np.array(
         [
@@ -112,6 +125,16 @@ def receive_step() -> tuple[StepPlan, list[tuple[int, int, int]]] | None:
         if width
         else np.zeros((num_reqs, 0), dtype=np.int32)
     )
+    windowed = fields["window_slot_mapping"].size > 0
+    table = fields.pop("window_block_table")
+    slots = fields.pop("window_slot_mapping")
     rows = payload[offset:].reshape(-1, 3).tolist()
-    plan = StepPlan(num_reqs, num_decodes, num_tokens, **fields)
+    plan = StepPlan(
+        num_reqs,
+        num_decodes,
+        num_tokens,
+        **fields,
+        window_slot_mapping=slots if windowed else None,
+        window_block_table=table.reshape(-1, width) if windowed else None,
+    )
     return plan, [(int(r), int(k), int(t)) for r, k, t in rows]

@@ -4,6 +4,7 @@ plan samples, and samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from ferrox.parallel.device import torch_device, torch_dtype
 from ferrox.parallel.step_message import StepPlan
 from ferrox.runner.cuda_graph import DecodeGraphs
 from ferrox.runner.draft import DraftRunner
-from ferrox.runner.kv_cache import KVCache, bytes_per_block, kv_layout
+from ferrox.runner.kv_cache import ModelKV, bytes_per_block, kv_groups
 from ferrox.runner.sampler import Sampler
 from ferrox.runner.sampling_batch import SamplingBatch
 
@@ -38,6 +39,11 @@ GRAPH_POOL_OVERHEAD_BYTES = 64 << 20
 # The profiling pass: at most this many tokens, in sequences of at most this length.
 PROFILE_MAX_TOKENS = 8192
 PROFILE_MAX_SEQ_LEN = 2048
+# The full pool of a model whose every layer has a sliding window holds no
+# memory; its block count (the scheduler's bookkeeping) is bounded by this.
+MAX_BOOKKEEPING_BLOCKS = 1 << 22
+# Draft tokens a step may add to a request (the scheduler's bound).
+MAX_DRAFT_TOKENS = 16
 # Pinned staging buffers start at this many elements and grow as steps need.
 MIN_STAGING_ELEMENTS = 1024
 
@@ -112,19 +118,26 @@ class ModelRunner:
         hf = loaded.hf_config
         self.vocab_size = int(hf.vocab_size)
         self.max_model_len = max_model_len
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(self.model)
+        self.kv_groups = groups = kv_groups(self.model)
+        self.num_layers = len(groups.full_layers) + len(groups.window_layers)
+        self.num_kv_heads, self.head_dim = groups.num_kv_heads, groups.head_dim
+        if draft is not None and not self.kv_groups.full_layers:
+            raise InvalidArgumentError(
+                "a draft model needs a target with full-attention layers (its KV follows their "
+                "block tables); this model's every layer has a sliding window: use "
+                "method='ngram' speculation"
+            )
         self.draft = (
             None
             if draft is None
             else DraftRunner(draft, config.block_size, self.kv_dtype, self.device)
         )
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(
-            self.num_layers,
+        num_blocks, num_window_blocks = self._num_kv_blocks()
+        self.kv_cache = ModelKV(
+            self.kv_groups,
             num_blocks,
+            num_window_blocks,
             config.block_size,
-            self.num_kv_heads,
-            self.head_dim,
             self.kv_dtype,
             self.device,
             zeroed=not self._reads_written_slots_only(),
@@ -162,13 +175,32 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
-    def _num_kv_blocks(self) -> int:
+    @property
+    def num_window_blocks(self) -> int:
+        """The sliding-window layers' pool (0: the model has none)."""
+        return self.kv_cache.num_window_blocks
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.kv_groups.sliding_window
+
+    def _num_kv_blocks(self) -> tuple[int, int]:
+        """Blocks of the full-attention pool and of the window pool. The
+        window pool gets as many blocks as the full one, but never more than
+        `max_num_seqs` windows and one step need at once (`_window_blocks_cap`);
+        the memory this leaves goes to the full pool."""
         cfg = self.config
-        per_block = bytes_per_block(
-            self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype
-        )
-        if self.draft is not None:  # both caches hold every block
-            per_block += self.draft.bytes_per_block()
+        groups = self.kv_groups
+
+        def pool_bytes(layers: list[int]) -> int:
+            return bytes_per_block(
+                len(layers), cfg.block_size, groups.num_kv_heads, groups.head_dim, self.kv_dtype
+            )
+
+        per_full, per_window = pool_bytes(groups.full_layers), pool_bytes(groups.window_layers)
+        if self.draft is not None:  # both caches hold every full block
+            per_full += self.draft.bytes_per_block()
+        per_block = per_full + per_window
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:
@@ -184,18 +216,44 @@ class ModelRunner:
                 budget = max(tokens // cfg.block_size * per_block, CPU_KV_CACHE_MIN_BYTES)
                 budget = min(budget, CPU_KV_CACHE_MAX_BYTES)
             num_blocks = budget // per_block
+            if groups.window_layers:
+                cap = self._window_blocks_cap()
+                if not groups.full_layers:
+                    num_blocks = budget // per_window  # (all window layers)
+                elif num_blocks > cap:
+                    num_blocks = (budget - cap * per_window) // per_full
         if distributed.state().size > 1:  # every rank holds every block (of its heads)
             agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(agreed.item())
         needed = -(-self.max_model_len // cfg.block_size)
-        if num_blocks < needed:
+        num_window_blocks = 0
+        if groups.window_layers:
+            num_window_blocks = min(num_blocks, self._window_blocks_cap())
+            if not groups.full_layers:
+                # No full-attention memory: its tables are bookkeeping only.
+                num_window_blocks = num_blocks
+                num_blocks = min(cfg.max_num_seqs * needed + num_blocks, MAX_BOOKKEEPING_BLOCKS)
+            needed = min(needed, self._window_blocks_cap(max_num_seqs=1))
+        have = min(num_blocks, num_window_blocks or num_blocks)
+        if have < needed:
             raise InvalidArgumentError(
-                f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than "
+                f"the KV cache holds {have} blocks of {cfg.block_size} tokens, fewer than "
                 f"the {needed} one max_model_len={self.max_model_len} sequence needs; give more "
                 "memory (kv_cache_memory_bytes / gpu_memory_utilization) or a smaller max_model_len"
             )
-        return num_blocks
+        return num_blocks, num_window_blocks
+
+    def _window_blocks_cap(self, max_num_seqs: int | None = None) -> int:
+        """The most window-pool blocks the scheduler can hold for running
+        requests at once: each of `max_num_seqs` the blocks behind its next
+        position's window and one partial block, plus one step's tokens."""
+        cfg = self.config
+        max_num_seqs = cfg.max_num_seqs if max_num_seqs is None else max_num_seqs
+        window = self.kv_groups.sliding_window or 0
+        behind = -(-(window - 1) // cfg.block_size) + 2
+        step = cfg.batched_tokens_limit(self.max_model_len) + MAX_DRAFT_TOKENS
+        return max_num_seqs * behind + -(-step // cfg.block_size)
 
     def _free_gpu_budget(self) -> int:
         """Memory left for the KV cache on the GPU after a profiling forward
@@ -234,15 +292,7 @@ class ModelRunner:
         rows = -(-num_tokens // seq)
         lens = np.full(rows, seq, dtype=np.int32)
         lens[-1] = num_tokens - seq * (rows - 1)
-        scratch = KVCache(
-            self.num_layers,
-            1,
-            cfg.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.kv_dtype,
-            self.device,
-        )
+        scratch = ModelKV(self.kv_groups, 1, 1, cfg.block_size, self.kv_dtype, self.device)
         qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         meta = AttentionMetadata(
             num_reqs=rows,
@@ -258,6 +308,8 @@ class ModelRunner:
             max_query_len=seq,
             max_seq_len=seq,
         )
+        if self.kv_groups.window_layers:
+            meta.window = dataclasses.replace(meta, sliding_window=self.sliding_window or 0)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(self.device)
         with torch.inference_mode():
@@ -286,7 +338,7 @@ class ModelRunner:
         qsl = plan.query_start_loc
         seq_lens = plan.seq_lens
         num_sched = plan.num_scheduled_tokens
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_reqs=plan.num_reqs,
             num_decodes=plan.num_decodes,
             num_tokens=plan.num_tokens,
@@ -301,6 +353,16 @@ class ModelRunner:
             max_query_len=int(num_sched.max()) if len(num_sched) else 0,
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
         )
+        window_table = plan.window_block_table
+        if window_table is not None and plan.window_slot_mapping is not None:
+            meta.window = dataclasses.replace(
+                meta,
+                slot_mapping=self._tensor(plan.window_slot_mapping, "window_slots"),
+                block_table=self._tensor(window_table, "window_blocks"),
+                block_table_cpu=window_table,
+                sliding_window=self.sliding_window or 0,
+            )
+        return meta
 
     @torch.inference_mode()
     def execute(

@@ -80,6 +80,17 @@ class _EngineCollector:
         )
         free = s.num_total_blocks - s.num_used_blocks - s.num_cached_blocks
         yield gauge("kv_cache_free_blocks", "KV blocks free in the pool.", free)
+        if s.num_window_blocks:
+            yield gauge(
+                "kv_cache_window_total_blocks",
+                "KV blocks in the sliding-window layers' pool.",
+                s.num_window_blocks,
+            )
+            yield gauge(
+                "kv_cache_window_free_blocks",
+                "Free KV blocks in the sliding-window layers' pool.",
+                s.num_free_window_blocks,
+            )
         yield counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",

@@ -31,6 +31,7 @@ from ferrox.frontend.engine_client import AsyncEngineClient
 from ferrox.frontend.output_processor import SequenceUpdate
 from ferrox.frontend.replicas import ReplicaPool
 from ferrox.frontend.request_run import RequestRun, merge, run_to_end
+from ferrox.model_files.tokenizer import chat_refusal
 from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.error_responses import error_response, exception_response, sse_error
@@ -435,6 +436,9 @@ class OpenAIServing:
                 "with --trust-request-chat-template",
                 param="chat_template",
             )
+        refusal = chat_refusal(self.ctx.tokenizer)
+        if refusal is not None:
+            raise op.BadRequest(refusal, param="messages")
         messages = chat_messages(req)
         continue_final = getattr(req, "continue_final_message", False)
         if continue_final and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):

@@ -3,16 +3,28 @@
 //! Allocation pops from a free stack and release pushes back, so both are O(1)
 //! per block. A block shared by several owners (running requests, the radix
 //! cache) is returned to the pool only when its last reference is released.
+//!
+//! A pool may also count the blocks whose only reference is the prefix
+//! cache's (`mark_cached`): the sliding-window pool evicts those whatever
+//! the tree's locks, since no running request reads them.
 
 use crate::error::{ensure, CoreError, Result};
 
 pub type BlockId = u32;
+
+/// A table entry whose block was given back (a sliding-window position
+/// outside every window that reads it).
+pub const NULL_BLOCK: BlockId = BlockId::MAX;
 
 #[derive(Debug, Clone)]
 pub struct BlockAllocator {
     block_size: usize,
     ref_counts: Vec<u32>,
     free_ids: Vec<BlockId>,
+    /// By block id: whether the prefix cache holds one of its references.
+    cached: Vec<bool>,
+    /// Blocks whose one reference is the cache's.
+    num_cached_only: usize,
 }
 
 impl BlockAllocator {
@@ -34,6 +46,8 @@ impl BlockAllocator {
             block_size,
             ref_counts: vec![0; num_blocks],
             free_ids,
+            cached: vec![false; num_blocks],
+            num_cached_only: 0,
         })
     }
 
@@ -66,6 +80,47 @@ impl BlockAllocator {
 
     pub fn ref_count(&self, block: BlockId) -> Result<u32> {
         Ok(self.ref_counts[self.check_id(block)?])
+    }
+
+    /// Records whether the prefix cache holds a reference of `block` (an
+    /// allocated one): the cache calls it when it takes or drops a block.
+    pub fn mark_cached(&mut self, block: BlockId, cached: bool) -> Result<()> {
+        let idx = self.check_id(block)?;
+        if self.ref_counts[idx] == 0 {
+            return Err(CoreError::BlockNotAllocated { block });
+        }
+        if self.cached[idx] != cached && self.ref_counts[idx] == 1 {
+            if cached {
+                self.num_cached_only += 1;
+            } else {
+                self.num_cached_only -= 1;
+            }
+        }
+        self.cached[idx] = cached;
+        Ok(())
+    }
+
+    /// Whether the cache's reference is the block's only one.
+    pub fn is_cached_only(&self, block: BlockId) -> bool {
+        let idx = block as usize;
+        idx < self.ref_counts.len() && self.cached[idx] && self.ref_counts[idx] == 1
+    }
+
+    /// Blocks whose only reference is the cache's (evictable at once).
+    pub fn num_cached_only(&self) -> usize {
+        self.num_cached_only
+    }
+
+    /// Bookkeeping of one reference count change of block `idx`.
+    fn on_count_change(&mut self, idx: usize, old: u32) {
+        if self.cached[idx] {
+            let new = self.ref_counts[idx];
+            if old == 1 && new != 1 {
+                self.num_cached_only -= 1;
+            } else if new == 1 && old != 1 {
+                self.num_cached_only += 1;
+            }
+        }
     }
 
     /// Takes one free block with a reference count of one.
@@ -110,7 +165,9 @@ impl BlockAllocator {
             }
         }
         for &block in blocks {
-            self.ref_counts[block as usize] += 1;
+            let idx = block as usize;
+            self.ref_counts[idx] += 1;
+            self.on_count_change(idx, self.ref_counts[idx] - 1);
         }
         Ok(())
     }
@@ -121,11 +178,14 @@ impl BlockAllocator {
             0 => Err(CoreError::BlockNotAllocated { block }),
             1 => {
                 self.ref_counts[idx] = 0;
+                self.on_count_change(idx, 1);
+                self.cached[idx] = false;
                 self.free_ids.push(block);
                 Ok(())
             }
-            _ => {
+            old => {
                 self.ref_counts[idx] -= 1;
+                self.on_count_change(idx, old);
                 Ok(())
             }
         }
@@ -153,10 +213,12 @@ impl BlockAllocator {
                 return Err(err);
             }
         }
+        // Valid: undo the trial and release one by one.
         for &block in blocks {
-            if self.ref_counts[block as usize] == 0 {
-                self.free_ids.push(block);
-            }
+            self.ref_counts[block as usize] += 1;
+        }
+        for &block in blocks {
+            self.release_one(block)?;
         }
         Ok(())
     }
@@ -178,6 +240,18 @@ impl BlockAllocator {
             );
             is_free[idx] = true;
         }
+        let cached_only = (0..self.num_blocks())
+            .filter(|&i| self.cached[i] && self.ref_counts[i] == 1)
+            .count();
+        ensure!(
+            cached_only == self.num_cached_only,
+            "{cached_only} blocks held by the cache alone, counter says {}",
+            self.num_cached_only
+        );
+        ensure!(
+            (0..self.num_blocks()).all(|i| !self.cached[i] || self.ref_counts[i] > 0),
+            "a free block is marked cached"
+        );
         let referenced = self.ref_counts.iter().filter(|&&c| c > 0).count();
         ensure!(
             referenced + self.free_ids.len() == self.num_blocks(),
@@ -262,6 +336,27 @@ mod tests {
             Err(CoreError::BlockOutOfRange { .. })
         ));
         assert!(alloc.ref_count(100).is_err());
+        alloc.check_integrity().unwrap();
+    }
+
+    #[test]
+    fn cached_only_blocks_are_counted() {
+        let mut alloc = BlockAllocator::new(4, 16).unwrap();
+        let b = alloc.allocate(2).unwrap();
+        alloc.mark_cached(b[0], true).unwrap();
+        assert_eq!(alloc.num_cached_only(), 1);
+        alloc.share(&[b[0], b[0]]).unwrap();
+        assert_eq!(alloc.num_cached_only(), 0);
+        alloc.release(&[b[0], b[1]]).unwrap();
+        assert_eq!(alloc.num_cached_only(), 0);
+        alloc.release_one(b[0]).unwrap();
+        assert!(alloc.is_cached_only(b[0]));
+        assert_eq!(alloc.num_cached_only(), 1);
+        alloc.check_integrity().unwrap();
+        alloc.mark_cached(b[0], false).unwrap();
+        alloc.release_one(b[0]).unwrap();
+        assert_eq!((alloc.num_cached_only(), alloc.num_free()), (0, 4));
+        assert!(alloc.mark_cached(b[0], true).is_err());
         alloc.check_integrity().unwrap();
     }
 

@@ -88,6 +88,13 @@ pub struct SchedulerConfig {
     pub policy: Policy,
     /// Speculative decoding (None: off).
     pub speculation: Option<SpecConfig>,
+    /// Layers that attend over the last `sliding_window` positions only
+    /// (each position reads itself and the `sliding_window - 1` before it)
+    /// keep their KV in a second pool of `num_window_blocks` blocks, indexed
+    /// by a second block table per request whose blocks behind the window
+    /// go back to the pool while the request runs. None: one pool.
+    pub sliding_window: Option<usize>,
+    pub num_window_blocks: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -103,6 +110,8 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             policy: Policy::Fcfs,
             speculation: None,
+            sliding_window: None,
+            num_window_blocks: 0,
         }
     }
 }
@@ -151,6 +160,28 @@ impl SchedulerConfig {
         if let Some(spec) = &self.speculation {
             spec.validate()?;
         }
+        match self.sliding_window {
+            Some(0) => {
+                return Err(CoreError::InvalidArgument(
+                    "sliding_window must be positive".into(),
+                ))
+            }
+            Some(_)
+                if self.num_window_blocks == 0 || self.num_window_blocks > i32::MAX as usize =>
+            {
+                return Err(CoreError::InvalidArgument(format!(
+                    "a sliding window needs num_window_blocks in [1, {}], got {}",
+                    i32::MAX,
+                    self.num_window_blocks
+                )))
+            }
+            None if self.num_window_blocks != 0 => {
+                return Err(CoreError::InvalidArgument(
+                    "num_window_blocks without a sliding_window".into(),
+                ))
+            }
+            _ => {}
+        }
         Ok(())
     }
 
@@ -162,5 +193,18 @@ impl SchedulerConfig {
     /// Blocks needed to hold `num_tokens` tokens.
     pub fn blocks_for(&self, num_tokens: usize) -> usize {
         num_tokens.div_ceil(self.block_size)
+    }
+
+    /// The most window-pool blocks a sequence of `num_tokens` tokens holds
+    /// at once: the window behind a step's first position, and the step.
+    pub fn window_blocks_for(&self, num_tokens: usize) -> usize {
+        match self.sliding_window {
+            None => 0,
+            Some(w) => {
+                let step = self.max_num_batched_tokens + self.num_speculative_tokens();
+                self.blocks_for(num_tokens)
+                    .min((w - 1 + step).div_ceil(self.block_size) + 1)
+            }
+        }
     }
 }

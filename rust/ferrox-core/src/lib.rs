@@ -6,14 +6,15 @@ pub mod block_allocator;
 pub mod error;
 pub mod radix_cache;
 
-pub use block_allocator::{BlockAllocator, BlockId};
+pub use block_allocator::{BlockAllocator, BlockId, NULL_BLOCK};
 pub use error::{CoreError, Result};
-pub use radix_cache::{InsertOutcome, NodeHandle, PrefixMatch, RadixCache};
+pub use radix_cache::{usable_window_prefix, InsertOutcome, NodeHandle, PrefixMatch, RadixCache};
 pub mod config;
 pub mod plan;
 mod plan_builder;
 pub mod request;
 pub mod scheduler;
+mod scheduler_blocks;
 mod scheduler_integrity;
 mod scheduler_update;
 pub mod speculation;

@@ -32,6 +32,11 @@ pub struct BatchPlan {
     pub block_table_width: usize,
     /// [T] KV slot of each token: block * block_size + offset.
     pub slot_mapping: Vec<i64>,
+    /// With a sliding-window pool (else empty): the window tables [B,
+    /// block_table_width] (0 for a block behind the window, which is never
+    /// read) and each token's slot in that pool [T].
+    pub window_block_table: Vec<i32>,
+    pub window_slot_mapping: Vec<i64>,
     /// [S] token indices whose logits are sampled.
     pub logits_indices: Vec<i64>,
     /// [S] row of each sampled position.
@@ -101,6 +106,11 @@ pub struct SchedulerStats {
     pub num_used_blocks: usize,
     /// Blocks held only by the prefix cache (free to evict).
     pub num_cached_blocks: usize,
+    /// The sliding-window pool (all 0 without one): its size, its free
+    /// blocks, and those only the prefix cache holds.
+    pub num_window_blocks: usize,
+    pub num_free_window_blocks: usize,
+    pub num_cached_window_blocks: usize,
     pub prefix_queried_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub num_preemptions: u64,

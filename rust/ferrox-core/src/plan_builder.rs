@@ -1,5 +1,6 @@
 //! Turning the requests chosen for a step into the flat arrays of a plan.
 
+use crate::block_allocator::NULL_BLOCK;
 use crate::plan::BatchPlan;
 use crate::scheduler::{Chosen, Scheduler};
 
@@ -36,6 +37,8 @@ impl Scheduler {
             block_table: Vec::with_capacity(num_reqs * width),
             block_table_width: width,
             slot_mapping: Vec::with_capacity(num_tokens),
+            window_block_table: Vec::new(),
+            window_slot_mapping: Vec::new(),
             logits_indices: Vec::with_capacity(num_reqs),
             sample_rows: Vec::with_capacity(num_reqs),
             preempted_ids,
@@ -43,6 +46,11 @@ impl Scheduler {
             slots: Vec::with_capacity(num_reqs),
             draft_tokens: Vec::new(),
         };
+        let windowed = self.window_alloc.is_some();
+        if windowed {
+            plan.window_block_table.reserve(num_reqs * width);
+            plan.window_slot_mapping.reserve(num_tokens);
+        }
         plan.query_start_loc.push(0);
         for (row, c) in chosen.iter().enumerate() {
             let req = self.req(c.slot);
@@ -69,6 +77,22 @@ impl Scheduler {
             plan.block_table
                 .extend(req.block_table.iter().map(|&b| b as i32));
             plan.block_table.resize((row + 1) * width, 0);
+            if windowed {
+                for pos in start..end {
+                    let block = req.window_table[pos / bs] as i64;
+                    plan.window_slot_mapping
+                        .push(block * bs as i64 + (pos % bs) as i64);
+                }
+                plan.window_block_table
+                    .extend(req.window_table.iter().map(|&b| {
+                        if b == NULL_BLOCK {
+                            0
+                        } else {
+                            b as i32
+                        }
+                    }));
+                plan.window_block_table.resize((row + 1) * width, 0);
+            }
             let qend = plan.input_ids.len() as i64;
             plan.query_start_loc.push(qend as i32);
             if known_end == req.num_tokens() {

@@ -17,12 +17,19 @@
 //! request locks the deepest node of the prefix it uses; a lock pins that node
 //! and all its ancestors. Only unlocked leaves are evicted, least recently
 //! used first, and a leaf may be trimmed from its tail block by block.
+//!
+//! A model with sliding-window layers has a second pool: each cached block
+//! then also names the sliding layers' block for the same tokens, or
+//! `NULL_BLOCK` once that one was evicted. Those blocks are evicted on their
+//! own (`evict_window`), whatever the locks, as soon as no running request
+//! reads them; a prefix serves a hit only up to where the window before it
+//! is still held (`split_and_touch_windowed_prefix`).
 
 use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
-use crate::block_allocator::{BlockAllocator, BlockId};
+use crate::block_allocator::{BlockAllocator, BlockId, NULL_BLOCK};
 use crate::error::{CoreError, Result};
 
 type NodeId = u32;
@@ -52,6 +59,9 @@ struct Node {
     is_live: bool,
     key: Vec<u32>,
     blocks: Vec<BlockId>,
+    /// The sliding-window pool's block of each of `blocks` (or NULL_BLOCK);
+    /// empty without a window pool.
+    window_blocks: Vec<BlockId>,
     children: FxHashMap<Vec<u32>, NodeId>,
     lock_ref: u32,
     last_access: u64,
@@ -61,6 +71,9 @@ struct Node {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixMatch {
     pub blocks: Vec<BlockId>,
+    /// The window pool's blocks for the same tokens (NULL_BLOCK where
+    /// evicted); empty without a window pool.
+    pub window_blocks: Vec<BlockId>,
     pub num_tokens: usize,
     /// The node that ends exactly at the matched prefix (the root for no match).
     pub handle: NodeHandle,
@@ -70,6 +83,7 @@ pub struct PrefixMatch {
 struct Walk {
     node: NodeId,
     blocks: Vec<BlockId>,
+    window_blocks: Vec<BlockId>,
     num_tokens: usize,
     /// A child whose first `n` blocks matched, but not all of them.
     partial: Option<(NodeId, usize)>,
@@ -92,6 +106,9 @@ pub struct RadixCache {
     evictable_leaves: BTreeSet<(u64, NodeId)>,
     /// By block id: whether the tree holds the block.
     in_tree: Vec<bool>,
+    /// By window-pool block id: whether the tree holds it (empty: no window pool).
+    window_in_tree: Vec<bool>,
+    num_window_cached: usize,
     clock: u64,
     num_cached_blocks: usize,
     num_locked_blocks: usize,
@@ -128,6 +145,8 @@ impl RadixCache {
             free_slots: Vec::new(),
             evictable_leaves: BTreeSet::new(),
             in_tree: vec![false; num_blocks],
+            window_in_tree: Vec::new(),
+            num_window_cached: 0,
             clock: 0,
             num_cached_blocks: 0,
             num_locked_blocks: 0,
@@ -135,6 +154,36 @@ impl RadixCache {
             num_hit_tokens: 0,
             num_evicted_blocks: 0,
         })
+    }
+
+    /// A cache whose blocks also name a sliding-window pool's blocks.
+    pub fn new_windowed(
+        block_size: usize,
+        num_blocks: usize,
+        num_window_blocks: usize,
+    ) -> Result<Self> {
+        if num_window_blocks == 0 {
+            return Err(CoreError::InvalidArgument(
+                "the window pool needs at least one block".into(),
+            ));
+        }
+        let mut cache = Self::new(block_size, num_blocks)?;
+        cache.window_in_tree = vec![false; num_window_blocks];
+        Ok(cache)
+    }
+
+    pub fn is_windowed(&self) -> bool {
+        !self.window_in_tree.is_empty()
+    }
+    /// Window-pool blocks the tree holds.
+    pub fn num_window_cached_blocks(&self) -> usize {
+        self.num_window_cached
+    }
+    pub fn contains_window_block(&self, block: BlockId) -> bool {
+        self.window_in_tree
+            .get(block as usize)
+            .copied()
+            .unwrap_or(false)
     }
 
     pub fn block_size(&self) -> usize {
@@ -194,9 +243,28 @@ impl RadixCache {
         self.touch(node);
         PrefixMatch {
             blocks: walk.blocks,
+            window_blocks: walk.window_blocks,
             num_tokens: walk.num_tokens,
             handle: self.handle_of(node),
         }
+    }
+
+    /// Like `split_and_touch_prefix`, for a model whose sliding-window
+    /// layers attend over the last `window` positions: the match ends where
+    /// the window pool still holds every block the next position reads.
+    pub fn split_and_touch_windowed_prefix(
+        &mut self,
+        tokens: &[u32],
+        window: usize,
+    ) -> PrefixMatch {
+        let walk = self.walk(tokens);
+        let usable = usable_window_prefix(&walk.window_blocks, window, self.block_size);
+        let end = if self.is_windowed() {
+            usable
+        } else {
+            walk.blocks.len()
+        };
+        self.split_and_touch_prefix(&tokens[..end * self.block_size])
     }
 
     /// Follows `tokens` down the tree without changing it: the deepest node
@@ -206,6 +274,7 @@ impl RadixCache {
         let mut walk = Walk {
             node: ROOT,
             blocks: Vec::new(),
+            window_blocks: Vec::new(),
             num_tokens: 0,
             partial: None,
         };
@@ -220,6 +289,10 @@ impl RadixCache {
             let child_node = &self.nodes[child as usize];
             let n = common_blocks(&child_node.key, &tokens[pos..], bs);
             walk.blocks.extend_from_slice(&child_node.blocks[..n]);
+            if !child_node.window_blocks.is_empty() {
+                walk.window_blocks
+                    .extend_from_slice(&child_node.window_blocks[..n]);
+            }
             walk.num_tokens += n * bs;
             if n < child_node.blocks.len() {
                 walk.partial = Some((child, n));
@@ -234,12 +307,57 @@ impl RadixCache {
     /// block in `blocks`: blocks the tree lacked become its own, and a block
     /// whose tokens the tree already holds is released (not duplicated).
     /// `blocks.len()` must be `tokens.len() / block_size`; a partial last
-    /// block of tokens is ignored.
+    /// block of tokens is ignored. Only for a cache without a window pool.
     pub fn insert(
         &mut self,
         tokens: &[u32],
         blocks: &[BlockId],
         alloc: &mut BlockAllocator,
+    ) -> Result<InsertOutcome> {
+        if self.is_windowed() {
+            return Err(CoreError::InvalidArgument(
+                "this cache has a window pool: insert_windowed".into(),
+            ));
+        }
+        self.insert_groups(tokens, blocks, alloc, None)
+    }
+
+    /// `insert` for a cache with a window pool: `window_blocks` are the
+    /// window pool's blocks of the same tokens (NULL_BLOCK for one given
+    /// back); the tree takes over one reference of each that is not null,
+    /// keeping it where it lacked that position's block.
+    pub fn insert_windowed(
+        &mut self,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        window_blocks: &[BlockId],
+        alloc: &mut BlockAllocator,
+        window_alloc: &mut BlockAllocator,
+    ) -> Result<InsertOutcome> {
+        if !self.is_windowed() {
+            return Err(CoreError::InvalidArgument(
+                "this cache has no window pool: insert".into(),
+            ));
+        }
+        if window_blocks.len() != blocks.len()
+            || window_alloc.num_blocks() != self.window_in_tree.len()
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "insert_windowed needs one window block per block ({} for {}) from this \
+                 cache's window pool",
+                window_blocks.len(),
+                blocks.len()
+            )));
+        }
+        self.insert_groups(tokens, blocks, alloc, Some((window_blocks, window_alloc)))
+    }
+
+    fn insert_groups(
+        &mut self,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        alloc: &mut BlockAllocator,
+        mut window: Option<(&[BlockId], &mut BlockAllocator)>,
     ) -> Result<InsertOutcome> {
         let bs = self.block_size;
         let num_blocks = tokens.len() / bs;
@@ -256,8 +374,12 @@ impl RadixCache {
                 "the allocator does not match this cache's pool".into(),
             ));
         }
-        let num_present = self.walk(&tokens[..num_blocks * bs]).num_tokens / bs;
+        let present = self.walk(&tokens[..num_blocks * bs]);
+        let num_present = present.num_tokens / bs;
         self.validate_insert(blocks, num_present, alloc)?;
+        if let Some((wblocks, walloc)) = &window {
+            self.validate_window_insert(wblocks, &present.window_blocks, walloc)?;
+        }
 
         let mut node = ROOT;
         let mut pos = 0;
@@ -266,11 +388,22 @@ impl RadixCache {
             let start = pos * bs;
             let first = &tokens[start..start + bs];
             let Some(&child) = self.nodes[node as usize].children.get(first) else {
+                let wblocks = window
+                    .as_ref()
+                    .map_or(Vec::new(), |(w, _)| w[pos..].to_vec());
                 node = self.add_leaf(
                     node,
                     tokens[start..num_blocks * bs].to_vec(),
                     blocks[pos..].to_vec(),
+                    wblocks,
                 );
+                if let Some((_, walloc)) = window.as_mut() {
+                    for &w in &self.nodes[node as usize].window_blocks {
+                        if w != NULL_BLOCK {
+                            walloc.mark_cached(w, true)?;
+                        }
+                    }
+                }
                 num_new_blocks = num_blocks - pos;
                 break;
             };
@@ -287,6 +420,22 @@ impl RadixCache {
             for &dup in &blocks[pos..pos + n] {
                 alloc.release_one(dup)?;
             }
+            if let Some((wblocks, walloc)) = window.as_mut() {
+                for (i, &w) in wblocks[pos..pos + n].iter().enumerate() {
+                    if w == NULL_BLOCK {
+                        continue;
+                    }
+                    let held = &mut self.nodes[node as usize].window_blocks[i];
+                    if *held == NULL_BLOCK {
+                        *held = w; // the tree lacked it: it takes this reference
+                        self.window_in_tree[w as usize] = true;
+                        self.num_window_cached += 1;
+                        walloc.mark_cached(w, true)?;
+                    } else {
+                        walloc.release_one(w)?;
+                    }
+                }
+            }
             pos += n;
         }
         self.touch(node);
@@ -294,6 +443,69 @@ impl RadixCache {
             handle: self.handle_of(node),
             num_new_blocks,
         })
+    }
+
+    /// The window pool's blocks from the root down to the handle's node.
+    pub fn path_window_blocks(&self, handle: NodeHandle) -> Result<Vec<BlockId>> {
+        let mut node = self.resolve(handle)?;
+        let mut path = Vec::new();
+        while node != ROOT {
+            path.push(node);
+            node = self.nodes[node as usize].parent;
+        }
+        let mut blocks = Vec::new();
+        for &id in path.iter().rev() {
+            blocks.extend_from_slice(&self.nodes[id as usize].window_blocks);
+        }
+        Ok(blocks)
+    }
+
+    /// Gives back up to `num_blocks` window-pool blocks that only the tree
+    /// references (no running request reads them), from the least recently
+    /// used nodes, earliest positions first; returns how many.
+    pub fn evict_window(
+        &mut self,
+        num_blocks: usize,
+        window_alloc: &mut BlockAllocator,
+    ) -> Result<usize> {
+        if num_blocks == 0 || !self.is_windowed() {
+            return Ok(0);
+        }
+        let mut order: Vec<(u64, NodeId)> = (0..self.nodes.len() as NodeId)
+            .filter(|&id| {
+                let n = &self.nodes[id as usize];
+                n.is_live && n.window_blocks.iter().any(|&w| w != NULL_BLOCK)
+            })
+            .map(|id| (self.nodes[id as usize].last_access, id))
+            .collect();
+        order.sort_unstable();
+        let mut num_freed = 0;
+        'nodes: for (_, id) in order {
+            for i in 0..self.nodes[id as usize].window_blocks.len() {
+                if num_freed == num_blocks {
+                    break 'nodes;
+                }
+                let w = self.nodes[id as usize].window_blocks[i];
+                if w != NULL_BLOCK && window_alloc.is_cached_only(w) {
+                    self.drop_window_block(w, window_alloc)?;
+                    self.nodes[id as usize].window_blocks[i] = NULL_BLOCK;
+                    num_freed += 1;
+                }
+            }
+        }
+        Ok(num_freed)
+    }
+
+    fn drop_window_block(
+        &mut self,
+        block: BlockId,
+        window_alloc: &mut BlockAllocator,
+    ) -> Result<()> {
+        window_alloc.mark_cached(block, false)?;
+        window_alloc.release_one(block)?;
+        self.window_in_tree[block as usize] = false;
+        self.num_window_cached -= 1;
+        Ok(())
     }
 
     /// Blocks from the root down to the handle's node, in order.
@@ -363,6 +575,31 @@ impl RadixCache {
     /// leaves (trimming the last leaf from its tail) and returns how many the
     /// tree let go of.
     pub fn evict(&mut self, num_blocks: usize, alloc: &mut BlockAllocator) -> Result<usize> {
+        if self.is_windowed() {
+            return Err(CoreError::InvalidArgument(
+                "this cache has a window pool: evict_windowed".into(),
+            ));
+        }
+        self.evict_groups(num_blocks, alloc, None)
+    }
+
+    /// `evict` for a cache with a window pool: the window blocks of what is
+    /// evicted go back too.
+    pub fn evict_windowed(
+        &mut self,
+        num_blocks: usize,
+        alloc: &mut BlockAllocator,
+        window_alloc: &mut BlockAllocator,
+    ) -> Result<usize> {
+        self.evict_groups(num_blocks, alloc, Some(window_alloc))
+    }
+
+    fn evict_groups(
+        &mut self,
+        num_blocks: usize,
+        alloc: &mut BlockAllocator,
+        mut window_alloc: Option<&mut BlockAllocator>,
+    ) -> Result<usize> {
         let mut num_freed = 0;
         while num_freed < num_blocks {
             let Some(&(last_access, leaf)) = self.evictable_leaves.first() else {
@@ -378,6 +615,11 @@ impl RadixCache {
                     self.in_tree[block as usize] = false;
                 }
                 node.key.truncate(keep * self.block_size);
+                let dropped: Vec<BlockId> = node
+                    .window_blocks
+                    .drain(keep.min(node.window_blocks.len())..)
+                    .collect();
+                self.drop_window_blocks(&dropped, window_alloc.as_deref_mut())?;
                 num_freed += want;
                 continue;
             }
@@ -386,6 +628,9 @@ impl RadixCache {
                 alloc.release_one(block)?;
                 self.in_tree[block as usize] = false;
             }
+            let dropped = std::mem::take(&mut node.window_blocks);
+            self.drop_window_blocks(&dropped, window_alloc.as_deref_mut())?;
+            let node = &self.nodes[leaf as usize];
             num_freed += num_own;
             let parent = node.parent;
             let first_block = node.key[..self.block_size].to_vec();
@@ -402,6 +647,28 @@ impl RadixCache {
     }
 
     // ---- internals -------------------------------------------------------
+
+    fn drop_window_blocks(
+        &mut self,
+        blocks: &[BlockId],
+        window_alloc: Option<&mut BlockAllocator>,
+    ) -> Result<()> {
+        let held: Vec<BlockId> = blocks
+            .iter()
+            .copied()
+            .filter(|&w| w != NULL_BLOCK)
+            .collect();
+        if held.is_empty() {
+            return Ok(());
+        }
+        let walloc = window_alloc.ok_or_else(|| {
+            CoreError::InvalidArgument("evicting window blocks needs the window pool".into())
+        })?;
+        for w in held {
+            self.drop_window_block(w, walloc)?;
+        }
+        Ok(())
+    }
 
     fn tick(&mut self) -> u64 {
         self.clock += 1;
@@ -465,6 +732,36 @@ impl RadixCache {
         Ok(())
     }
 
+    fn validate_window_insert(
+        &self,
+        blocks: &[BlockId],
+        present: &[BlockId],
+        alloc: &BlockAllocator,
+    ) -> Result<()> {
+        let mut listed = FxHashMap::default();
+        for (i, &block) in blocks.iter().enumerate() {
+            if block == NULL_BLOCK {
+                continue;
+            }
+            let refs = alloc.ref_count(block)?;
+            if listed.insert(block, i).is_some() {
+                return Err(CoreError::InvalidArgument(format!(
+                    "window block {block} is listed twice"
+                )));
+            }
+            let held_by_tree = self.window_in_tree[block as usize];
+            if held_by_tree && present.get(i) != Some(&block) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "window block {block} already caches other tokens"
+                )));
+            }
+            if refs < 1 + held_by_tree as u32 {
+                return Err(CoreError::BlockNotAllocated { block });
+            }
+        }
+        Ok(())
+    }
+
     fn alloc_node(&mut self, node: Node) -> NodeId {
         match self.free_slots.pop() {
             Some(id) => {
@@ -485,11 +782,18 @@ impl RadixCache {
         n.generation = n.generation.wrapping_add(1);
         n.key = Vec::new();
         n.blocks = Vec::new();
+        n.window_blocks = Vec::new();
         n.children = FxHashMap::default();
         self.free_slots.push(id);
     }
 
-    fn add_leaf(&mut self, parent: NodeId, key: Vec<u32>, blocks: Vec<BlockId>) -> NodeId {
+    fn add_leaf(
+        &mut self,
+        parent: NodeId,
+        key: Vec<u32>,
+        blocks: Vec<BlockId>,
+        window_blocks: Vec<BlockId>,
+    ) -> NodeId {
         let bs = self.block_size;
         let p = &self.nodes[parent as usize];
         if parent != ROOT && p.children.is_empty() && p.lock_ref == 0 {
@@ -498,6 +802,10 @@ impl RadixCache {
         }
         for &block in &blocks {
             self.in_tree[block as usize] = true;
+        }
+        for &w in window_blocks.iter().filter(|&&w| w != NULL_BLOCK) {
+            self.window_in_tree[w as usize] = true;
+            self.num_window_cached += 1;
         }
         self.num_cached_blocks += blocks.len();
         let first_block = key[..bs].to_vec();
@@ -508,6 +816,7 @@ impl RadixCache {
             is_live: true,
             key,
             blocks,
+            window_blocks,
             children: FxHashMap::default(),
             lock_ref: 0,
             last_access: now,
@@ -526,6 +835,10 @@ impl RadixCache {
         let c = &mut self.nodes[child as usize];
         let upper_key: Vec<u32> = c.key.drain(..num_blocks * bs).collect();
         let upper_blocks: Vec<BlockId> = c.blocks.drain(..num_blocks).collect();
+        let upper_window: Vec<BlockId> = c
+            .window_blocks
+            .drain(..num_blocks.min(c.window_blocks.len()))
+            .collect();
         let parent = c.parent;
         let (lock_ref, last_access) = (c.lock_ref, c.last_access);
         let child_first = c.key[..bs].to_vec();
@@ -538,6 +851,7 @@ impl RadixCache {
             is_live: true,
             key: upper_key,
             blocks: upper_blocks,
+            window_blocks: upper_window,
             children,
             lock_ref,
             last_access,
@@ -548,6 +862,24 @@ impl RadixCache {
             .insert(upper_first, upper);
         upper
     }
+}
+
+/// Blocks of a cached path (whose window-pool blocks are `window_blocks`)
+/// that a hit may use: the longest prefix after which every position the
+/// next token reads, the `window - 1` before it, is still held.
+pub fn usable_window_prefix(window_blocks: &[BlockId], window: usize, block_size: usize) -> usize {
+    let mut last_null: Option<usize> = None;
+    let mut best = 0;
+    for k in 1..=window_blocks.len() {
+        if window_blocks[k - 1] == NULL_BLOCK {
+            last_null = Some(k - 1);
+        }
+        let first_read = (k * block_size + 1).saturating_sub(window) / block_size;
+        if last_null.is_none_or(|j| j < first_read) {
+            best = k;
+        }
+    }
+    best
 }
 
 #[path = "radix_cache_integrity.rs"]

@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 
 use super::{RadixCache, ROOT};
-use crate::block_allocator::BlockAllocator;
+use crate::block_allocator::{BlockAllocator, NULL_BLOCK};
 use crate::error::{ensure, Result};
 
 impl RadixCache {
@@ -92,6 +92,58 @@ impl RadixCache {
         ensure!(
             leaves == self.evictable_leaves,
             "the eviction set differs from the unlocked leaves"
+        );
+        Ok(())
+    }
+
+    /// The window pool's side: each node names one window block (or none)
+    /// per block; every held one is held once, marked, and marked cached
+    /// in the window pool's allocator; the counter agrees.
+    pub fn check_window_integrity(&self, window_alloc: &BlockAllocator) -> Result<()> {
+        ensure!(
+            window_alloc.num_blocks() == self.window_in_tree.len(),
+            "the window pool does not match the cache"
+        );
+        let mut seen = vec![false; self.window_in_tree.len()];
+        let mut num_held = 0;
+        for (id, node) in self.nodes.iter().enumerate() {
+            if !node.is_live || id == ROOT as usize {
+                continue;
+            }
+            ensure!(
+                node.window_blocks.len() == node.blocks.len(),
+                "node {id} names {} window blocks for {} blocks",
+                node.window_blocks.len(),
+                node.blocks.len()
+            );
+            for &w in node.window_blocks.iter().filter(|&&w| w != NULL_BLOCK) {
+                let idx = w as usize;
+                ensure!(idx < seen.len(), "window block {w} is out of range");
+                ensure!(!seen[idx], "window block {w} is cached twice");
+                seen[idx] = true;
+                ensure!(
+                    window_alloc.ref_count(w)? >= 1,
+                    "cached window block {w} holds no reference"
+                );
+                num_held += 1;
+            }
+        }
+        ensure!(
+            seen == self.window_in_tree,
+            "the window in-tree marks disagree with the tree"
+        );
+        ensure!(
+            num_held == self.num_window_cached,
+            "tree holds {num_held} window blocks, counter says {}",
+            self.num_window_cached
+        );
+        let cached_only = (0..seen.len() as u32)
+            .filter(|&w| seen[w as usize] && window_alloc.ref_count(w).ok() == Some(1))
+            .count();
+        ensure!(
+            cached_only == window_alloc.num_cached_only(),
+            "{cached_only} window blocks held by the tree alone, the pool counts {}",
+            window_alloc.num_cached_only()
         );
         Ok(())
     }

@@ -62,6 +62,11 @@ pub struct Request {
     /// Tokens whose KV is in `block_table` (the last sampled token is not).
     pub num_computed_tokens: usize,
     pub block_table: Vec<BlockId>,
+    /// The sliding-window pool's blocks of the same positions (NULL_BLOCK
+    /// behind the window); empty without a window pool.
+    pub window_table: Vec<BlockId>,
+    /// Entries of `window_table` before this one are all NULL_BLOCK.
+    pub window_start: usize,
     /// The radix-cache node this request locks (the prefix it shares).
     pub cache_handle: Option<NodeHandle>,
     /// Leading blocks of `block_table` that are the cache's blocks.

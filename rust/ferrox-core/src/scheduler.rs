@@ -20,6 +20,11 @@
 //! (at most `MAX_PREFIX_WAIT_STEPS` steps) until that request has computed
 //! them and put them in the cache, and requests behind it are admitted
 //! meanwhile.
+//!
+//! A model with sliding-window layers gives the scheduler a second block
+//! pool, for those layers, whose blocks behind each request's window go
+//! back while it runs (`scheduler_blocks.rs`); admission, growth and
+//! preemption count both pools.
 
 use std::collections::BTreeSet;
 use std::ops::Bound::{Excluded, Unbounded};
@@ -41,6 +46,8 @@ pub const MAX_PREFIX_WAIT_STEPS: u32 = 64;
 pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
     pub(crate) alloc: BlockAllocator,
+    /// The sliding-window layers' pool (None: every layer in `alloc`'s).
+    pub(crate) window_alloc: Option<BlockAllocator>,
     pub(crate) cache: RadixCache,
     /// Live requests by slot; `index` maps ids to slots.
     pub(crate) slots: Vec<Option<Request>>,
@@ -71,9 +78,24 @@ pub(crate) struct Chosen {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
+        let (window_alloc, cache) = match config.sliding_window {
+            None => (None, RadixCache::new(config.block_size, config.num_blocks)?),
+            Some(_) => (
+                Some(BlockAllocator::new(
+                    config.num_window_blocks,
+                    config.block_size,
+                )?),
+                RadixCache::new_windowed(
+                    config.block_size,
+                    config.num_blocks,
+                    config.num_window_blocks,
+                )?,
+            ),
+        };
         Ok(Self {
             alloc: BlockAllocator::new(config.num_blocks, config.block_size)?,
-            cache: RadixCache::new(config.block_size, config.num_blocks)?,
+            window_alloc,
+            cache,
             config,
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -99,6 +121,10 @@ impl Scheduler {
     pub fn cache(&self) -> &RadixCache {
         &self.cache
     }
+    /// The sliding-window layers' pool, if the model has such layers.
+    pub fn window_allocator(&self) -> Option<&BlockAllocator> {
+        self.window_alloc.as_ref()
+    }
     pub fn num_requests(&self) -> usize {
         self.index.len()
     }
@@ -111,7 +137,11 @@ impl Scheduler {
 
     pub fn stats(&self) -> SchedulerStats {
         let evictable = self.cache.num_evictable_blocks();
+        let window = self.window_alloc.as_ref();
         SchedulerStats {
+            num_window_blocks: window.map_or(0, |w| w.num_blocks()),
+            num_free_window_blocks: window.map_or(0, |w| w.num_free()),
+            num_cached_window_blocks: window.map_or(0, |w| w.num_cached_only()),
             num_running: self.running.len(),
             num_waiting: self.waiting.len(),
             num_total_blocks: self.alloc.num_blocks(),
@@ -195,6 +225,14 @@ impl Scheduler {
                 cfg.num_blocks
             ));
         }
+        let window_needed = cfg.window_blocks_for(max_len);
+        if window_needed > cfg.num_window_blocks && cfg.sliding_window.is_some() {
+            return reject(format!(
+                "its sliding window needs up to {window_needed} KV blocks at once, but the \
+                 window pool holds only {} blocks",
+                cfg.num_window_blocks
+            ));
+        }
         let request = Request {
             id,
             arrival: self.next_arrival,
@@ -204,6 +242,8 @@ impl Scheduler {
             num_prompt_tokens: prompt.len(),
             num_computed_tokens: 0,
             block_table: Vec::new(),
+            window_table: Vec::new(),
+            window_start: 0,
             cache_handle: None,
             num_shared_blocks: 0,
             num_prefix_hit_tokens: 0,
@@ -228,12 +268,6 @@ impl Scheduler {
         self.index.insert(id, slot);
         self.waiting.insert((key.0, key.1, slot));
         Ok(())
-    }
-
-    /// Drops every prefix-cache entry no request is using; returns how many
-    /// blocks went back to the pool.
-    pub fn reset_prefix_cache(&mut self) -> Result<usize> {
-        self.cache.evict(usize::MAX, &mut self.alloc)
     }
 
     /// Ends a request in any state; its computed blocks go to the prefix
@@ -263,80 +297,6 @@ impl Scheduler {
         self.index.remove(&req.id);
         self.free_slots.push(slot);
         Ok(())
-    }
-
-    /// Gives back a request's blocks: its computed full blocks go into the
-    /// prefix cache (when enabled), the rest to the pool.
-    fn release_blocks(&mut self, slot: usize) -> Result<()> {
-        let bs = self.config.block_size;
-        let caching = self.config.enable_prefix_caching;
-        let req = self.slots[slot].as_mut().expect("live slot");
-        let table = std::mem::take(&mut req.block_table);
-        let num_full = (req.num_computed_tokens / bs).min(table.len());
-        if caching && num_full > 0 {
-            self.cache.insert(
-                &req.tokens[..num_full * bs],
-                &table[..num_full],
-                &mut self.alloc,
-            )?;
-            self.alloc.release(&table[num_full..])?;
-        } else {
-            self.alloc.release(&table)?;
-        }
-        if let Some(handle) = req.cache_handle.take() {
-            self.cache.unlock(handle)?;
-        }
-        req.num_shared_blocks = 0;
-        Ok(())
-    }
-
-    /// Puts the computed full blocks of a running request into the prefix
-    /// cache so that requests arriving later share them, and adopts the
-    /// cache's copy of any block that another request computed first.
-    pub(crate) fn share_computed_blocks(&mut self, slot: usize) -> Result<()> {
-        let bs = self.config.block_size;
-        let req = self.slots[slot].as_mut().expect("live slot");
-        let num_full = req.num_computed_tokens / bs;
-        if num_full <= req.num_shared_blocks {
-            return Ok(());
-        }
-        let tokens = &req.tokens[..num_full * bs];
-        self.alloc.share(&req.block_table[..num_full])?;
-        let out = self
-            .cache
-            .insert(tokens, &req.block_table[..num_full], &mut self.alloc)?;
-        let path = self.cache.path_blocks(out.handle)?;
-        for (own, &cached) in req.block_table.iter_mut().zip(&path) {
-            if *own != cached {
-                self.alloc.share(&[cached])?;
-                self.alloc.release_one(*own)?;
-                *own = cached;
-            }
-        }
-        self.cache.lock(out.handle)?;
-        if let Some(old) = req.cache_handle.replace(out.handle) {
-            self.cache.unlock(old)?;
-        }
-        req.num_shared_blocks = num_full;
-        Ok(())
-    }
-
-    /// Makes `num_blocks` free blocks available (evicting from the cache as
-    /// needed) and appends them to the request's table; false if impossible.
-    fn grow_table(&mut self, slot: usize, num_blocks: usize) -> Result<bool> {
-        if num_blocks == 0 {
-            return Ok(true);
-        }
-        let free = self.alloc.num_free();
-        if free + self.cache.num_evictable_blocks() < num_blocks {
-            return Ok(false);
-        }
-        if free < num_blocks {
-            self.cache.evict(num_blocks - free, &mut self.alloc)?;
-        }
-        let req = self.slots[slot].as_mut().expect("live slot");
-        self.alloc.allocate_into(num_blocks, &mut req.block_table)?;
-        Ok(true)
     }
 
     /// The running request to preempt: lowest priority, then latest arrival,
@@ -483,7 +443,11 @@ impl Scheduler {
                 } else {
                     0
                 };
-                Some(self.cache.split_and_touch_prefix(&req.tokens[..reusable]))
+                let tokens = &req.tokens[..reusable];
+                Some(match self.config.sliding_window {
+                    None => self.cache.split_and_touch_prefix(tokens),
+                    Some(w) => self.cache.split_and_touch_windowed_prefix(tokens, w),
+                })
             } else {
                 None
             };
@@ -501,7 +465,7 @@ impl Scheduler {
             let num_tokens = pending.min(*budget);
             let fits_budget = num_tokens == pending || self.config.enable_chunked_prefill;
             let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
-            let mut has_room = fits_budget && self.has_room(need_blocks);
+            let mut has_room = fits_budget && self.has_room_after(need_blocks, found.as_ref());
             // Under the priority policy a more urgent request displaces the
             // least urgent running one.
             while fits_budget && !has_room && self.config.policy == Policy::Priority {
@@ -509,7 +473,7 @@ impl Scheduler {
                     Some(v) if self.priority_key(self.req(v)) > key => {
                         preempted.push(self.req(v).id);
                         self.preempt(v, chosen, budget)?;
-                        has_room = self.has_room(need_blocks);
+                        has_room = self.has_room_after(need_blocks, found.as_ref());
                     }
                     _ => break,
                 }
@@ -523,11 +487,8 @@ impl Scheduler {
             let num_tokens = num_tokens.min(*budget);
             self.waiting.remove(&(key, arrival, slot));
             if let Some(m) = found {
-                self.alloc.share(&m.blocks)?;
                 self.cache.record_query(total, hit_tokens);
-                let req = self.req_mut(slot);
-                req.block_table = m.blocks;
-                req.cache_handle = Some(m.handle);
+                self.adopt_hit(slot, m)?;
             }
             let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
             let grown = self.grow_table(slot, need_blocks)?;
@@ -654,10 +615,6 @@ impl Scheduler {
             None => req.draft.resize(len, 0),
         }
         len
-    }
-
-    fn has_room(&self, num_blocks: usize) -> bool {
-        self.alloc.num_free() + self.cache.num_evictable_blocks() >= num_blocks
     }
 }
 

@@ -1,7 +1,8 @@
 //! The scheduler's invariants as code, callable from tests and when idle.
 
+use crate::block_allocator::NULL_BLOCK;
 use crate::error::{ensure, Result};
-use crate::request::RequestStatus;
+use crate::request::{Request, RequestStatus};
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
@@ -13,9 +14,14 @@ impl Scheduler {
     pub fn check_integrity(&self) -> Result<()> {
         self.alloc.check_integrity()?;
         self.cache.check_integrity(&self.alloc)?;
+        if let Some(walloc) = &self.window_alloc {
+            walloc.check_integrity()?;
+            self.cache.check_window_integrity(walloc)?;
+        }
         let cfg = &self.config;
         let num_blocks = self.alloc.num_blocks();
         let mut owners = vec![0u32; num_blocks];
+        let mut window_owners = vec![0u32; cfg.num_window_blocks];
         let mut num_live = 0;
         for (slot, entry) in self.slots.iter().enumerate() {
             let Some(req) = entry else { continue };
@@ -35,7 +41,9 @@ impl Scheduler {
                 RequestStatus::Waiting => {
                     ensure!(is_waiting && !is_running, "request {} is misfiled", req.id);
                     ensure!(
-                        req.block_table.is_empty() && req.cache_handle.is_none(),
+                        req.block_table.is_empty()
+                            && req.window_table.is_empty()
+                            && req.cache_handle.is_none(),
                         "waiting request {} holds blocks",
                         req.id
                     );
@@ -57,6 +65,7 @@ impl Scheduler {
                         "running request {} has no pending token",
                         req.id
                     );
+                    self.check_window_table(req)?;
                     if let Some(handle) = req.cache_handle {
                         ensure!(
                             self.cache.is_locked(handle)?,
@@ -81,6 +90,9 @@ impl Scheduler {
             }
             for &block in &req.block_table {
                 owners[block as usize] += 1;
+            }
+            for &block in req.window_table.iter().filter(|&&b| b != NULL_BLOCK) {
+                window_owners[block as usize] += 1;
             }
         }
         ensure!(num_live == self.index.len(), "index and slots disagree");
@@ -119,6 +131,59 @@ impl Scheduler {
             "{cached} blocks held only by the cache, {} evictable",
             self.cache.num_evictable_blocks()
         );
+        if let Some(walloc) = &self.window_alloc {
+            for (block, &requests) in window_owners.iter().enumerate() {
+                let block = block as u32;
+                let in_tree = self.cache.contains_window_block(block);
+                ensure!(
+                    walloc.ref_count(block)? == requests + in_tree as u32,
+                    "window block {block}: {} references for {requests} requests and \
+                     cache={in_tree}",
+                    walloc.ref_count(block)?
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A running request's window table: as long as its block table, its
+    /// blocks behind the window given back, every block from the window's
+    /// first on held, and what it shares with its cache path the cache's.
+    fn check_window_table(&self, req: &Request) -> Result<()> {
+        let Some(window) = self.config.sliding_window else {
+            ensure!(
+                req.window_table.is_empty(),
+                "request {} has a window table",
+                req.id
+            );
+            return Ok(());
+        };
+        let table = &req.window_table;
+        ensure!(
+            table.len() == req.block_table.len(),
+            "request {}: {} window blocks for {} blocks",
+            req.id,
+            table.len(),
+            req.block_table.len()
+        );
+        let first = (req.num_computed_tokens + 1).saturating_sub(window) / self.config.block_size;
+        for (j, &b) in table.iter().enumerate() {
+            ensure!(
+                (j < first) == (b == NULL_BLOCK),
+                "request {}: window block {j} is {b} (the window starts in block {first})",
+                req.id
+            );
+        }
+        if let Some(handle) = req.cache_handle {
+            let path = self.cache.path_window_blocks(handle)?;
+            for (j, (&own, &cached)) in table.iter().zip(&path).enumerate() {
+                ensure!(
+                    own == NULL_BLOCK || own == cached,
+                    "request {}: window block {j} is {own}, its cache path's {cached}",
+                    req.id
+                );
+            }
+        }
         Ok(())
     }
 }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::block_allocator::NULL_BLOCK;
 use crate::{BatchPlan, FinishReason, RequestParams, SchedulerConfig, SpecConfig};
 use proptest::prelude::*;
 
@@ -27,18 +28,46 @@ fn params(max_tokens: usize) -> RequestParams {
 
 /// A deterministic stand-in for a model that reads its context back from a
 /// simulated paged KV store, so that a wrong block table, slot mapping or
-/// prefix-cache hit changes the tokens it produces.
+/// prefix-cache hit changes the tokens it produces. With a window it also
+/// has sliding-window layers: they read the last `window` positions from
+/// the window pool's store (from the full one under a plan without window
+/// tables), and their reading changes the token too.
 struct FakeModel {
     kv: Vec<Option<(u32, i64)>>,
+    window_kv: Vec<Option<(u32, i64)>>,
+    window: Option<usize>,
     block_size: usize,
 }
 
 impl FakeModel {
     fn new(cfg: &SchedulerConfig) -> Self {
+        Self::with_window(cfg, cfg.sliding_window)
+    }
+
+    fn with_window(cfg: &SchedulerConfig, window: Option<usize>) -> Self {
         Self {
             kv: vec![None; cfg.num_blocks * cfg.block_size],
+            window_kv: vec![None; cfg.num_window_blocks * cfg.block_size],
+            window,
             block_size: cfg.block_size,
         }
+    }
+
+    /// Reads positions `range` of a row through its block table.
+    fn read(
+        kv: &[Option<(u32, i64)>],
+        table: &[i32],
+        bs: usize,
+        range: std::ops::Range<usize>,
+    ) -> Vec<u32> {
+        range
+            .map(|p| {
+                let slot = table[p / bs] as usize * bs + p % bs;
+                let (tok, pos) = kv[slot].expect("context slot was never written");
+                assert_eq!(pos, p as i64, "slot holds another position");
+                tok
+            })
+            .collect()
     }
 
     fn next_token(context: &[u32]) -> u32 {
@@ -51,24 +80,38 @@ impl FakeModel {
 
     fn run(&mut self, plan: &BatchPlan) -> Vec<u32> {
         let bs = self.block_size;
-        for (i, (&slot, &tok)) in plan.slot_mapping.iter().zip(&plan.input_ids).enumerate() {
-            self.kv[slot as usize] = Some((tok as u32, plan.positions[i]));
+        let windowed = !plan.window_slot_mapping.is_empty();
+        for (i, &tok) in plan.input_ids.iter().enumerate() {
+            let entry = Some((tok as u32, plan.positions[i]));
+            self.kv[plan.slot_mapping[i] as usize] = entry;
+            if windowed {
+                self.window_kv[plan.window_slot_mapping[i] as usize] = entry;
+            }
         }
+        let width = plan.block_table_width;
         let mut out = vec![];
         for (&row, &index) in plan.sample_rows.iter().zip(&plan.logits_indices) {
             let row = row as usize;
             // The context up to the sampled position (drafts included).
             let seq_len = plan.positions[index as usize] as usize + 1;
-            let table = &plan.block_table[row * plan.block_table_width..];
-            let context: Vec<u32> = (0..seq_len)
-                .map(|p| {
-                    let slot = table[p / bs] as usize * bs + p % bs;
-                    let (tok, pos) = self.kv[slot].expect("context slot was never written");
-                    assert_eq!(pos, p as i64, "slot holds another position");
-                    tok
-                })
-                .collect();
-            out.push(Self::next_token(&context));
+            let table = &plan.block_table[row * width..];
+            let context = Self::read(&self.kv, table, bs, 0..seq_len);
+            let mut token = Self::next_token(&context);
+            if let Some(w) = self.window {
+                let range = seq_len.saturating_sub(w)..seq_len;
+                let seen = if windowed {
+                    Self::read(
+                        &self.window_kv,
+                        &plan.window_block_table[row * width..],
+                        bs,
+                        range,
+                    )
+                } else {
+                    Self::read(&self.kv, table, bs, range)
+                };
+                token = (token + Self::next_token(&seen)) % VOCAB as u32;
+            }
+            out.push(token);
         }
         out
     }
@@ -196,13 +239,24 @@ fn run_alone_within(
     p: RequestParams,
     max_model_len: usize,
 ) -> (Vec<u32>, FinishReason) {
+    run_alone_windowed(prompt, p, max_model_len, None)
+}
+
+/// A request alone in a one-pool scheduler, under a model whose window
+/// layers (if `window`) read the full pool's blocks.
+fn run_alone_windowed(
+    prompt: &[u32],
+    p: RequestParams,
+    max_model_len: usize,
+    window: Option<usize>,
+) -> (Vec<u32>, FinishReason) {
     let cfg = SchedulerConfig {
         enable_prefix_caching: false,
         max_model_len,
         ..config(64, 64)
     };
     let mut sched = Scheduler::new(cfg.clone()).unwrap();
-    let mut model = FakeModel::new(&cfg);
+    let mut model = FakeModel::with_window(&cfg, window);
     sched.add_request(1, prompt, p).unwrap();
     drive(&mut sched, &mut model, |_, _| {}).remove(&1).unwrap()
 }
@@ -702,7 +756,7 @@ fn check_workload_with(
             assert!(!finished.contains_key(&id));
             continue;
         }
-        let alone = run_alone_within(prompt, p.clone(), cfg.max_model_len);
+        let alone = run_alone_windowed(prompt, p.clone(), cfg.max_model_len, cfg.sliding_window);
         assert_eq!(finished[&id], alone, "request {id}");
     }
     assert_idle(&sched);
@@ -887,6 +941,7 @@ proptest! {
         caching in any::<bool>(),
         tight_pool in any::<bool>(),
         budget in 8usize..40,
+        window in prop::option::of(1usize..8),
     ) {
         let mut w = w;
         for r in &mut w.requests {
@@ -901,6 +956,9 @@ proptest! {
             enable_prefix_caching: caching,
             max_model_len: 28,
             speculation: spec_config(method, k, adaptive),
+            // With windows, a window pool of 24 blocks (tight for 8 requests).
+            sliding_window: window,
+            num_window_blocks: if window.is_some() { 24 } else { 0 },
             ..config(if tight_pool { 8 } else { 128 }, budget)
         };
         let mut drafter = oracle_drafter(seed, accept_percent);
@@ -1086,4 +1144,129 @@ fn drafts_respect_max_tokens_budget_and_batch_size() {
     sched.abort(2).unwrap();
     let plan = sched.schedule().unwrap();
     assert_eq!(plan.num_drafts_total, 5, "alone again: 9 - 3 - 1 drafts");
+}
+
+// ---- sliding-window layers: a second pool ------------------------------
+
+fn windowed(
+    window: usize,
+    num_blocks: usize,
+    num_window_blocks: usize,
+    budget: usize,
+) -> SchedulerConfig {
+    SchedulerConfig {
+        sliding_window: Some(window),
+        num_window_blocks,
+        ..config(num_blocks, budget)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(120))]
+    #[test]
+    fn windowed_workloads_match_isolated_runs(
+        w in workload(),
+        caching in any::<bool>(),
+        tight in 0usize..3,
+        window in 1usize..10,
+        budget in 8usize..24,
+    ) {
+        // A tight pool of either kind makes requests preempt and evict.
+        let (full, win) = [(128, 128), (8, 128), (128, 14)][tight];
+        let cfg = SchedulerConfig {
+            enable_prefix_caching: caching,
+            max_model_len: 28,
+            ..windowed(window, full, win.max(windowed(window, 1, 1, budget).window_blocks_for(28)), budget)
+        };
+        check_workload(&w, cfg);
+    }
+}
+
+#[test]
+fn a_long_sequence_holds_only_its_window() {
+    let cfg = SchedulerConfig {
+        max_model_len: 200,
+        ..windowed(6, 64, 8, 16)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let p = RequestParams {
+        ignore_eos: true,
+        ..params(150)
+    };
+    sched.add_request(1, &[5; 40], p.clone()).unwrap();
+    let mut most = 0;
+    let out = drive(&mut sched, &mut model, |s, _| {
+        if let Some(r) = s.request(1) {
+            let held = r.window_table.iter().filter(|&&b| b != NULL_BLOCK).count();
+            most = most.max(held);
+        }
+    });
+    assert_eq!(out[&1], run_alone_windowed(&[5; 40], p, 200, Some(6)));
+    // 5 positions behind the next one and a 16-token chunk: at most 7 blocks.
+    assert!(
+        most <= cfg.window_blocks_for(190),
+        "held {most} window blocks"
+    );
+    assert!(most >= 2);
+    assert_idle(&sched);
+}
+
+#[test]
+fn a_window_pool_too_small_for_one_request_rejects_it() {
+    let cfg = windowed(16, 64, 3, 16);
+    let mut sched = Scheduler::new(cfg).unwrap();
+    let err = sched.add_request(1, &[1; 20], params(4)).unwrap_err();
+    assert!(err.to_string().contains("window pool"), "{err}");
+    assert!(Scheduler::new(windowed(0, 64, 8, 16)).is_err());
+    assert!(Scheduler::new(SchedulerConfig {
+        num_window_blocks: 4,
+        ..config(64, 16)
+    })
+    .is_err());
+}
+
+#[test]
+fn a_hit_needs_the_window_before_it_and_evicted_window_blocks_shorten_it() {
+    // Window 4, blocks of 4: a hit at P needs the block holding P - 3.
+    let cfg = windowed(4, 64, 16, 64);
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let prompt: Vec<u32> = (1..=21).collect();
+    let p = params(1);
+    sched.add_request(1, &prompt, p.clone()).unwrap();
+    drive(&mut sched, &mut model, |_, _| {});
+    // Everything computed went to the cache, the window blocks too (the
+    // last one is held by nothing else, so all are evictable).
+    assert_eq!(sched.cache().num_window_cached_blocks(), 5);
+    sched.add_request(2, &prompt, p.clone()).unwrap();
+    let plan = sched.schedule().unwrap();
+    assert_eq!(plan.num_computed_tokens, vec![20]);
+    let sampled = model.run(&plan);
+    sched.update(&plan, &sampled, &[], None).unwrap();
+    sched.check_integrity().unwrap();
+    // Evict every window block no one reads: a hit then has no window to
+    // stand on, and recomputes.
+    let freed = sched.reset_prefix_cache().unwrap();
+    assert!(freed > 0);
+    sched.add_request(3, &prompt, p.clone()).unwrap();
+    let full_blocks = sched.cache().num_cached_blocks();
+    assert_eq!(full_blocks, 0, "reset dropped the unlocked entries");
+    let out = drive(&mut sched, &mut model, |_, _| {});
+    assert_eq!(out[&3], run_alone_windowed(&prompt, p, 64, Some(4)));
+    assert_idle(&sched);
+}
+
+#[test]
+fn usable_window_prefix_stops_where_the_window_is_missing() {
+    use crate::radix_cache::usable_window_prefix;
+    let n = NULL_BLOCK;
+    // Blocks of 4, window 5: a hit of k blocks reads block (4k - 4) / 4 = k - 1 on.
+    assert_eq!(usable_window_prefix(&[1, 2, 3], 5, 4), 3);
+    assert_eq!(usable_window_prefix(&[n, n, 3], 5, 4), 3);
+    assert_eq!(usable_window_prefix(&[1, 2, n], 5, 4), 2);
+    // Window 6 reads two blocks back from k = 2 on (4k - 5 .. 4k - 1).
+    assert_eq!(usable_window_prefix(&[n, 2, 3], 6, 4), 3);
+    assert_eq!(usable_window_prefix(&[1, n, 3], 6, 4), 1);
+    assert_eq!(usable_window_prefix(&[], 6, 4), 0);
 }

@@ -82,6 +82,7 @@ impl Scheduler {
                 if n > 1 && self.config.enable_prefix_caching {
                     self.share_computed_blocks(slot)?;
                 }
+                self.drop_behind_window(slot)?;
                 if let Some(&token) = samples.first() {
                     self.append(slot, token, &stopped, &mut events)?;
                 }
@@ -109,8 +110,11 @@ impl Scheduler {
                     break;
                 }
             }
-            if !finished && self.config.enable_prefix_caching {
-                self.share_computed_blocks(slot)?;
+            if !finished {
+                if self.config.enable_prefix_caching {
+                    self.share_computed_blocks(slot)?;
+                }
+                self.drop_behind_window(slot)?;
             }
         }
         for &id in finished_externally {

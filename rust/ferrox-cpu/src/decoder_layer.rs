@@ -241,6 +241,8 @@ pub fn decoder_layer<T: KvElement>(
         head_dim: d,
         block_size: step.block_size,
         scale: weights.scale,
+        window: 0,
+        sinks: None,
         num_threads: threads,
     };
     paged_attention(&args, &mut attn)?;

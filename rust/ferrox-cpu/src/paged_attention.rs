@@ -5,6 +5,7 @@
 //!  row r:  | cached context ........ | this step's queries (q_len) |
 //!          <---------------- seq_len[r] -------------------------->
 //!  query i of row r sees keys [0, seq_len - q_len + i]
+//!  (with a sliding window w: only the last w of them)
 //! ```
 //!
 //! Keys are visited a block at a time with an online softmax (running max and
@@ -38,6 +39,13 @@ pub struct PagedAttentionArgs<'a, T: KvElement = f32> {
     pub head_dim: usize,
     pub block_size: usize,
     pub scale: f32,
+    /// A query sees only the last `window` keys up to itself (0: all).
+    /// Keys before the window are never read, so their blocks may be gone
+    /// (their table entries point anywhere inside the cache).
+    pub window: usize,
+    /// Attention sinks (gpt-oss): per query head, a logit that joins each
+    /// softmax's denominator with no value of its own. None: no sinks.
+    pub sinks: Option<&'a [f32]>,
     pub num_threads: usize,
 }
 
@@ -80,6 +88,10 @@ impl<T: KvElement> PagedAttentionArgs<'_, T> {
         );
         check!(self.q.len().is_multiple_of(h * d), "q is not [T, {h}, {d}]");
         check!(out_len == self.q.len(), "out and q differ in size");
+        check!(
+            self.sinks.is_none_or(|s| s.len() == h),
+            "sinks must have one entry per query head ({h})"
+        );
         check!(
             self.k_cache.len() == self.v_cache.len()
                 && self.k_cache.len().is_multiple_of(bs * hkv * d),
@@ -542,14 +554,28 @@ fn run_row_impl<V: VectorOps, T: KvElement>(
     for i in 0..q_len {
         let t = q_start + i;
         let num_keys = ctx + i + 1;
-        s.max.fill(f32::NEG_INFINITY);
-        s.sum.fill(0.0);
+        match args.sinks {
+            // A sink is a key of score `sink` whose value is zero.
+            Some(sinks) => {
+                s.max.copy_from_slice(sinks);
+                s.sum.fill(1.0);
+            }
+            None => {
+                s.max.fill(f32::NEG_INFINITY);
+                s.sum.fill(0.0);
+            }
+        }
         s.acc.fill(0.0);
         let q_row = &args.q[t * h * d..(t + 1) * h * d];
-        let mut start = 0;
+        let mut start = match args.window {
+            0 => 0,
+            w => num_keys.saturating_sub(w),
+        };
         while start < num_keys {
-            let n = bs.min(num_keys - start);
-            let first = table[start / bs] as usize * bs * hkv * d;
+            // (a window may start inside a block: the rest of that block)
+            let offset = start % bs;
+            let n = (bs - offset).min(num_keys - start);
+            let first = (table[start / bs] as usize * bs + offset) * hkv * d;
             if T::HALF {
                 // Widened once here, not once per query head of the group.
                 let len = n * hkv * d;

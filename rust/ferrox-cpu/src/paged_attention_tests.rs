@@ -20,6 +20,10 @@ fn reference<T: KvElement>(args: &PagedAttentionArgs<'_, T>, num_tokens: usize) 
         for i in 0..q_len {
             let t = qs + i;
             let keys = seq_len - q_len + i + 1;
+            let first_key = match args.window {
+                0 => 0,
+                w => keys.saturating_sub(w),
+            };
             for head in 0..h {
                 let kvh = head / (h / hkv);
                 let q = &args.q[(t * h + head) * d..][..d];
@@ -27,7 +31,7 @@ fn reference<T: KvElement>(args: &PagedAttentionArgs<'_, T>, num_tokens: usize) 
                     let b = args.block_table[r * width + j / bs] as usize;
                     ((b * bs + j % bs) * hkv + kvh) * d
                 };
-                let scores: Vec<f64> = (0..keys)
+                let scores: Vec<f64> = (first_key..keys)
                     .map(|j| {
                         let k = &args.k_cache[slot(j)..][..d];
                         q.iter()
@@ -37,9 +41,14 @@ fn reference<T: KvElement>(args: &PagedAttentionArgs<'_, T>, num_tokens: usize) 
                             * args.scale as f64
                     })
                     .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
-                for (j, sc) in scores.iter().enumerate() {
+                let sink = args.sinks.map(|s| s[head] as f64);
+                let m = scores
+                    .iter()
+                    .cloned()
+                    .chain(sink)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().chain(&sink).map(|x| (x - m).exp()).sum();
+                for (j, sc) in (first_key..).zip(&scores) {
                     let p = (sc - m).exp() / z;
                     let v = &args.v_cache[slot(j)..][..d];
                     for c in 0..d {
@@ -76,6 +85,11 @@ struct Case {
     /// Leading blocks every row reads from the same physical blocks (a
     /// shared prefix), where the row has that many.
     shared_blocks: usize,
+    /// Sliding window (0: none); table entries wholly behind every query's
+    /// window point at a block of garbage (NaN), which must not be read.
+    window: usize,
+    /// Attention sinks (one logit per query head), or none.
+    sinks: bool,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -101,15 +115,19 @@ fn case() -> impl Strategy<Value = Case> {
         prop::collection::vec((1usize..6, 0usize..40), 1..6),
         1usize..4,
         0usize..4,
+        prop_oneof![Just(0usize), 1usize..12],
+        any::<bool>(),
     )
         .prop_map(
-            |(heads, head_dim, block_size, rows, threads, shared_blocks)| Case {
+            |(heads, head_dim, block_size, rows, threads, shared_blocks, window, sinks)| Case {
                 heads,
                 head_dim,
                 block_size,
                 rows: rows.into_iter().map(|(q, ctx)| (q, q + ctx)).collect(),
                 threads,
                 shared_blocks,
+                window,
+                sinks,
             },
         )
 }
@@ -118,9 +136,11 @@ fn run_case(c: &Case, seed: u64, half: bool) {
     let (h, hkv) = c.heads;
     let (d, bs) = (c.head_dim, c.block_size);
     let width = c.rows.iter().map(|r| r.1.div_ceil(bs)).max().unwrap();
+    // The last block is garbage: windows point what they never read there.
     let num_blocks = c.rows.len() * width + 3;
+    let garbage = num_blocks as i32 - 1;
     // Blocks are handed out in a scrambled order to exercise the table.
-    let mut order: Vec<i32> = (0..num_blocks as i32).collect();
+    let mut order: Vec<i32> = (0..garbage).collect();
     order.reverse();
     let mut table = vec![0i32; c.rows.len() * width];
     let mut next = 0;
@@ -136,10 +156,22 @@ fn run_case(c: &Case, seed: u64, half: bool) {
         }
         qsl.push(qsl[r] + q_len as i32);
     }
+    for (r, &(q_len, seq_len)) in c.rows.iter().enumerate() {
+        if c.window > 0 {
+            // The first query reads from position seq_len - q_len + 1 - window.
+            let first_read = (seq_len - q_len + 1).saturating_sub(c.window);
+            for j in 0..first_read / bs {
+                table[r * width + j] = garbage;
+            }
+        }
+    }
     let num_tokens = *qsl.last().unwrap() as usize;
     let q = values(num_tokens * h * d, seed);
-    let k = values(num_blocks * bs * hkv * d, seed + 1);
-    let v = values(num_blocks * bs * hkv * d, seed + 2);
+    let mut k = values(num_blocks * bs * hkv * d, seed + 1);
+    let mut v = values(num_blocks * bs * hkv * d, seed + 2);
+    let tail = (num_blocks - 1) * bs * hkv * d;
+    k[tail..].fill(f32::NAN);
+    v[tail..].fill(f32::NAN);
     if half {
         let to_half = |x: &[f32]| x.iter().map(|&x| F16::from_f32(x)).collect::<Vec<_>>();
         check_case(c, &q, &to_half(&k), &to_half(&v), &table, &qsl);
@@ -154,6 +186,10 @@ fn check_case<T: KvElement>(c: &Case, q: &[f32], k: &[T], v: &[T], table: &[i32]
     let num_tokens = *qsl.last().unwrap() as usize;
     let seq_lens: Vec<i32> = c.rows.iter().map(|r| r.1 as i32).collect();
     let rows: Vec<i32> = (0..c.rows.len() as i32).collect();
+    // Sinks from well below to well above the scores (|score| < sqrt(d)).
+    let sinks = c
+        .sinks
+        .then(|| values(h, 7).iter().map(|x| 4.0 * x).collect::<Vec<f32>>());
     let args = PagedAttentionArgs {
         q,
         k_cache: k,
@@ -167,6 +203,8 @@ fn check_case<T: KvElement>(c: &Case, q: &[f32], k: &[T], v: &[T], table: &[i32]
         head_dim: d,
         block_size: bs,
         scale: 1.0 / (d as f32).sqrt(),
+        window: c.window,
+        sinks: sinks.as_deref(),
         num_threads: c.threads,
     };
     let expected = reference(&args, num_tokens);
@@ -206,6 +244,8 @@ fn out_of_range_blocks_are_rejected() {
         head_dim: 4,
         block_size: 2,
         scale: 1.0,
+        window: 0,
+        sinks: None,
         num_threads: 1,
     };
     assert!(paged_attention(&args, &mut out).is_err());

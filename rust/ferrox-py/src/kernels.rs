@@ -73,9 +73,11 @@ pub(crate) fn half_slice_mut(bits: &mut [i16]) -> &mut [F16] {
 
 /// Paged attention: writes `out[t]` ([T, H, D], float32) for the tokens of
 /// `rows`, reading keys and values ([N, BS, Hkv, D]; float32, or float16 as
-/// int16 bits) through `block_table`.
+/// int16 bits) through `block_table`. `window`: a sliding window (each query
+/// sees the last `window` keys up to itself; 0: all keys). `sinks`: one
+/// logit per query head (float32) that joins each softmax's denominator.
 #[pyfunction]
-#[pyo3(signature = (out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, rows, scale, num_threads))]
+#[pyo3(signature = (out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, rows, scale, num_threads, window = 0, sinks = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_cpu(
     py: Python<'_>,
@@ -89,6 +91,8 @@ pub fn paged_attention_cpu(
     rows: PyReadonlyArray1<'_, i32>,
     scale: f32,
     num_threads: usize,
+    window: usize,
+    sinks: Option<PyReadonlyArray1<'_, f32>>,
 ) -> PyResult<()> {
     let (k_cache, v_cache) = (
         CacheArray::extract(k_cache, "k_cache")?,
@@ -104,12 +108,18 @@ pub fn paged_attention_cpu(
     let out = out
         .as_slice_mut()
         .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let sinks = sinks
+        .as_ref()
+        .map(|s| contiguous(s.as_slice()))
+        .transpose()?;
     let shape = AttentionShape {
         num_heads,
         num_kv_heads,
         head_dim,
         block_size,
         scale,
+        window,
+        sinks,
         num_threads,
     };
     let step = (
@@ -138,12 +148,14 @@ pub fn paged_attention_cpu(
     }
 }
 
-struct AttentionShape {
+struct AttentionShape<'a> {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
     block_size: usize,
     scale: f32,
+    window: usize,
+    sinks: Option<&'a [f32]>,
     num_threads: usize,
 }
 
@@ -151,7 +163,7 @@ type StepArrays<'a> = (&'a [f32], &'a [i32], &'a [i32], &'a [i32], &'a [i32]);
 
 fn attend<T: KvElement>(
     py: Python<'_>,
-    shape: &AttentionShape,
+    shape: &AttentionShape<'_>,
     (q, block_table, query_start_loc, seq_lens, rows): StepArrays<'_>,
     k_cache: &[T],
     v_cache: &[T],
@@ -170,6 +182,8 @@ fn attend<T: KvElement>(
         head_dim: shape.head_dim,
         block_size: shape.block_size,
         scale: shape.scale,
+        window: shape.window,
+        sinks: shape.sinks,
         num_threads: shape.num_threads,
     };
     py.detach(|| paged_attention(&args, out))

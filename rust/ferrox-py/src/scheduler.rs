@@ -2,7 +2,7 @@
 
 use ferrox_core::{
     BatchPlan, Policy, RequestParams, RequestStatus, Scheduler, SchedulerConfig, SchedulerStats,
-    SpecConfig, SpecCost, SpecMethod, StepEvents,
+    SpecConfig, SpecCost, SpecMethod, StepEvents, NULL_BLOCK,
 };
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
@@ -53,6 +53,12 @@ pub struct PyBatchPlan {
     block_table: Py<PyArray2<i32>>,
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
+    /// With a sliding-window pool: its block tables [B, W] (0 behind the
+    /// window) and slot of each token [T]; None without one.
+    #[pyo3(get)]
+    window_block_table: Option<Py<PyArray2<i32>>>,
+    #[pyo3(get)]
+    window_slot_mapping: Option<Py<PyArray1<i64>>>,
     #[pyo3(get)]
     logits_indices: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -64,12 +70,24 @@ pub struct PyBatchPlan {
 }
 
 impl PyBatchPlan {
-    fn new(py: Python<'_>, mut plan: BatchPlan) -> PyResult<Self> {
+    /// `windowed`: the scheduler has a sliding-window pool.
+    fn new(py: Python<'_>, mut plan: BatchPlan, windowed: bool) -> PyResult<Self> {
         let (num_reqs, width) = (plan.num_reqs(), plan.block_table_width);
         let block_table = std::mem::take(&mut plan.block_table)
             .into_pyarray(py)
             .reshape([num_reqs, width])?;
+        let (window_block_table, window_slot_mapping) = if windowed {
+            let table = std::mem::take(&mut plan.window_block_table)
+                .into_pyarray(py)
+                .reshape([num_reqs, width])?;
+            let slots = std::mem::take(&mut plan.window_slot_mapping).into_pyarray(py);
+            (Some(table.unbind()), Some(slots.unbind()))
+        } else {
+            (None, None)
+        };
         Ok(Self {
+            window_block_table,
+            window_slot_mapping,
             step_id: plan.step_id,
             num_reqs,
             num_tokens: plan.num_tokens(),
@@ -136,6 +154,10 @@ pub struct PySchedulerStats {
     num_free_blocks: usize,
     num_used_blocks: usize,
     num_cached_blocks: usize,
+    /// The sliding-window pool (0 without one): size, free, cache-only.
+    num_window_blocks: usize,
+    num_free_window_blocks: usize,
+    num_cached_window_blocks: usize,
     prefix_queried_tokens: u64,
     prefix_hit_tokens: u64,
     num_preemptions: u64,
@@ -158,6 +180,9 @@ impl From<SchedulerStats> for PySchedulerStats {
             num_free_blocks: s.num_free_blocks,
             num_used_blocks: s.num_used_blocks,
             num_cached_blocks: s.num_cached_blocks,
+            num_window_blocks: s.num_window_blocks,
+            num_free_window_blocks: s.num_free_window_blocks,
+            num_cached_window_blocks: s.num_cached_window_blocks,
             prefix_queried_tokens: s.prefix_queried_tokens,
             prefix_hit_tokens: s.prefix_hit_tokens,
             num_preemptions: s.num_preemptions,
@@ -254,12 +279,14 @@ impl PyScheduler {
         vocab_size, enable_prefix_caching = true, enable_chunked_prefill = true,
         policy = "fcfs", speculative_method = None, num_speculative_tokens = 0,
         prompt_lookup_min = 1, prompt_lookup_max = 4, spec_adaptive = true,
-        spec_disable_by_batch_size = None
+        spec_disable_by_batch_size = None, sliding_window = None, num_window_blocks = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     /// `speculative_method`: None (off), "ngram" (the scheduler proposes by
     /// prompt lookup) or "external" (the caller fills the draft positions
-    /// and passes its drafts to `update`).
+    /// and passes its drafts to `update`). `sliding_window`: the window of
+    /// the model's sliding-window layers, whose KV lives in a second pool of
+    /// `num_window_blocks` blocks (None: one pool for every layer).
     fn new(
         block_size: usize,
         num_blocks: usize,
@@ -276,6 +303,8 @@ impl PyScheduler {
         prompt_lookup_max: usize,
         spec_adaptive: bool,
         spec_disable_by_batch_size: Option<usize>,
+        sliding_window: Option<usize>,
+        num_window_blocks: usize,
     ) -> PyResult<Self> {
         let method = match speculative_method {
             None => None,
@@ -307,6 +336,8 @@ impl PyScheduler {
             enable_chunked_prefill,
             policy: policy.parse::<Policy>().or_raise()?,
             speculation,
+            sliding_window,
+            num_window_blocks,
         };
         Ok(Self {
             inner: Scheduler::new(config).or_raise()?,
@@ -362,7 +393,7 @@ impl PyScheduler {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyBatchPlan> {
         let inner = &mut self.inner;
         let plan = py.detach(|| inner.schedule()).or_raise()?;
-        PyBatchPlan::new(py, plan)
+        PyBatchPlan::new(py, plan, self.inner.config().sliding_window.is_some())
     }
 
     /// Applies a step: one sampled token per logits index; `draft_token_ids`,
@@ -434,6 +465,16 @@ impl PyScheduler {
     fn num_blocks(&self) -> usize {
         self.inner.config().num_blocks
     }
+
+    #[getter]
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.config().sliding_window
+    }
+
+    #[getter]
+    fn num_window_blocks(&self) -> usize {
+        self.inner.config().num_window_blocks
+    }
     #[getter]
     fn max_model_len(&self) -> usize {
         self.inner.config().max_model_len
@@ -473,6 +514,12 @@ impl PyScheduler {
         d.set_item("num_prefix_hit_tokens", req.num_prefix_hit_tokens)?;
         d.set_item("num_preemptions", req.num_preemptions)?;
         d.set_item("num_blocks", req.block_table.len())?;
+        let held = req
+            .window_table
+            .iter()
+            .filter(|&&b| b != NULL_BLOCK)
+            .count();
+        d.set_item("num_window_blocks", held)?;
         d.set_item("spec_accept_rate", req.spec.accept_rate)?;
         d.set_item("spec_num_draft_tokens", req.spec.num_draft_tokens)?;
         d.set_item("spec_num_accepted_tokens", req.spec.num_accepted_tokens)?;

@@ -9,6 +9,12 @@ query token each), the remaining rows are prefill chunks whose first
           <-------------------- seq_len ------------------------->
  query i attends to every cached token and causally inside its chunk
 ```
+
+Layers with a sliding window read a second paged pool through their own
+metadata (`AttentionMetadata.window`): the window pool's block table and
+slots, with `sliding_window` set; a query there sees only the last
+`sliding_window` positions up to itself, and the table's entries behind
+every window of the row point at blocks that must not be read.
 """
 
 from abc import ABC, abstractmethod
@@ -38,6 +44,11 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_table_cpu: np.ndarray | None = None  # [B, W] int32, host copy
+    # Of a window pool's metadata: the window (0 for full attention).
+    sliding_window: int = 0
+    # Of the full pool's metadata, for a model with sliding-window layers:
+    # the window pool's (same rows and positions, its own table and slots).
+    window: "AttentionMetadata | None" = None
     _row_split: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
@@ -68,6 +79,13 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Whether `forward` honours `AttentionMetadata.sliding_window` (reading
+    # nothing behind a window). Without it a model's context is capped at
+    # its window, inside which sliding and full attention agree.
+    supports_sliding_window: ClassVar[bool] = False
+    # Whether `forward` takes attention sinks (gpt-oss: per query head, a
+    # logit in each softmax's denominator with no value).
+    supports_sinks: ClassVar[bool] = False
     # Whether a decode step can be captured in a CUDA graph: the forward must
     # read no host-side metadata and launch work sized by static bounds only.
     supports_cuda_graphs: ClassVar[bool] = False
@@ -91,5 +109,6 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,  # [N, BS, Hkv, D]
         v_cache: torch.Tensor,  # [N, BS, Hkv, D]
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [H] float32, where supports_sinks
     ) -> torch.Tensor:  # [T, H, D]
         ...

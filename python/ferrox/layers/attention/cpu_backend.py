@@ -20,6 +20,8 @@ SHORT_QUERY_LEN = 17
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    supports_sliding_window = True
+    supports_sinks = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
@@ -37,9 +39,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if q.dtype != torch.float32 or q.device.type != "cpu":
-            return super().forward(q, k, v, k_cache, v_cache, meta)
+            return super().forward(q, k, v, k_cache, v_cache, meta, sinks)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, H, D]
@@ -58,7 +61,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 single_rows,
                 self.scale,
                 self.num_threads,
+                meta.sliding_window,
+                None if sinks is None else sinks.detach().float().contiguous().numpy(),
             )
         for row in chunk_rows.tolist():
-            self._attend_chunk(q, k, v, k_cache, v_cache, meta, row, out)
+            self._attend_chunk(q, k, v, k_cache, v_cache, meta, row, out, sinks)
         return out

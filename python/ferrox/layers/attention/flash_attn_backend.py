@@ -43,7 +43,9 @@ class FlashAttnBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        assert sinks is None, "this backend has no attention sinks (supports_sinks)"
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         qsl = meta.query_start_loc  # [B + 1] int32
         if meta.num_decodes == 0 and not meta.num_computed_cpu.any():

@@ -32,6 +32,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_sliding_window = True
+    supports_sinks = True
 
     def forward(
         self,
@@ -41,14 +43,17 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # [T, H, D]
-        d = meta.num_decodes
+        # (a window's decodes, and decodes with sinks, go row by row: a
+        # padded gather would read blocks behind their windows)
+        d = 0 if meta.sliding_window or sinks is not None else meta.num_decodes
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
         for row in range(d, meta.num_reqs):
-            self._attend_chunk(q, k, v, k_cache, v_cache, meta, row, out)
+            self._attend_chunk(q, k, v, k_cache, v_cache, meta, row, out, sinks)
         return out
 
     def _attend_chunk(
@@ -61,19 +66,30 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         row: int,
         out: torch.Tensor,  # [T, H, D], written for this row's tokens
+        sinks: torch.Tensor | None = None,
     ) -> None:
         start, end = int(meta.query_start_loc_cpu[row]), int(meta.query_start_loc_cpu[row + 1])
         num_cached = int(meta.num_computed_cpu[row])
-        if num_cached == 0:
-            # Nothing cached: attend over the chunk's own K/V.
+        window = meta.sliding_window
+        if num_cached == 0 and (not window or end - start <= window) and sinks is None:
+            # Nothing cached (and no query's window cut): attend over the chunk's own K/V.
             out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None, True)
             return
         seq_len = int(meta.seq_lens_cpu[row])
-        ctx_k = gather_context(k_cache, meta.block_table[row], seq_len).to(q.dtype)  # [L, Hkv, D]
-        ctx_v = gather_context(v_cache, meta.block_table[row], seq_len).to(q.dtype)
+        # The first block any query reads: the window of the chunk's first query.
+        first = max(num_cached + 1 - window, 0) // k_cache.shape[1] if window else 0
+        offset = first * k_cache.shape[1]
+        table = meta.block_table[row, first:]
+        ctx_k = gather_context(k_cache, table, seq_len - offset).to(q.dtype)  # [L, Hkv, D]
+        ctx_v = gather_context(v_cache, table, seq_len - offset).to(q.dtype)
         q_pos = torch.arange(num_cached, seq_len, device=q.device)  # [n]
-        k_pos = torch.arange(seq_len, device=q.device)  # [L]
+        k_pos = torch.arange(offset, seq_len, device=q.device)  # [L]
         mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+        if window:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        if sinks is not None:
+            out[start:end] = self._attend_with_sinks(q[start:end], ctx_k, ctx_v, mask, sinks)
+            return
         out[start:end] = self._attend(q[start:end], ctx_k, ctx_v, mask, False)
 
     def _attend(
@@ -94,6 +110,26 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return o.transpose(0, 1)  # [n, H, D]
+
+    def _attend_with_sinks(
+        self,
+        q: torch.Tensor,  # [n, H, D]
+        k: torch.Tensor,  # [L, Hkv, D]
+        v: torch.Tensor,  # [L, Hkv, D]
+        mask: torch.Tensor,  # [n, L] bool
+        sinks: torch.Tensor,  # [H]
+    ) -> torch.Tensor:
+        """Softmax attention whose denominators also hold exp(sink) per
+        head: the scores with a sink column appended, the column dropped
+        after the softmax (in float32)."""
+        group = self.num_heads // self.num_kv_heads
+        keys = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [H, L, D]
+        values = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        scores = torch.matmul(q.transpose(0, 1).float(), keys.transpose(1, 2)) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))  # [H, n, L]
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(probs, values).transpose(0, 1).to(q.dtype)  # [n, H, D]
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata

@@ -41,7 +41,9 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        assert sinks is None, "this backend has no attention sinks (supports_sinks)"
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._paged_attention(
             q,  # [T, H, D]
