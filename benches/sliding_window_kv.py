@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,7 +66,6 @@ def run(path: Path, args: argparse.Namespace) -> dict[str, float]:
         max_num_batched_tokens=args.chunk,
         block_size=16,
         enable_prefix_caching=False,
-        skip_tokenizer_init=True,
     )
     engine = llm.engine
     runner = engine.runner
@@ -144,7 +144,14 @@ def main() -> None:
         f"({min(ratios):.2f}-{max(ratios):.2f})"
     )
     if args.json:
-        record = {"cpu": cpu_description(), "args": vars(args) | {"json": None}, "runs": runs}
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()  # fmt: skip
+        record = {
+            "command": " ".join(sys.argv), "commit": commit, "cpu": cpu_description(),
+            "args": vars(args) | {"json": None}, "runs": runs,
+        }  # fmt: skip
         args.json.write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 

@@ -27,7 +27,7 @@ from ferrox.common.pooling_params import PoolingParams, cosine, score_pairs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.engine.core import EngineCore
 from ferrox.frontend.output_processor import OutputProcessor
-from ferrox.model_files.tokenizer import chat_refusal
+from ferrox.model_files.tokenizer import speaks_harmony
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 Message = dict[str, Any]
@@ -208,9 +208,12 @@ class LLM:
         """Applies the model's chat template to one conversation or a list of
         them (with `tools` and `chat_template_kwargs` passed to it)."""
         tokenizer = self._require_tokenizer()
-        refusal = chat_refusal(tokenizer)
-        if refusal is not None:
-            raise InvalidArgumentError(refusal)
+        if speaks_harmony(tokenizer):
+            raise InvalidArgumentError(
+                "this model answers chats in OpenAI's harmony format (gpt-oss), whose channels "
+                "LLM.chat does not split; use the server's chat API, which does, or "
+                "LLM.generate with a prompt in that format"
+            )
         if not messages:
             raise InvalidArgumentError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)

@@ -141,9 +141,9 @@ def test_mxfp4_experts_run_as_blocks_and_track_transformers(
 def test_gpt_oss_refuses_what_it_cannot_run(
     tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """gpt-oss: chat in the harmony format (its output channels are not
-    parsed), other quantization methods, and a backend without sinks are
-    refused by name; its completions run."""
+    """gpt-oss: LLM.chat in the harmony format (the server's chat APIs read
+    its channels: tests/server/test_harmony.py), other quantization methods,
+    and a backend without sinks are refused by name; completions run."""
     from transformers import AutoTokenizer
 
     harmony = tmp_path / "harmony"
@@ -152,7 +152,7 @@ def test_gpt_oss_refuses_what_it_cannot_run(
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>"]})
     tokenizer.save_pretrained(harmony)
     llm = LLM(str(harmony), num_kv_blocks=64)
-    with pytest.raises(InvalidArgumentError, match="harmony chat format"):
+    with pytest.raises(InvalidArgumentError, match="harmony format"):
         llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))
     assert (
         llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

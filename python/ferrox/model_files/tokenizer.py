@@ -53,17 +53,12 @@ _PLAIN_CLASS = "TokenizersBackend"
 HARMONY_TOKENS = ("<|channel|>", "<|message|>")
 
 
-def chat_refusal(tokenizer: Any) -> str | None:
-    """Why chat requests cannot be served with this tokenizer, or None: a
-    model that speaks the harmony format answers in channels (analysis,
-    commentary, final) that ferrox does not parse yet."""
+def speaks_harmony(tokenizer: Any) -> bool:
+    """Whether the model answers chats in OpenAI's harmony format (gpt-oss):
+    in channels (analysis, commentary, final) that the server's chat APIs
+    read back (`server/harmony.py`)."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    if all(token in vocab for token in HARMONY_TOKENS):
-        return (
-            "this model speaks OpenAI's harmony chat format (gpt-oss), whose output channels "
-            "ferrox does not parse yet; send a prompt in that format to the completions API"
-        )
-    return None
+    return all(token in vocab for token in HARMONY_TOKENS)
 
 
 def load_tokenizer(config: EngineConfig) -> Any | None:

@@ -29,9 +29,9 @@ round to zero. Elsewhere, or with quantization="none", they are dequantized.
 
 Refused: GGUF files, MXFP4 under tensor parallelism, other quantization
 methods, and attention backends without sinks and windows (the GPU's: not
-yet run on a GPU). Chat in the harmony format is refused by the frontend
-(`model_files.tokenizer.chat_refusal`): its output channels are not parsed
-yet.
+yet run on a GPU). Chats are in the harmony format: the tokenizer's
+template renders them, the server's chat APIs read the channels back
+(`server/harmony.py`); `LLM.chat` refuses them.
 """
 
 from collections.abc import Iterable, Iterator

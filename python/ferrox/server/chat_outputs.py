@@ -15,6 +15,10 @@ Tool calls, by `tool_choice`:
 - "auto" reads the model family's own format with `--tool-call-parser`:
   "hermes" (`<tool_call>{...}</tool_call>`, Qwen2.5 / Qwen3, Hermes) or
   "llama3_json" (a JSON object `{"name", "parameters"}`, Llama 3.1+).
+
+A model that speaks the harmony format (gpt-oss) is read by
+`harmony.HarmonyStream` instead: its channels are the reasoning, the
+content and the calls, whatever `--reasoning-parser` says.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 from ferrox.common.structured_outputs import StructuredOutputsParams, closed_objects
 from ferrox.server import openai_protocol as op
+from ferrox.server.harmony import HarmonyStream
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -316,7 +321,10 @@ class ChatOutput:
         tool_mode: str,  # "none", "auto", "required", "named"
         tool_parser: str | None = None,
         tool_name: str | None = None,
+        harmony: bool = False,
     ) -> None:
+        self.harmony = HarmonyStream() if harmony else None
+        self.tool_mode = tool_mode
         self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
         self.tools: Any = None
         if tool_mode == "auto":
@@ -337,6 +345,8 @@ class ChatOutput:
     def feed(self, text: str, final: bool = False) -> ChatPiece:
         """What `text` adds; `final`: it is the last of the choice's text, so
         whatever was held back is released too."""
+        if self.harmony is not None:
+            return self._harmony(text, final)
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
         if final and self.reasoning:
             rest_reasoning, rest_content = self.reasoning.finish()
@@ -359,6 +369,23 @@ class ChatOutput:
         if final:
             rest, more = self.tools.finish()
             text, calls = text + rest, calls + more
+        return self._emit(piece, text, calls)
+
+    def _harmony(self, text: str, final: bool) -> ChatPiece:
+        assert self.harmony is not None
+        reasoning, content, calls = self.harmony.feed(text)
+        if final:
+            more_reasoning, more_content, more_calls = self.harmony.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+            calls = calls + more_calls
+        piece = ChatPiece(reasoning=reasoning)
+        self.reasoning_text += reasoning
+        if self.tool_mode != "auto":  # (no tools offered: a call is just text)
+            content += "".join(arguments for _, arguments in calls)
+            calls = []
+        return self._emit(piece, content, [ParsedCall(name, args) for name, args in calls])
+
+    def _emit(self, piece: ChatPiece, text: str, calls: list[ParsedCall]) -> ChatPiece:
         piece.content = text
         self.content += text
         for call in calls:

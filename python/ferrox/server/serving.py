@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import os
 import re
 import time
@@ -31,7 +33,7 @@ from ferrox.frontend.engine_client import AsyncEngineClient
 from ferrox.frontend.output_processor import SequenceUpdate
 from ferrox.frontend.replicas import ReplicaPool
 from ferrox.frontend.request_run import RequestRun, merge, run_to_end
-from ferrox.model_files.tokenizer import chat_refusal
+from ferrox.model_files.tokenizer import speaks_harmony
 from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.error_responses import error_response, exception_response, sse_error
@@ -98,6 +100,11 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @functools.cached_property
+    def harmony(self) -> bool:
+        """Whether the model answers chats in the harmony format (gpt-oss)."""
+        return speaks_harmony(self.tokenizer)
 
     def admit(self, n: int) -> None:
         """Takes n places among the requests in flight, or raises ServerBusyError."""
@@ -199,6 +206,15 @@ class OpenAIServing:
                 tool_outputs=tools.structured if tools is not None else None,
                 disable_additional_properties=self.ctx.disable_additional_properties,
             )
+        if tools is not None and self.ctx.harmony:
+            if tools.mode in ("required", "named"):
+                raise op.BadRequest(
+                    "this model answers in the harmony format, where tool_choice 'required' or "
+                    "a named function is not supported; use 'auto'",
+                    param="tool_choice",
+                )
+            # The harmony markers are special tokens: keep them for the parser.
+            params = dataclasses.replace(params, skip_special_tokens=False)
         timeout = self.ctx.request_timeout
         return RequestRun(
             client=self.ctx.client.pick(prompt_ids),  # the replica it goes to
@@ -436,9 +452,6 @@ class OpenAIServing:
                 "with --trust-request-chat-template",
                 param="chat_template",
             )
-        refusal = chat_refusal(self.ctx.tokenizer)
-        if refusal is not None:
-            raise op.BadRequest(refusal, param="messages")
         messages = chat_messages(req)
         continue_final = getattr(req, "continue_final_message", False)
         if continue_final and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):
@@ -516,6 +529,7 @@ class OpenAIServing:
             tool_mode=tools.mode,
             tool_parser=self.ctx.tool_parser,
             tool_name=tools.name,
+            harmony=self.ctx.harmony,
         )
 
     async def _chat_chunks(
