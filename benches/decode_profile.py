@@ -1,5 +1,5 @@
 """Where a single-stream decode token's time goes on the CPU, for any GGUF
-(default the bundled model; `benches/make_moe_gguf.py` makes an MoE one).
+(default the bundled model; `benches/make_bench_gguf.py` makes an MoE one).
 
     python benches/decode_profile.py [--model FILE] [--prompt-len 256] [--new-tokens 128]
 

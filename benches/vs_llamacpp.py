@@ -2,7 +2,7 @@
 same threads, one run.
 
     python benches/vs_llamacpp.py                  # the whole table
-    python benches/vs_llamacpp.py --model FILE     # another GGUF (benches/make_moe_gguf.py)
+    python benches/vs_llamacpp.py --model FILE     # another GGUF (benches/make_bench_gguf.py)
     python benches/vs_llamacpp.py --setup-only     # build the peer and stop
 
 The peer is llama.cpp at the version vendored by llama-cpp-python (pinned

@@ -332,6 +332,7 @@ class CpuDecoderLayer:
         head_dim: int,
         scale: float,
         head_norms: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
+        window: int = 0,
     ) -> CpuDecoderLayer: ...
     def forward(
         self,

@@ -77,6 +77,8 @@ class FusedCpuDecode:
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = [self._native(layer) for layer in layers]
         self.moes = [_native_moe(layer) for layer in layers]
+        # A sliding-window layer reads the window pool's tables and slots.
+        self.windowed = [layer.self_attn.sliding_window is not None for layer in layers]
         rotary = layers[0].self_attn.rotary
         cos, sin = rotary.cos_cache.numpy(), rotary.sin_cache.numpy()
         # A layer without position encoding (`use_rope` False) rotates by
@@ -98,7 +100,7 @@ class FusedCpuDecode:
                 (dense or _native_moe(layer) is not None)
                 and all(_fusable(m) for m in linears)
                 and isinstance(attn.attn, CpuAttentionBackend)
-                and attn.sliding_window is None
+                and attn.sinks is None
                 and (attn.q_norm is None) == (attn.k_norm is None)
                 and all(n.weight.dtype == torch.float32 for n in norms)
                 and len({n.eps for n in norms}) == 1
@@ -128,6 +130,20 @@ class FusedCpuDecode:
             attn.head_dim,
             attn.attn.scale,
             head_norms,
+            attn.sliding_window or 0,
+        )
+
+    def _step(self, meta: AttentionMetadata) -> tuple:
+        """The step arrays one pool's layers read."""
+        block_table = (
+            meta.block_table_cpu if meta.block_table_cpu is not None else meta.block_table.numpy()
+        )
+        return (
+            meta.slot_mapping.numpy(),
+            block_table,
+            meta.query_start_loc_cpu,
+            meta.seq_lens_cpu,
+            self.num_threads,
         )
 
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -150,21 +166,15 @@ class FusedCpuDecode:
         # plus a zero delta, every layer has the same form.
         residual = x.contiguous()
         x = torch.zeros_like(residual)
-        block_table = (
-            meta.block_table_cpu if meta.block_table_cpu is not None else meta.block_table.numpy()
-        )
-        step = (
-            meta.slot_mapping.numpy(),
-            block_table,
-            meta.query_start_loc_cpu,
-            meta.seq_lens_cpu,
-            self.num_threads,
-        )
+        full = self._step(meta)
+        window = self._step(meta.window) if meta.window is not None else None
         res, out = residual.numpy(), x.numpy()
         pos = positions.numpy()
-        for layer, moe, (cos, sin), (k_cache, v_cache) in zip(
-            self.layers, self.moes, self.tables, kv_caches, strict=True
+        for layer, windowed, moe, (cos, sin), (k_cache, v_cache) in zip(
+            self.layers, self.windowed, self.moes, self.tables, kv_caches, strict=True
         ):
+            step = window if windowed else full
+            assert step is not None, "a sliding-window layer needs the window pool's metadata"
             layer.forward(res, out, kv_array(k_cache), kv_array(v_cache), pos, cos, sin, *step)
             if moe is not None:  # `x` holds the experts' normed input
                 x.copy_(moe(x))

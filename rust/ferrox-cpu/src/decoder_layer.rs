@@ -52,6 +52,8 @@ pub struct DecoderLayerWeights<'a> {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// A sliding window (the step's tables are then the window pool's); 0: none.
+    pub window: usize,
 }
 
 /// One step's tokens and the KV cache they read and write.
@@ -241,7 +243,7 @@ pub fn decoder_layer<T: KvElement>(
         head_dim: d,
         block_size: step.block_size,
         scale: weights.scale,
-        window: 0,
+        window: weights.window,
         sinks: None,
         num_threads: threads,
     };
@@ -331,6 +333,7 @@ mod tests {
             num_kv_heads: 1,
             head_dim: d,
             scale: 0.25,
+            window: 0,
         };
         let (cos, sin) = (vec![1.0; 8 * d / 2], vec![0.0; 8 * d / 2]);
         let step = DecoderLayerStep {

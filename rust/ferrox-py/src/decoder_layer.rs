@@ -117,6 +117,7 @@ pub struct CpuDecoderLayer {
     num_kv_heads: usize,
     head_dim: usize,
     scale: f32,
+    window: usize,
 }
 
 #[pymethods]
@@ -125,9 +126,10 @@ impl CpuDecoderLayer {
     /// format): format "q8_0" / "q4_1" for blocks, "f32" for a float32
     /// [N, K] weight viewed as uint8 [N, 4 K]. `head_norms`: the q and k
     /// norms' weights ([head_dim] each), or None; `gate_up` and `down` both
-    /// None: no dense MLP.
+    /// None: no dense MLP. `window`: the layer's sliding window (its steps
+    /// then pass the window pool's slots and tables); 0: full attention.
     #[new]
-    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None))]
+    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None, window=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: Bound<'_, PyArray1<f32>>,
@@ -142,6 +144,7 @@ impl CpuDecoderLayer {
         head_dim: usize,
         scale: f32,
         head_norms: Option<HeadNorms<Bound<'_, PyArray1<f32>>>>,
+        window: usize,
     ) -> PyResult<Self> {
         if num_heads == 0
             || num_kv_heads == 0
@@ -181,6 +184,7 @@ impl CpuDecoderLayer {
             num_kv_heads,
             head_dim,
             scale,
+            window,
         })
     }
 
@@ -259,6 +263,7 @@ impl CpuDecoderLayer {
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
             scale: self.scale,
+            window: self.window,
         };
         let step = DecoderLayerStep {
             positions: contiguous(positions.as_slice())?,

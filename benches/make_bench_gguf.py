@@ -1,16 +1,19 @@
-"""A random-weight Qwen3-MoE GGUF for benchmarks, written by llama.cpp's own
-converter (`convert_hf_to_gguf.py` of the source `benches/vs_llamacpp.py`
-builds the peer from).
+"""Random-weight GGUFs for benchmarks, written by llama.cpp's own converter
+(`convert_hf_to_gguf.py` of the source `benches/vs_llamacpp.py` builds the
+peer from).
 
-    python benches/make_moe_gguf.py     # ~0.9B total, ~0.2B active, Q8_0
+    python benches/make_bench_gguf.py                  # Qwen3-MoE, ~0.9B total, ~0.2B active
+    python benches/make_bench_gguf.py --family gemma3  # Gemma-3-1B's shape
     python benches/vs_llamacpp.py --model \
         ~/.cache/ferrox/bench-models/qwen3-moe-0.9b-a0.2b.q8_0.gguf
 
-The default shape scales Qwen3-30B-A3B down (hidden 1024, 16 layers, 64
-experts of width 256, 8 a token, 16 query and 4 KV heads of 128): about 0.9B
-parameters of which 0.2B are active per token, with the bundled model's
+`qwen3-moe` scales Qwen3-30B-A3B down (hidden 1024, 16 layers, 64 experts of
+width 256, 8 a token, 16 query and 4 KV heads of 128): about 0.9B parameters
+of which 0.2B are active per token. `gemma3` has Gemma-3-1B's shape (hidden
+1152, 26 layers, 4 query heads and 1 KV head of 256, MLP 6912, five local
+layers with a 512-token window to one global). Both use the bundled model's
 49152-token BPE vocabulary (llama.cpp's converter only takes a tokenizer it
-knows). The weights are N(0, 0.02).
+knows). The weights are N(0, 0.02), norms one.
 """
 
 from __future__ import annotations
@@ -29,29 +32,48 @@ from vs_llamacpp import ensure_server, peer_dir
 
 def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3MoeConfig
 
     from ferrox.model_files import default_model_path
     from ferrox.model_files.gguf_reader import load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(default_model_path())
-    config = Qwen3MoeConfig(
+    common = dict(
         vocab_size=len(tokenizer),
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        moe_intermediate_size=args.expert_width,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        num_experts=args.experts,
-        num_experts_per_tok=args.experts_per_token,
-        norm_topk_prob=True,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    if args.family == "gemma3":
+        config = Gemma3TextConfig(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)
+            ],
+            **common,
+        )
+    else:
+        config = Qwen3MoeConfig(
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            moe_intermediate_size=args.expert_width,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            num_experts=args.experts,
+            num_experts_per_tok=args.experts_per_token,
+            norm_topk_prob=True,
+            **common,
+        )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -61,8 +83,10 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
             else:
                 param.normal_(0.0, 0.02)
     total = sum(p.numel() for p in model.parameters())
-    expert = 3 * args.hidden * args.expert_width
-    active = total - args.layers * (args.experts - args.experts_per_token) * expert
+    active = total
+    if args.family == "qwen3-moe":
+        expert = 3 * args.hidden * args.expert_width
+        active -= args.layers * (args.experts - args.experts_per_token) * expert
     print(f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active a token", flush=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -76,7 +100,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--family", choices=("qwen3-moe", "gemma3"), default="qwen3-moe")
+    parser.add_argument("--hidden", type=int, default=1024, help="(qwen3-moe's shape)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
@@ -89,7 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     from ferrox.model_files.default import cache_dir
 
-    out = args.out or cache_dir() / "bench-models" / "qwen3-moe-0.9b-a0.2b.q8_0.gguf"
+    name = {"qwen3-moe": "qwen3-moe-0.9b-a0.2b", "gemma3": "gemma3-1b-shape"}[args.family]
+    out = args.out or cache_dir() / "bench-models" / f"{name}.{args.outtype}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     ensure_server()  # unpacks the vendored llama.cpp source (and builds the peer)
     source = next((peer_dir() / "src").glob("*/vendor/llama.cpp"))
