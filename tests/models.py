@@ -23,6 +23,24 @@ from transformers import (
 )
 
 VOCAB_SIZE = 320
+# Four norms a layer (1 + w), GeGLU, a local and a global layer with their
+# own rotary bases (the global one scaled); the window lies beyond the test
+# prompts.
+GEMMA3: dict[str, Any] = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    tie_word_embeddings=True,
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=128,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+    },
+)
+
 # name -> (config class, options): GQA, odd head counts, tied and untied.
 TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
     "llama-gqa-tied": (
@@ -93,39 +111,14 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
             pad_token_id=None,
         ),
     ),
-    # Four norms a layer (1 + w), GeGLU, a local and a global layer with their
-    # own rotary bases (the global one scaled); the window lies beyond the test
-    # prompts (ferrox caps the context at it).
-    "gemma3": (
-        Gemma3TextConfig,
-        dict(
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            tie_word_embeddings=True,
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=128,
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-            },
-        ),
-    ),
+    "gemma3": (Gemma3TextConfig, GEMMA3),
     # The same with a window of 8 positions, well inside the test prompts:
     # the local layer reads the window pool, whose blocks behind the window
     # go back while a request runs.
     "gemma3-window": (
         Gemma3TextConfig,
         dict(
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            tie_word_embeddings=True,
-            layer_types=["sliding_attention", "full_attention"],
+            GEMMA3,
             sliding_window=8,
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

@@ -333,6 +333,8 @@ class CpuDecoderLayer:
         scale: float,
         head_norms: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
         window: int = 0,
+        output_norms: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
+        activation: str = "silu",
     ) -> CpuDecoderLayer: ...
     def forward(
         self,

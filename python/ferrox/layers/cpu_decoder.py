@@ -31,9 +31,12 @@ from ferrox.layers.native import kernel_threads, kv_array
 from ferrox.layers.quant_linear import QuantLinear
 
 # A Llama-style decoder layer (see models/llama.py): self_attn with a merged
-# qkv_proj, o_proj, rotary and a paged-attention backend; mlp with gate_up_proj
-# and down_proj; input_layernorm and post_attention_layernorm.
+# qkv_proj, o_proj, rotary and a paged-attention backend; mlp with gate_up_proj,
+# down_proj and its `activation` ("silu", "gelu_tanh"); `fused_norms()`: the
+# input norm, the attention output's norm (Gemma) or None, the MLP's input
+# norm, the MLP output's norm (Gemma) or None.
 DecoderLayer = Any
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _float_weight(layer: torch.nn.Module) -> torch.Tensor | None:
@@ -79,12 +82,15 @@ class FusedCpuDecode:
         self.moes = [_native_moe(layer) for layer in layers]
         # A sliding-window layer reads the window pool's tables and slots.
         self.windowed = [layer.self_attn.sliding_window is not None for layer in layers]
-        rotary = layers[0].self_attn.rotary
-        cos, sin = rotary.cos_cache.numpy(), rotary.sin_cache.numpy()
-        # A layer without position encoding (`use_rope` False) rotates by
+        # Each layer's rotary table (Gemma's local and global layers differ);
+        # a layer without position encoding (`use_rope` False) rotates by
         # cos 1, sin 0: exactly the identity.
-        identity = (np.ones_like(cos), np.zeros_like(sin))
-        self.tables = [(cos, sin) if layer.self_attn.use_rope else identity for layer in layers]
+        self.tables = []
+        for layer in layers:
+            rotary = layer.self_attn.rotary
+            cos, sin = rotary.cos_cache.numpy(), rotary.sin_cache.numpy()
+            identity = (np.ones_like(cos), np.zeros_like(sin))
+            self.tables.append((cos, sin) if layer.self_attn.use_rope else identity)
         self.num_threads = kernel_threads()
 
     @staticmethod
@@ -94,10 +100,13 @@ class FusedCpuDecode:
             dense = _dense_mlp(layer)
             linears = [attn.qkv_proj, attn.o_proj]
             linears += [mlp.gate_up_proj, mlp.down_proj] if dense else []
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms = [n for n in layer.fused_norms() if n is not None]
             norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
             return (
-                (dense or _native_moe(layer) is not None)
+                (
+                    (dense and getattr(mlp, "activation", None) in ACTIVATIONS)
+                    or _native_moe(layer) is not None
+                )
                 and all(_fusable(m) for m in linears)
                 and isinstance(attn.attn, CpuAttentionBackend)
                 and attn.sinks is None
@@ -117,10 +126,16 @@ class FusedCpuDecode:
             if attn.q_norm is None
             else (attn.q_norm.weight.detach().numpy(), attn.k_norm.weight.detach().numpy())
         )
+        input_norm, attention_out, mlp_in, mlp_out = layer.fused_norms()
+        output_norms = (
+            None
+            if attention_out is None or mlp_out is None
+            else (attention_out.weight.detach().numpy(), mlp_out.weight.detach().numpy())
+        )
         return CpuDecoderLayer(
-            layer.input_layernorm.weight.detach().numpy(),
-            layer.post_attention_layernorm.weight.detach().numpy(),
-            layer.input_layernorm.eps,
+            input_norm.weight.detach().numpy(),
+            mlp_in.weight.detach().numpy(),
+            input_norm.eps,
             _linear(attn.qkv_proj),
             _linear(attn.o_proj),
             _linear(mlp.gate_up_proj) if dense else None,
@@ -131,6 +146,8 @@ class FusedCpuDecode:
             attn.attn.scale,
             head_norms,
             attn.sliding_window or 0,
+            output_norms,
+            getattr(mlp, "activation", "silu") if dense else "silu",
         )
 
     def _step(self, meta: AttentionMetadata) -> tuple:

@@ -17,9 +17,9 @@ checkpoints): the Llama decoder with
   context is capped at the window, inside which local and global attention
   are the same.
 
-Layers run on the module path (the CPU's fused decode chains Llama's layer
-shape). Logit soft-capping (Gemma 2) and bidirectional attention are
-refused.
+Decode steps on the CPU run fused (layers/cpu_decoder.py: the native
+layer takes the two extra norms and the GELU gate). Logit soft-capping
+(Gemma 2) and bidirectional attention are refused.
 
 GGUF (llama.cpp's `gemma3`): its files store the norms as `1 + w` and leave
 three things to the reader, which this family reads as llama.cpp does: the
@@ -49,6 +49,8 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 class GeGluMlp(GatedMlp):
+    activation: ClassVar[str] = "gelu_tanh"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return distributed.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
 
@@ -79,6 +81,14 @@ class Gemma3DecoderLayer(nn.Module):
         attn = self.post_attention_layernorm(self.self_attn(positions, normed, kv, meta))
         normed, residual = self.pre_feedforward_layernorm.add_forward(residual, attn)
         return self.post_feedforward_layernorm(self.mlp(normed)), residual
+
+    def fused_norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
+        return (
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        )
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -119,10 +129,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for kind in set(config.layer_types)
         }
         return [tables[kind] for kind in config.layer_types]
-
-    def prepare_fused_decode(self) -> bool:
-        self.fused_decode = None  # the fused decode chains Llama's layer shape
-        return False
 
     def decoder_layers(self) -> list[Any]:
         return cast(list[Any], list(self.layers))

@@ -124,6 +124,8 @@ class GatedMlp(nn.Module):
     (default the config's); `reduce`: all-reduce the output (False for an
     expert, whose block sums its experts first)."""
 
+    activation: ClassVar[str] = "silu"  # (of the gate, for the CPU's fused decode)
+
     def __init__(
         self, config: Any, intermediate_size: int | None = None, reduce: bool = True
     ) -> None:
@@ -170,6 +172,12 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(positions, normed, kv, meta)
         normed, residual = self.post_attention_layernorm.add_forward(residual, attn)
         return self.mlp(normed), residual
+
+    def fused_norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
+        """For the CPU's fused decode (layers/cpu_decoder.py): the input
+        norm, the attention output's own norm (none), the MLP's input norm,
+        the MLP output's norm (none)."""
+        return self.input_layernorm, None, self.post_attention_layernorm, None
 
 
 class LlamaForCausalLM(CausalLM):

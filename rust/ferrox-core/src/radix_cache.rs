@@ -447,17 +447,11 @@ impl RadixCache {
 
     /// The window pool's blocks from the root down to the handle's node.
     pub fn path_window_blocks(&self, handle: NodeHandle) -> Result<Vec<BlockId>> {
-        let mut node = self.resolve(handle)?;
-        let mut path = Vec::new();
-        while node != ROOT {
-            path.push(node);
-            node = self.nodes[node as usize].parent;
-        }
-        let mut blocks = Vec::new();
-        for &id in path.iter().rev() {
-            blocks.extend_from_slice(&self.nodes[id as usize].window_blocks);
-        }
-        Ok(blocks)
+        let path = self.path_nodes(handle)?;
+        Ok(path
+            .iter()
+            .flat_map(|&id| self.nodes[id as usize].window_blocks.iter().copied())
+            .collect())
     }
 
     /// Gives back up to `num_blocks` window-pool blocks that only the tree
@@ -510,17 +504,23 @@ impl RadixCache {
 
     /// Blocks from the root down to the handle's node, in order.
     pub fn path_blocks(&self, handle: NodeHandle) -> Result<Vec<BlockId>> {
+        let path = self.path_nodes(handle)?;
+        Ok(path
+            .iter()
+            .flat_map(|&id| self.nodes[id as usize].blocks.iter().copied())
+            .collect())
+    }
+
+    /// The nodes from the root's child down to the handle's node.
+    fn path_nodes(&self, handle: NodeHandle) -> Result<Vec<NodeId>> {
         let mut node = self.resolve(handle)?;
         let mut path = Vec::new();
         while node != ROOT {
             path.push(node);
             node = self.nodes[node as usize].parent;
         }
-        let mut blocks = Vec::new();
-        for &id in path.iter().rev() {
-            blocks.extend_from_slice(&self.nodes[id as usize].blocks);
-        }
-        Ok(blocks)
+        path.reverse();
+        Ok(path)
     }
 
     /// Whether the handle's node is locked (by any owner).

@@ -38,10 +38,26 @@ pub struct DenseMlp<'a> {
     pub down: LayerLinear<'a>,    // I -> hidden
 }
 
+/// The gated MLP's activation of its gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: silu(gate) * up (Llama).
+    Silu,
+    /// GeGLU with tanh's GELU: gelu_tanh(gate) * up (Gemma).
+    GeluTanh,
+}
+
 /// The layer's parameters and shapes.
 pub struct DecoderLayerWeights<'a> {
-    pub input_norm: &'a [f32],          // [hidden]
-    pub post_attention_norm: &'a [f32], // [hidden]
+    pub input_norm: &'a [f32], // [hidden]
+    /// The MLP's input norm, over the stream after attention (Llama's
+    /// post-attention norm, Gemma's pre-feedforward norm). [hidden]
+    pub post_attention_norm: &'a [f32],
+    /// Gemma: norms of the attention output before it joins the stream, and
+    /// of the MLP output. [hidden] each, or None.
+    pub attention_out_norm: Option<&'a [f32]>,
+    pub mlp_out_norm: Option<&'a [f32]>,
+    pub activation: Activation,
     pub eps: f32,
     pub qkv: LayerLinear<'a>,      // hidden -> (H + 2 Hkv) D
     pub q_norm: Option<&'a [f32]>, // [D]: each query head's RMSNorm (with `k_norm`)
@@ -108,17 +124,35 @@ fn linear(
     Ok(out)
 }
 
-fn silu_and_mul(gate_up: &[f32], inter: usize) -> Vec<f32> {
+fn gated(gate_up: &[f32], inter: usize, activation: Activation) -> Vec<f32> {
+    // sqrt(2 / pi), for tanh's GELU: 0.5 g (1 + tanh(c (g + 0.044715 g^3)))
+    const C: f32 = 0.797_884_6;
     let mut out = Vec::with_capacity(gate_up.len() / 2);
     for row in gate_up.chunks_exact(2 * inter) {
         let (gate, up) = row.split_at(inter);
-        out.extend(
-            gate.iter()
-                .zip(up)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
-        );
+        let pairs = gate.iter().zip(up);
+        match activation {
+            Activation::Silu => out.extend(pairs.map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)),
+            Activation::GeluTanh => out
+                .extend(pairs.map(|(&g, &u)| {
+                    0.5 * g * (1.0 + (C * (g + 0.044_715 * g * g * g)).tanh()) * u
+                })),
+        }
     }
     out
+}
+
+/// RMSNorm of each row of `x` by `weight`, in place.
+fn rms_norm_rows(
+    x: &mut [f32],
+    weight: &[f32],
+    eps: f32,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    let mut normed = vec![0.0; x.len()];
+    add_rms_norm(x, None, weight, eps, &mut normed, threads)?;
+    x.copy_from_slice(&normed);
+    Ok(())
 }
 
 /// Runs the layer. `residual` ([T, hidden]) is the stream before the
@@ -152,7 +186,9 @@ pub fn decoder_layer<T: KvElement>(
             "slot_mapping must have one slot per token",
         ),
         (
-            weights.post_attention_norm.len() == hidden,
+            weights.post_attention_norm.len() == hidden
+                && weights.attention_out_norm.is_none_or(|n| n.len() == hidden)
+                && weights.mlp_out_norm.is_none_or(|n| n.len() == hidden),
             "the norms differ in size",
         ),
         (
@@ -248,8 +284,10 @@ pub fn decoder_layer<T: KvElement>(
         num_threads: threads,
     };
     paged_attention(&args, &mut attn)?;
-    let o = linear(&weights.o, &attn, h * d, threads)?;
-
+    let mut o = linear(&weights.o, &attn, h * d, threads)?;
+    if let Some(norm) = weights.attention_out_norm {
+        rms_norm_rows(&mut o, norm, weights.eps, threads)?;
+    }
     add_rms_norm(
         residual,
         Some(&o),
@@ -264,8 +302,11 @@ pub fn decoder_layer<T: KvElement>(
     };
     let inter = mlp.gate_up.out_features / 2;
     let gate_up = linear(&mlp.gate_up, &normed, hidden, threads)?;
-    let act = silu_and_mul(&gate_up, inter);
-    let out = linear(&mlp.down, &act, inter, threads)?;
+    let act = gated(&gate_up, inter, weights.activation);
+    let mut out = linear(&mlp.down, &act, inter, threads)?;
+    if let Some(norm) = weights.mlp_out_norm {
+        rms_norm_rows(&mut out, norm, weights.eps, threads)?;
+    }
     x.copy_from_slice(&out);
     Ok(())
 }
@@ -320,6 +361,9 @@ mod tests {
         let weights = DecoderLayerWeights {
             input_norm: &norm,
             post_attention_norm: &norm,
+            attention_out_norm: None,
+            mlp_out_norm: None,
+            activation: Activation::Silu,
             eps: 1e-6,
             qkv: linear(leak(wqkv), qkv_outputs),
             q_norm: None,

@@ -18,7 +18,8 @@ mod quant_matmul_vnni;
 pub mod token_bitmask;
 
 pub use decoder_layer::{
-    decoder_layer, DecoderLayerStep, DecoderLayerWeights, DenseMlp, LayerLinear, LinearWeight,
+    decoder_layer, Activation, DecoderLayerStep, DecoderLayerWeights, DenseMlp, LayerLinear,
+    LinearWeight,
 };
 pub use elementwise::{add_rms_norm, rotary_in_place};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};

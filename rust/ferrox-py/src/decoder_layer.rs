@@ -2,8 +2,8 @@
 //! held once, and its fused decode-step forward (`ferrox_cpu::decoder_layer`).
 
 use ferrox_cpu::{
-    decoder_layer, DecoderLayerStep, DecoderLayerWeights, DenseMlp, KvElement, LayerLinear,
-    LinearWeight, QuantFormat,
+    decoder_layer, Activation, DecoderLayerStep, DecoderLayerWeights, DenseMlp, KvElement,
+    LayerLinear, LinearWeight, QuantFormat,
 };
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
@@ -118,6 +118,9 @@ pub struct CpuDecoderLayer {
     head_dim: usize,
     scale: f32,
     window: usize,
+    /// Gemma: the norms of the attention output and of the MLP output.
+    output_norms: Option<HeadNorms<Py<PyArray1<f32>>>>,
+    activation: Activation,
 }
 
 #[pymethods]
@@ -128,8 +131,12 @@ impl CpuDecoderLayer {
     /// norms' weights ([head_dim] each), or None; `gate_up` and `down` both
     /// None: no dense MLP. `window`: the layer's sliding window (its steps
     /// then pass the window pool's slots and tables); 0: full attention.
+    /// `output_norms` (Gemma): the norms ([hidden] each) of the attention
+    /// output before it joins the stream and of the MLP output; then
+    /// `post_attention_norm` is the MLP's input norm. `activation`: "silu"
+    /// or "gelu_tanh", of the MLP's gate.
     #[new]
-    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None, window=0))]
+    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None, window=0, output_norms=None, activation="silu"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: Bound<'_, PyArray1<f32>>,
@@ -145,7 +152,27 @@ impl CpuDecoderLayer {
         scale: f32,
         head_norms: Option<HeadNorms<Bound<'_, PyArray1<f32>>>>,
         window: usize,
+        output_norms: Option<HeadNorms<Bound<'_, PyArray1<f32>>>>,
+        activation: &str,
     ) -> PyResult<Self> {
+        let activation = match activation {
+            "silu" => Activation::Silu,
+            "gelu_tanh" => Activation::GeluTanh,
+            other => {
+                return Err(invalid_argument(format!(
+                    "activation must be 'silu' or 'gelu_tanh', got {other:?}"
+                )))
+            }
+        };
+        let hidden = input_norm.len();
+        if output_norms
+            .as_ref()
+            .is_some_and(|(a, m)| a.len() != hidden || m.len() != hidden)
+        {
+            return Err(invalid_argument(format!(
+                "the output norms must have hidden ({hidden}) weights"
+            )));
+        }
         if num_heads == 0
             || num_kv_heads == 0
             || head_dim == 0
@@ -185,6 +212,8 @@ impl CpuDecoderLayer {
             head_dim,
             scale,
             window,
+            output_norms: output_norms.map(|(a, m)| (a.unbind(), m.unbind())),
+            activation,
         })
     }
 
@@ -250,9 +279,23 @@ impl CpuDecoderLayer {
             ),
             None => (None, None),
         };
+        let output_arrays = self
+            .output_norms
+            .as_ref()
+            .map(|(a, m)| (a.bind(py).readonly(), m.bind(py).readonly()));
+        let (attention_out_norm, mlp_out_norm) = match &output_arrays {
+            Some((a, m)) => (
+                Some(contiguous(a.as_slice())?),
+                Some(contiguous(m.as_slice())?),
+            ),
+            None => (None, None),
+        };
         let layer = DecoderLayerWeights {
             input_norm: contiguous(input_norm.as_slice())?,
             post_attention_norm: contiguous(post_attention_norm.as_slice())?,
+            attention_out_norm,
+            mlp_out_norm,
+            activation: self.activation,
             eps: self.eps,
             qkv: self.qkv.view(&qkv)?,
             q_norm,
