@@ -33,10 +33,17 @@ CALLS = {
 def _weight_bytes(model: torch.nn.Module) -> dict[str, float]:
     """Bytes of weights each kind of call reads per decoded token."""
     layers = list(model.layers)
+    # (a dense MLP's projections are read inside the fused layer too)
     attention = sum(
-        layer.self_attn.qkv_proj.weight.numel() + layer.self_attn.o_proj.weight.numel()
+        module.weight.numel()
         for layer in layers
-        if isinstance(layer.self_attn.qkv_proj, QuantLinear)
+        for module in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            getattr(layer.mlp, "gate_up_proj", None),
+            getattr(layer.mlp, "down_proj", None),
+        )
+        if isinstance(module, QuantLinear)
     )
     experts = 0.0
     for layer in layers:
@@ -65,8 +72,11 @@ def main() -> None:
     first = SamplingParams(max_tokens=1, temperature=0.0)
     whole = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
     llm.generate(prompt, whole, use_tqdm=False)  # warm-up
+    prefill_profile = cProfile.Profile()
     start = time.perf_counter()
+    prefill_profile.enable()
     llm.generate(prompt, first, use_tqdm=False)
+    prefill_profile.disable()
     prefill = time.perf_counter() - start
     profile = cProfile.Profile()
     start = time.perf_counter()
@@ -74,14 +84,18 @@ def main() -> None:
     llm.generate(prompt, whole, use_tqdm=False)
     profile.disable()
     decode = (time.perf_counter() - start - prefill) / args.new_tokens
+    # The decode's calls: the whole run's less the prefill's (profiled alone).
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    before = pstats.Stats(prefill_profile).stats  # type: ignore[attr-defined]
     seconds = {pstats.func_std_string(f): v[2] for f, v in stats.items()}
+    for f, v in before.items():
+        key = pstats.func_std_string(f)
+        seconds[key] = seconds.get(key, 0.0) - v[2]
     weights = _weight_bytes(llm.engine.runner.model)
     print(f"decode {decode * 1e3:.2f} ms a token (profiled), prefill {prefill:.2f} s")
     accounted = 0.0
     for label, key in CALLS.items():
-        # (the prefill's calls are in these totals too: a few percent)
-        per_token = seconds.get(key, 0.0) / (args.new_tokens + 1)
+        per_token = seconds.get(key, 0.0) / args.new_tokens
         accounted += per_token
         rate = weights[label] / per_token / 1e9 if per_token else 0.0
         print(f"  {label:<26}{per_token * 1e3:7.2f} ms  ({rate:5.1f} GB/s of weights)")
