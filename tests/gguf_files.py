@@ -138,11 +138,15 @@ def _random_model(
     return config, weights
 
 
-def write_qwen3_moe_gguf(path: Path, source: Path, expert_type: Q = Q.F32) -> None:
-    """The tiny Qwen3-MoE checkpoint at `source` (every layer sparse, 258
-    tokens) as llama.cpp's converter writes it: the router as `ffn_gate_inp`,
-    each layer's experts stacked into `ffn_{gate,up,down}_exps`
-    [experts, rows, columns] in `expert_type`, the rest in float32."""
+def write_qwen3_moe_gguf(
+    path: Path, source: Path, expert_type: Q = Q.F32, arch: str = "qwen3moe"
+) -> None:
+    """The tiny Qwen3-MoE (or, `arch` "qwen2moe", Qwen2-MoE) checkpoint at
+    `source` (every layer sparse, 258 tokens) as llama.cpp's converter writes
+    it: the router as `ffn_gate_inp`, each layer's experts stacked into
+    `ffn_{gate,up,down}_exps` [experts, rows, columns] in `expert_type`, a
+    shared expert as `ffn_{gate,up,down}_shexp` and its gate as
+    `ffn_gate_inp_shexp`, the rest in float32."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -161,10 +165,18 @@ def write_qwen3_moe_gguf(path: Path, source: Path, expert_type: Q = Q.F32) -> No
             name = f"blk.{layer}.ffn_{stem}_exps.weight"
             tensors[name] = torch.stack(stacked).numpy()
             types[name] = expert_type
+            shared = weights.pop(f"{prefix}shared_expert.{projection}_proj.weight", None)
+            if shared is not None:
+                tensors[f"blk.{layer}.ffn_{stem}_shexp.weight"] = shared.numpy()
+        gate = weights.pop(f"{prefix}shared_expert_gate.weight", None)
+        if gate is not None:
+            tensors[f"blk.{layer}.ffn_gate_inp_shexp.weight"] = gate.numpy()
     tensors |= {_gguf_name(name): weight.numpy() for name, weight in weights.items()}
     metadata = {
         "expert_count": config.num_experts,
         "expert_used_count": config.num_experts_per_tok,
         "expert_feed_forward_length": config.moe_intermediate_size,
     }
-    _write_gguf(path, "qwen3moe", config, tensors, types, extra_metadata=metadata)
+    if arch == "qwen2moe":
+        metadata["expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    _write_gguf(path, arch, config, tensors, types, extra_metadata=metadata)

@@ -17,6 +17,7 @@ from transformers import (
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
@@ -178,6 +179,23 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             norm_topk_prob=False,
+        ),
+    ),
+    # Qwen2-MoE: q/k/v biases, four experts (two a token, not renormalised)
+    # and a shared expert behind a sigmoid gate; the first layer dense.
+    "qwen2-moe": (
+        Qwen2MoeConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
         ),
     ),
     # A dense first layer, then experts (three of six a token, renormalised).

@@ -467,6 +467,35 @@ def test_qwen3_moe_gguf_in_llama_cpp_layout_matches_transformers(
         assert got == pytest.approx(expected_lp, abs=1e-3 if expert_type == Q.F32 else 0.03)
 
 
+def test_qwen2_moe_gguf_with_shared_experts_matches_transformers(tmp_path: Path) -> None:
+    """A Qwen2-MoE GGUF in llama.cpp's layout (shared experts as `*_shexp`,
+    their gates as `ffn_gate_inp_shexp`, the top-k weights not
+    renormalised): ferrox's greedy tokens and logprobs equal transformers'."""
+    from ferrox import LLM, SamplingParams
+    from tests import models
+    from tests.gguf_files import write_qwen3_moe_gguf
+
+    source = models.build_tiny_model(
+        tmp_path / "hf", "qwen2-moe", vocab_size=258, mlp_only_layers=[]
+    )
+    path = tmp_path / "qwen2moe.gguf"
+    write_qwen3_moe_gguf(path, source, arch="qwen2moe")
+    loaded = load_gguf(path)
+    assert loaded.config.shared_expert_intermediate_size == 48
+    assert loaded.config.norm_topk_prob is False
+    hf = models.hf_model(source)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4)
+    assert llm.engine.runner.model.layers[0].mlp.shared_expert is not None
+    prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        expected, expected_lp = models.hf_greedy(hf, prompt, 8)
+        completion = out.outputs[0]
+        assert completion.token_ids == expected
+        got = [lp[t].logprob for lp, t in zip(completion.logprobs or [], expected, strict=True)]
+        assert got == pytest.approx(expected_lp, abs=1e-3)
+
+
 def test_quantization_types_match_gguf_reference(tmp_path: Path) -> None:
     config, weights = _random_model(LlamaConfig, tied=True, head_dim=16)
     tensors = {_gguf_name(name): weight.numpy() for name, weight in weights.items()}

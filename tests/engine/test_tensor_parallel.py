@@ -37,6 +37,7 @@ def tp_models(
         "qwen3-moe, every expert split per rank": tiny_models["qwen3-moe"],
         "gemma3, a window pool on each rank": tiny_models["gemma3-window"],
         "gpt-oss, sinks and interleaved experts split per rank": tiny_models["gpt-oss"],
+        "qwen2-moe, the shared expert split per rank": tiny_models["qwen2-moe"],
         "qwen2, q/k/v biases": models.build_tiny_model(
             root / "qwen2", "qwen2", num_attention_heads=4, num_key_value_heads=2
         ),
@@ -106,6 +107,7 @@ def _run(path: Path, tp: int) -> list[tuple[list[int], list[float], list[float]]
         "qwen3-moe, every expert split per rank",
         "gemma3, a window pool on each rank",
         "gpt-oss, sinks and interleaved experts split per rank",
+        "qwen2-moe, the shared expert split per rank",
         "qwen2, q/k/v biases",
         "llama, o/down biases, odd vocabulary",
     ],

@@ -87,7 +87,9 @@ def run_experts(
 class SparseMoe(nn.Module):
     """Router plus experts (Qwen3-MoE's layout: `gate`, `experts.{e}`).
     `expert` builds one expert at this rank's size (its output not
-    all-reduced: the block reduces the sum once)."""
+    all-reduced: the block reduces the sum once). `shared_expert` (Qwen2-MoE,
+    Qwen3.5-MoE): an expert every token runs, its output scaled by
+    sigmoid(`shared_expert_gate`(x)) and added to the routed experts'."""
 
     def __init__(
         self,
@@ -106,7 +108,14 @@ class SparseMoe(nn.Module):
         self.renormalize = renormalize
         self.gate = Router(hidden_size, num_experts, bias=router_bias)
         self.experts = nn.ModuleList(expert() for _ in range(num_experts))
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: Router | None = None
         self.native: CpuMoeExperts | None = None
+
+    def add_shared_expert(self, expert: nn.Module) -> None:
+        """An expert every token runs, gated per token by a sigmoid."""
+        self.shared_expert = expert
+        self.shared_expert_gate = Router(self.gate.in_features, 1, bias=False)
 
     def prepare_native(self) -> bool:
         """Once the weights are loaded: whether few-token steps run the
@@ -153,4 +162,7 @@ class SparseMoe(nn.Module):
         else:
             weights, ids = route(self.gate(x), self.top_k, self.renormalize)
             out = run_experts(x, weights, ids, self.experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))
+            out = out + gate.to(out.dtype) * self.shared_expert(x.to(out.dtype))
         return distributed.all_reduce(out)

@@ -4,7 +4,7 @@ MLP (layers/moe.py): a softmax router picks `num_experts_per_tok` of
 `num_experts` SwiGLU experts per token, their weights rescaled to sum to one
 when `norm_topk_prob`. A layer listed in `mlp_only_layers`, or off the
 `decoder_sparse_step` grid, keeps a dense MLP. The family has no shared
-experts.
+experts (Qwen2-MoE, models/qwen2_moe.py, adds them).
 
 Checkpoint names: the router `mlp.gate`, the experts
 `mlp.experts.{e}.{gate,up,down}_proj`. Under tensor parallelism every expert
@@ -98,27 +98,41 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     # ---- GGUF --------------------------------------------------------------
 
+    # llama.cpp's graph for the family: whether it renormalises the top-k weights.
+    gguf_renormalizes: ClassVar[bool] = True
+
     @classmethod
     def _gguf_config_extra(cls, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+        arch = cls.gguf_architecture
+        assert arch is not None
+
         def value(key: str, default: Any = None) -> Any:
-            return gguf_value(metadata, "qwen3moe", key, default)
+            return gguf_value(metadata, arch, key, default)
 
         scale = float(value("expert_weights_scale", 0.0))
         if scale not in (0.0, 1.0):
-            raise UnsupportedModelError(f"qwen3moe GGUF with expert_weights_scale={scale}")
-        if int(value("expert_shared_count", 0)):
-            raise UnsupportedModelError("qwen3moe GGUF with shared experts")
+            raise UnsupportedModelError(f"{arch} GGUF with expert_weights_scale={scale}")
         num_layers = int(value("block_count"))
         if any(f"blk.{i}.ffn_gate_inp.weight" not in tensor_names for i in range(num_layers)):
-            raise ModelLoadError("a qwen3moe GGUF needs a router (ffn_gate_inp) in every layer")
-        return super()._gguf_config_extra(metadata, tensor_names) | {
-            "num_experts": int(value("expert_count")),
-            "num_experts_per_tok": int(value("expert_used_count")),
-            "moe_intermediate_size": int(value("expert_feed_forward_length")),
-            "norm_topk_prob": True,  # llama.cpp's qwen3moe graph always renormalises
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        }
+            raise ModelLoadError(f"a {arch} GGUF needs a router (ffn_gate_inp) in every layer")
+        return (
+            super()._gguf_config_extra(metadata, tensor_names)
+            | {
+                "num_experts": int(value("expert_count")),
+                "num_experts_per_tok": int(value("expert_used_count")),
+                "moe_intermediate_size": int(value("expert_feed_forward_length")),
+                "norm_topk_prob": cls.gguf_renormalizes,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+            | cls._gguf_shared_experts(value)
+        )
+
+    @classmethod
+    def _gguf_shared_experts(cls, value: Any) -> dict[str, Any]:
+        if int(value("expert_shared_count", 0)):
+            raise UnsupportedModelError(f"{cls.gguf_architecture} GGUF with shared experts")
+        return {}
 
     @classmethod
     def gguf_layer_tensors(cls) -> dict[str, str]:

@@ -11,6 +11,7 @@ from ferrox.models.gpt_oss import GptOssForCausalLM
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.phi3 import Phi3ForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
+from ferrox.models.qwen2_moe import Qwen2MoeForCausalLM
 from ferrox.models.qwen3 import Qwen3ForCausalLM
 from ferrox.models.qwen3_moe import Qwen3MoeForCausalLM
 from ferrox.models.smollm3 import SmolLM3ForCausalLM
@@ -20,6 +21,7 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
+    Qwen2MoeForCausalLM,
     SmolLM3ForCausalLM,
     Phi3ForCausalLM,
     Gemma3ForCausalLM,
