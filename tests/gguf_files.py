@@ -116,12 +116,47 @@ def _write_gguf(
         qtype = (types or {}).get(name, Q.F32)
         if qtype == Q.F32:
             writer.add_tensor(name, array.astype(np.float32))
+        elif qtype == Q.Q4_K:  # (the gguf package cannot quantize to it)
+            writer.add_tensor(name, quantize_q4_k(array), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
+    """[rows, K] float (K a multiple of 256) -> Q4_K bytes [rows, K / 256 * 144]:
+    per sub-block of 32 an unsigned 4-bit code over [min(x, 0), max(x)], its
+    scale and minimum as 6-bit multiples of the super-block's d and dmin."""
+    rows, k = weight.shape
+    x = weight.astype(np.float32).reshape(rows, k // 256, 8, 32)
+    low = np.minimum(x.min(-1), 0.0)  # [R, S, 8]
+    scale = (x.max(-1) - low) / 15
+    d = np.maximum(scale.max(-1, keepdims=True), 1e-8) / 63  # [R, S, 1]
+    dmin = np.maximum((-low).max(-1, keepdims=True), 1e-8) / 63
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / dmin), 0, 63).astype(np.uint8)
+    step = (d * sc)[..., None]
+    q = np.clip(np.round((x + (dmin * mn)[..., None]) / step), 0, 15).astype(np.uint8)
+    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+    groups = q.reshape(rows, k // 256, 4, 2, 32)
+    qs = (groups[:, :, :, 0] | (groups[:, :, :, 1] << 4)).reshape(rows, k // 256, 128)
+    out = np.concatenate(
+        [
+            d.astype(np.float16).view(np.uint8).reshape(rows, k // 256, 2),
+            dmin.astype(np.float16).view(np.uint8).reshape(rows, k // 256, 2),
+            packed,
+            qs,
+        ],
+        axis=-1,
+    )
+    return out.reshape(rows, -1)
 
 
 def _random_model(

@@ -295,6 +295,45 @@ def test_gguf_engine_keeps_blocks_and_tracks_transformers(
     assert explicit == blocks
 
 
+def test_q4_k_weights_run_as_q4_1_blocks_and_track_transformers(tmp_path: Path) -> None:
+    """A GGUF whose linear weights are Q4_K (llama.cpp's Q4_K_M files hold
+    most of theirs so): each super-block loads as eight Q4_1 blocks (the
+    scales rounded to float16) and runs in the block kernels; greedy tokens
+    track transformers on the file's weights as the reference dequantizes
+    them."""
+    config, weights = _random_model(
+        LlamaConfig, True, hidden_size=256, intermediate_size=512, head_dim=64
+    )
+    tensors, types = {}, {}
+    for name, weight in weights.items():
+        if ".q_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_attention_heads)
+        elif ".k_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_key_value_heads)
+        gguf_name = _gguf_name(name)
+        tensors[gguf_name] = weight.numpy() * 0.05
+        if name.rsplit(".", 2)[-2] in _BLOCK_TYPES:
+            types[gguf_name] = Q.Q4_K
+    path = tmp_path / "q4k.gguf"
+    _write_gguf(path, "llama", config, tensors, types)
+    kept = load_gguf(path, keep_blocks=True)
+    block = kept.state_dict["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(block, BlockTensor) and block.fmt == "q4_1"
+    dense = load_gguf(path)  # the gguf package's own Q4_K dequantization
+    rounded = dequantize(block.data, "q4_1", block.in_features)
+    reference = dense.state_dict["model.layers.0.mlp.up_proj.weight"]
+    assert torch.allclose(rounded, reference, rtol=0, atol=reference.abs().max().item() * 2**-10)
+    hf = AutoModelForCausalLM.from_config(dense.config).eval()
+    hf.load_state_dict(dense.state_dict, strict=False)
+    hf.tie_weights()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 16)]
+    llm, blocks = _run(path, prompts)
+    layer = llm.engine.runner.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_proj.fmt == "q4_1"
+    _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt: str) -> None:
     path = tiny_models["llama-gqa-tied"]  # hidden 96

@@ -38,13 +38,16 @@ BLOCK_FORMATS = {
     GGMLQuantizationType.Q4_0: "q4_1",
     GGMLQuantizationType.Q4_1: "q4_1",
     GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_K: "q4_1",
 }
+Q4_K_BYTES = 144  # 256 values: d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 
 
 def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
-    """A Q4_0 / Q4_1 / Q8_0 matrix, or a stack of them (a layer's experts:
-    data [experts, rows, row bytes]), as stored (Q4_0 rewritten as Q4_1
-    with offset -8 * scale, which is exact); None for any other tensor."""
+    """A Q4_0 / Q4_1 / Q8_0 / Q4_K matrix, or a stack of them (a layer's
+    experts: data [experts, rows, row bytes]), as stored (Q4_0 rewritten as
+    Q4_1 with offset -8 * scale, which is exact; Q4_K as Q4_1, see
+    `q4_k_as_q4_1`); None for any other tensor."""
     ggml_type = GGMLQuantizationType(tensor.tensor_type)
     shape = [int(n) for n in reversed(tensor.shape.tolist())]
     if ggml_type not in BLOCK_FORMATS or len(shape) not in (2, 3):
@@ -58,10 +61,34 @@ def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
         out[:, :2] = blocks[:, :2]
         out[:, 2:4] = (scale * np.float16(-8)).view(np.uint8)
         out[:, 4:] = blocks[:, 2:]
+    elif ggml_type == GGMLQuantizationType.Q4_K:
+        out = q4_k_as_q4_1(raw)
     else:
         out = raw.copy()
     data = torch.from_numpy(out.reshape(*rows, -1))
     return BlockTensor(BLOCK_FORMATS[ggml_type], data, in_features)
+
+
+def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks (256 values: eight sub-blocks of 32, each value
+    d * scale_j * q - dmin * min_j with 6-bit scale_j and min_j) as eight
+    Q4_1 blocks each (d' q + m'): the same 4-bit q, d' = d * scale_j and
+    m' = -dmin * min_j rounded to float16 (a relative 2^-11 at most: the only
+    change), so the block kernels run them. [blocks x 144] -> [blocks x 8 x 20]."""
+    blocks = raw.reshape(-1, Q4_K_BYTES)
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)  # [N, 1]
+    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+    packed = blocks[:, 4:16]  # [N, 12]
+    low, high = packed[:, :4], packed[:, 8:12]
+    scales = np.concatenate([low & 63, (high & 0x0F) | ((low >> 6) << 4)], axis=1)  # [N, 8]
+    mins = np.concatenate([packed[:, 4:8] & 63, (high >> 4) | ((packed[:, 4:8] >> 6) << 4)], axis=1)
+    qs = blocks[:, 16:].reshape(-1, 4, 32)  # four groups of 64 values
+    values = np.stack((qs & 0x0F, qs >> 4), axis=2).reshape(-1, 8, 32)  # sub-blocks in order
+    out = np.empty((blocks.shape[0], 8, 20), dtype=np.uint8)
+    out[:, :, 0:2] = (d * scales).astype(np.float16)[..., None].view(np.uint8)
+    out[:, :, 2:4] = (-dmin * mins).astype(np.float16)[..., None].view(np.uint8)
+    out[:, :, 4:] = values[..., :16] | (values[..., 16:] << 4)
+    return out.reshape(-1)
 
 
 def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
