@@ -215,3 +215,66 @@ def write_qwen3_moe_gguf(
     if arch == "qwen2moe":
         metadata["expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
     _write_gguf(path, arch, config, tensors, types, extra_metadata=metadata)
+
+
+def write_gpt_oss_gguf(path: Path, source: Path, expert_type: Q = Q.F32) -> None:
+    """The tiny gpt-oss checkpoint at `source` (258 tokens) as llama.cpp's
+    converter writes it: the sinks as `attn_sinks`, the router as
+    `ffn_gate_inp` (with its bias), each layer's experts stacked and their
+    interleaved gate/up columns split into `ffn_gate_exps` / `ffn_up_exps`
+    [experts, rows, columns] (with biases) in `expert_type`, YaRN in
+    `rope.scaling.*`; no Q/K row permutation."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source)
+    weights = load_file(source / "model.safetensors")
+    parts = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.router": "ffn_gate_inp",
+    }
+    tensors: dict[str, np.ndarray] = {}
+    types: dict[str, Q] = {}
+    for name, weight in weights.items():
+        if name in _GGUF_GLOBALS:
+            tensors[_GGUF_GLOBALS[name]] = weight.numpy()
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        blk = f"blk.{layer}"
+        if rest == "self_attn.sinks":
+            tensors[f"{blk}.attn_sinks.weight"] = weight.numpy()
+        elif rest == "mlp.experts.gate_up_proj":  # [E, hidden, 2 I]
+            stacked = weight.transpose(1, 2)
+            for stem, rows in (("gate", stacked[:, 0::2]), ("up", stacked[:, 1::2])):
+                tensors[f"{blk}.ffn_{stem}_exps.weight"] = rows.contiguous().numpy()
+                types[f"{blk}.ffn_{stem}_exps.weight"] = expert_type
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            tensors[f"{blk}.ffn_gate_exps.bias"] = weight[:, 0::2].contiguous().numpy()
+            tensors[f"{blk}.ffn_up_exps.bias"] = weight[:, 1::2].contiguous().numpy()
+        elif rest == "mlp.experts.down_proj":  # [E, I, hidden]
+            tensors[f"{blk}.ffn_down_exps.weight"] = weight.transpose(1, 2).contiguous().numpy()
+            types[f"{blk}.ffn_down_exps.weight"] = expert_type
+        elif rest == "mlp.experts.down_proj_bias":
+            tensors[f"{blk}.ffn_down_exps.bias"] = weight.numpy()
+        else:
+            module, suffix = rest.rsplit(".", 1)
+            tensors[f"{blk}.{parts[module]}.{suffix}"] = weight.numpy()
+    rope = config.rope_parameters
+    metadata: dict[str, int | float | str] = {
+        "expert_count": config.num_local_experts,
+        "expert_used_count": config.num_experts_per_tok,
+        "expert_feed_forward_length": config.intermediate_size,
+        "attention.sliding_window": config.sliding_window,
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": float(rope["factor"]),
+        "rope.scaling.original_context_length": int(rope["original_max_position_embeddings"]),
+    }
+    _write_gguf(
+        path, "gpt-oss", config, tensors, types,
+        rope_freq_base=float(rope["rope_theta"]), extra_metadata=metadata,
+    )  # fmt: skip

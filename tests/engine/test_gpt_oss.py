@@ -169,3 +169,53 @@ def test_gpt_oss_refuses_what_it_cannot_run(
     monkeypatch.setattr(TorchAttentionBackend, "supports_sinks", False)
     with pytest.raises(UnsupportedModelError, match="attention sinks"):
         LLM(str(tiny_models["gpt-oss"]), num_kv_blocks=64, attention_backend="torch")
+
+
+@pytest.mark.parametrize("expert_type", ["F32", "MXFP4"])
+def test_a_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path, expert_type: str) -> None:
+    """gpt-oss as llama.cpp's converter writes it (sinks as `attn_sinks`,
+    gate and up split, YaRN in `rope.scaling.*`), its experts in float or in
+    MXFP4 (kept as Q8_0 blocks, exactly): transformers' tokens on the same
+    weights (with the MXFP4 file, the experts' dequantized values and their
+    inputs rounded as the block kernel rounds them)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ferrox.loader.gguf import load_gguf
+    from tests.gguf_files import write_gpt_oss_gguf
+
+    # (the SwiGLU clamp llama.cpp's graph fixes, as the file records none)
+    source = models.build_tiny_model(tmp_path / "hf", "gpt-oss", vocab_size=258, swiglu_limit=7.0)
+    path = tmp_path / "gpt-oss.gguf"
+    write_gpt_oss_gguf(path, source, getattr(Q, expert_type))
+    loaded = load_gguf(path)
+    assert loaded.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert loaded.config.rope_parameters["rope_type"] == "yarn"
+    reference = source
+    if expert_type == "MXFP4":
+        # transformers on the experts as the file holds them
+        reference = tmp_path / "dequantized"
+        shutil.copytree(source, reference)
+        state = load_file(source / "model.safetensors")
+        for layer in range(loaded.config.num_hidden_layers):
+            prefix = f"model.layers.{layer}.mlp.experts"
+            gate_up, down = [], []
+            for e in range(loaded.config.num_local_experts):
+                gate, up, down_e = (
+                    loaded.state_dict[f"{prefix}.{e}.{p}_proj.weight"]
+                    for p in ("gate", "up", "down")
+                )
+                interleaved = torch.stack((gate, up), dim=1).flatten(0, 1)
+                gate_up.append(interleaved.t())
+                down.append(down_e.t())
+            state[f"{prefix}.gate_up_proj"] = torch.stack(gate_up).contiguous()
+            state[f"{prefix}.down_proj"] = torch.stack(down).contiguous()
+        save_file(state, reference / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 258, (n,), generator=gen).tolist() for n in (5, 17)]
+    llm, got = run(path, prompts)
+    expert = llm.engine.runner.model.layers[0].mlp.experts[0]
+    assert isinstance(expert.gate_up_proj, QuantLinear) == (expert_type == "MXFP4")
+    expected = hf_greedy(reference, prompts, round_expert_inputs=expert_type == "MXFP4")
+    for (tokens, logprobs), (want, want_lp) in zip(got, expected, strict=True):
+        assert tokens == want
+        assert logprobs == pytest.approx(want_lp, abs=1e-3 if expert_type == "F32" else 0.03)

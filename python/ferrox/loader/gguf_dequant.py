@@ -39,7 +39,11 @@ BLOCK_FORMATS = {
     GGMLQuantizationType.Q4_1: "q4_1",
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_K: "q4_1",
+    GGMLQuantizationType.MXFP4: "q8_0",
 }
+MXFP4_BYTES = 17  # 32 values: an e8m0 exponent, 16 bytes of e2m1 codes (low nibbles first)
+# e2m1 codes, doubled (the scale is then 2^(e - 128)): the integers of a Q8_0 block.
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 Q4_K_BYTES = 144  # 256 values: d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 
 
@@ -63,6 +67,8 @@ def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
         out[:, 4:] = blocks[:, 2:]
     elif ggml_type == GGMLQuantizationType.Q4_K:
         out = q4_k_as_q4_1(raw)
+    elif ggml_type == GGMLQuantizationType.MXFP4:
+        out = mxfp4_as_q8_0(raw)
     else:
         out = raw.copy()
     data = torch.from_numpy(out.reshape(*rows, -1))
@@ -88,6 +94,23 @@ def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray:
     out[:, :, 0:2] = (d * scales).astype(np.float16)[..., None].view(np.uint8)
     out[:, :, 2:4] = (-dmin * mins).astype(np.float16)[..., None].view(np.uint8)
     out[:, :, 4:] = values[..., :16] | (values[..., 16:] << 4)
+    return out.reshape(-1)
+
+
+def mxfp4_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """ggml's MXFP4 blocks (32 values e2m1 x 2^(e - 127)) as Q8_0 blocks,
+    exactly: the doubled codes as int8, the scale 2^(e - 128) in float16
+    (scales below 2^-24, values under 1e-7, become zero). [N x 17] -> [N x 34]."""
+    blocks = raw.reshape(-1, MXFP4_BYTES)
+    exponent = blocks[:, 0].astype(np.int32) - 128
+    if exponent.max(initial=-128) > 15:
+        raise UnsupportedModelError("an MXFP4 scale beyond float16's range (2^15)")
+    out = np.empty((blocks.shape[0], 34), dtype=np.uint8)
+    scale = np.ldexp(np.float32(1), exponent).astype(np.float16)
+    out[:, 0:2] = scale[:, None].view(np.uint8)
+    codes = blocks[:, 1:]
+    values = np.concatenate((codes & 0x0F, codes >> 4), axis=1)  # [N, 32]
+    out[:, 2:] = _E2M1_DOUBLED[values].view(np.uint8)
     return out.reshape(-1)
 
 

@@ -40,6 +40,14 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-4o, gpt-oss): cased words with their contractions, digits in threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _EACH_DIGIT = r"\p{N}"
 # `None` stands for the GPT-2 split built into the ByteLevel pre-tokenizer.
 _GPT2_SPLIT = None
@@ -55,6 +63,7 @@ _SPLITS_BY_PRE: dict[str, tuple[str | None, ...]] = {
         ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx"), (_LLAMA3_SPLIT,)
     ),
     **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"), (_QWEN2_SPLIT,)),
+    **dict.fromkeys(("gpt-4o",), (_GPT4O_SPLIT,)),
 }
 # Qwen's own tokenizer.json normalizes to NFC before splitting.
 _NFC_PRE = frozenset({"qwen2"})

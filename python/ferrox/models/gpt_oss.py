@@ -27,9 +27,18 @@ block kernels: a value e2m1 x 2^(e - 127) is the integer 2 x e2m1 (|q| <= 12)
 times the float16 scale 2^(e - 128); scales below 2^-24 (values under 1e-7)
 round to zero. Elsewhere, or with quantization="none", they are dequantized.
 
-Refused: GGUF files, MXFP4 under tensor parallelism, other quantization
-methods, and attention backends without sinks and windows (the GPU's: not
-yet run on a GPU). Chats are in the harmony format: the tokenizer's
+GGUF (llama.cpp's `gpt-oss`): the sinks as `attn_sinks`, the router as
+`ffn_gate_inp`, the experts stacked with gate and up already apart
+(`ffn_{gate,up,down}_exps`, with biases), usually in MXFP4, which loads as
+Q8_0 blocks too (`loader/gguf_dequant.mxfp4_as_q8_0`); every other layer
+local, the first one. The files record neither YaRN's betas and truncation
+(read as transformers' gpt-oss defaults: 32, 1, no truncation; llama.cpp
+rounds the ramp's ends, a small difference) nor the SwiGLU clamp and alpha
+(7 and 1.702, as llama.cpp's graph fixes them).
+
+Refused: MXFP4 under tensor parallelism, other quantization methods, and
+attention backends without sinks and windows (the GPU's: not yet run on a
+GPU). Chats are in the harmony format: the tokenizer's
 template renders them, the server's chat APIs read the channels back
 (`server/harmony.py`); `LLM.chat` refuses them.
 """
@@ -39,12 +48,15 @@ from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
+from transformers import GptOssConfig
 
 from ferrox.common.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.attention import AttentionBackend
 from ferrox.layers.moe import SparseMoe
 from ferrox.layers.quant_linear import QuantLinear
+from ferrox.models.base import gguf_value
 from ferrox.models.llama import LlamaForCausalLM
+from ferrox.models.qwen3_moe import split_stacked_experts
 from ferrox.parallel import state as distributed
 
 _STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -73,7 +85,9 @@ class ClampedSwiGluExpert(nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     architectures: ClassVar[tuple[str, ...]] = ("GptOssForCausalLM",)
-    gguf_architecture: ClassVar[str | None] = None
+    gguf_architecture: ClassVar[str | None] = "gpt-oss"
+    gguf_config_class: ClassVar[Any] = GptOssConfig
+    gguf_rotary_interleaved: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
@@ -151,6 +165,82 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if ".mlp.experts." in name and name.rsplit(".", 1)[-1] in _STACKED:
             return name.removeprefix("model.").rsplit(".", 1)[0]
         return LlamaForCausalLM.module_of(name.replace(".mlp.router.", ".mlp.gate."))
+
+    # ---- GGUF --------------------------------------------------------------
+
+    @classmethod
+    def config_from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str]) -> Any:
+        """llama.cpp's `gpt-oss` metadata: every other layer local (the first
+        one), YaRN from `rope.scaling.*` with transformers' gpt-oss betas and
+        truncation, the SwiGLU clamp 7 and alpha 1.702 (the converter records
+        neither)."""
+
+        def value(key: str, default: Any = None) -> Any:
+            return gguf_value(metadata, "gpt-oss", key, default)
+
+        if value("rope.scaling.type", "yarn") != "yarn":
+            raise UnsupportedModelError(
+                f"gpt-oss GGUF with rope scaling {value('rope.scaling.type')!r}"
+            )
+        num_layers = int(value("block_count"))
+        heads = int(value("attention.head_count"))
+        rope = dict(GptOssConfig().rope_parameters or {})
+        rope |= {
+            "rope_type": "yarn",
+            "rope_theta": float(value("rope.freq_base", rope.get("rope_theta", 150000.0))),
+            "factor": float(value("rope.scaling.factor", rope.get("factor", 32.0))),
+            "original_max_position_embeddings": int(
+                value("rope.scaling.original_context_length", 4096)
+            ),
+        }
+        clamps = set(value("swiglu_clamp_exp", [7.0]) or [7.0])
+        if len(clamps) != 1:
+            raise UnsupportedModelError(f"gpt-oss GGUF with per-layer SwiGLU clamps {clamps}")
+        return GptOssConfig(
+            architectures=[cls.architectures[0]],
+            swiglu_limit=float(clamps.pop()),
+            vocab_size=value("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ()))),
+            hidden_size=int(value("embedding_length")),
+            intermediate_size=int(value("expert_feed_forward_length")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(value("attention.head_count_kv", heads)),
+            head_dim=int(value("attention.key_length", 64)),
+            num_local_experts=int(value("expert_count")),
+            num_experts_per_tok=int(value("expert_used_count")),
+            sliding_window=int(value("attention.sliding_window", 128)),
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+            ],
+            max_position_embeddings=int(value("context_length")),
+            rms_norm_eps=float(value("attention.layer_norm_rms_epsilon")),
+            rope_parameters=rope,
+            tie_word_embeddings="output.weight" not in tensor_names,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        )
+
+    @classmethod
+    def gguf_layer_tensors(cls) -> dict[str, str]:
+        return super().gguf_layer_tensors() | {
+            "post_attention_norm": "post_attention_layernorm",
+            "attn_sinks": "self_attn.sinks",
+            "ffn_gate_inp": "mlp.router",
+        }
+
+    @classmethod
+    def checkpoint_tensors(
+        cls, gguf_name: str, weight: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stacked experts (gate and up already apart in llama.cpp's
+        files) one per expert; the sinks under transformers' name."""
+        experts = split_stacked_experts(gguf_name, weight)
+        if experts is not None:
+            yield from experts
+            return
+        for name, tensor in super().checkpoint_tensors(gguf_name, weight):
+            yield name.removesuffix(".weight") if name.endswith(".sinks.weight") else name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         moe = self.decoder_layers()[0].mlp

@@ -142,13 +142,22 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def checkpoint_tensors(
         cls, gguf_name: str, weight: torch.Tensor
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """`blk.3.ffn_up_exps.weight` [experts, rows, ...] -> one
-        `model.layers.3.mlp.experts.{e}.up_proj.weight` per expert."""
-        parts = gguf_name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _STACKED_EXPERTS:
-            _, layer, stem, suffix = parts
-            projection = _STACKED_EXPERTS[stem]
-            for e in range(weight.shape[0]):
-                yield f"model.layers.{layer}.mlp.experts.{e}.{projection}.{suffix}", weight[e]
-            return
-        yield from super().checkpoint_tensors(gguf_name, weight)
+        experts = split_stacked_experts(gguf_name, weight)
+        yield from experts if experts is not None else super().checkpoint_tensors(gguf_name, weight)
+
+
+def split_stacked_experts(
+    gguf_name: str, weight: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """`blk.3.ffn_up_exps.weight` (or `.bias`) [experts, rows, ...] -> one
+    `model.layers.3.mlp.experts.{e}.up_proj.weight` per expert; None for a
+    tensor that is not a stack of experts."""
+    parts = gguf_name.split(".")
+    if not (len(parts) == 4 and parts[0] == "blk" and parts[2] in _STACKED_EXPERTS):
+        return None
+    _, layer, stem, suffix = parts
+    projection = _STACKED_EXPERTS[stem]
+    return (
+        (f"model.layers.{layer}.mlp.experts.{e}.{projection}.{suffix}", weight[e])
+        for e in range(weight.shape[0])
+    )
