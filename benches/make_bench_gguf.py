@@ -4,6 +4,7 @@ peer from).
 
     python benches/make_bench_gguf.py                  # Qwen3-MoE, ~0.9B total, ~0.2B active
     python benches/make_bench_gguf.py --family gemma3  # Gemma-3-1B's shape
+    python benches/make_bench_gguf.py --family gpt-oss # gpt-oss-20b scaled down
     python benches/vs_llamacpp.py --model \
         ~/.cache/ferrox/bench-models/qwen3-moe-0.9b-a0.2b.q8_0.gguf
 
@@ -11,7 +12,10 @@ peer from).
 width 256, 8 a token, 16 query and 4 KV heads of 128): about 0.9B parameters
 of which 0.2B are active per token. `gemma3` has Gemma-3-1B's shape (hidden
 1152, 26 layers, 4 query heads and 1 KV head of 256, MLP 6912, five local
-layers with a 512-token window to one global). Both use the bundled model's
+layers with a 512-token window to one global). `gpt-oss` scales gpt-oss-20b
+down (hidden 1024, 12 layers alternating a 128-token window and full
+attention, 16 query and 4 KV heads of 64 with sinks, 32 experts of width 512,
+4 a token): about 0.74B parameters, 0.2B active. All use the bundled model's
 49152-token BPE vocabulary (llama.cpp's converter only takes a tokenizer it
 knows). The weights are N(0, 0.02), norms one.
 """
@@ -32,7 +36,7 @@ from vs_llamacpp import ensure_server, peer_dir
 
 def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, Qwen3MoeConfig
 
     from ferrox.model_files import default_model_path
     from ferrox.model_files.gguf_reader import load_gguf_tokenizer
@@ -45,7 +49,20 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    if args.family == "gemma3":
+    if args.family == "gpt-oss":
+        config = GptOssConfig(
+            hidden_size=1024,
+            intermediate_size=512,
+            num_hidden_layers=12,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            **(common | {"tie_word_embeddings": False}),
+        )
+    elif args.family == "gemma3":
         config = Gemma3TextConfig(
             hidden_size=1152,
             intermediate_size=6912,
@@ -87,6 +104,8 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
     if args.family == "qwen3-moe":
         expert = 3 * args.hidden * args.expert_width
         active -= args.layers * (args.experts - args.experts_per_token) * expert
+    elif args.family == "gpt-oss":
+        active -= 12 * (32 - 4) * 3 * 1024 * 512
     print(f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active a token", flush=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -100,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--family", choices=("qwen3-moe", "gemma3"), default="qwen3-moe")
+    parser.add_argument("--family", choices=("qwen3-moe", "gemma3", "gpt-oss"), default="qwen3-moe")
     parser.add_argument("--hidden", type=int, default=1024, help="(qwen3-moe's shape)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)
@@ -114,7 +133,11 @@ def main() -> None:
     args = parser.parse_args()
     from ferrox.model_files.default import cache_dir
 
-    name = {"qwen3-moe": "qwen3-moe-0.9b-a0.2b", "gemma3": "gemma3-1b-shape"}[args.family]
+    name = {
+        "qwen3-moe": "qwen3-moe-0.9b-a0.2b",
+        "gemma3": "gemma3-1b-shape",
+        "gpt-oss": "gpt-oss-0.7b-a0.2b",
+    }[args.family]
     out = args.out or cache_dir() / "bench-models" / f"{name}.{args.outtype}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     ensure_server()  # unpacks the vendored llama.cpp source (and builds the peer)
