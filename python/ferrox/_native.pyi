@@ -335,6 +335,7 @@ class CpuDecoderLayer:
         window: int = 0,
         output_norms: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
         activation: str = "silu",
+        sinks: Sequence[float] | None = None,
     ) -> CpuDecoderLayer: ...
     def forward(
         self,
@@ -367,6 +368,9 @@ class CpuMoeExperts:
         down_fmt: str,
         hidden: int,
         inter: int,
+        router_bias: Sequence[float] | None = None,
+        expert_biases: tuple[Sequence[float], Sequence[float]] | None = None,
+        clamped_swiglu: tuple[float, float] | None = None,
     ) -> CpuMoeExperts: ...
     def forward(
         self,

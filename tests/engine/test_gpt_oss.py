@@ -104,14 +104,18 @@ def test_mxfp4_decodes_as_transformers_does() -> None:
 
 
 def test_q8_0_rows_hold_the_mxfp4_values_exactly() -> None:
-    weight = torch.randn(3, 5, 64) * torch.logspace(-3, 2, 5)[None, :, None]
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(3, 5, 64, generator=gen) * torch.logspace(-3, 2, 5)[None, :, None]
     blocks, scales = to_mxfp4(weight)
     exact = mxfp4_to_float(blocks, scales)
     rows = mxfp4_to_q8_0(blocks, scales)
     assert rows.shape == (3, 5, 2 * 34)
     got = torch.stack([dequantize(rows[e], "q8_0", 64) for e in range(3)])
     assert torch.equal(got, exact)
-    assert (exact - weight).abs().max() <= weight.abs().amax() / 6  # (really an e2m1 rounding)
+    # (an e2m1 rounding: at most a step of 2 at scale 2^ceil(log2(max / 6)) <= max / 3)
+    blocks = weight.reshape(3, 5, 2, 32)
+    error = (exact.reshape(blocks.shape) - blocks).abs().amax(-1)
+    assert (error <= blocks.abs().amax(-1) / 3).all()
 
 
 def test_mxfp4_experts_run_as_blocks_and_track_transformers(

@@ -109,7 +109,6 @@ class FusedCpuDecode:
                 )
                 and all(_fusable(m) for m in linears)
                 and isinstance(attn.attn, CpuAttentionBackend)
-                and attn.sinks is None
                 and (attn.q_norm is None) == (attn.k_norm is None)
                 and all(n.weight.dtype == torch.float32 for n in norms)
                 and len({n.eps for n in norms}) == 1
@@ -148,6 +147,7 @@ class FusedCpuDecode:
             attn.sliding_window or 0,
             output_norms,
             getattr(mlp, "activation", "silu") if dense else "silu",
+            None if attn.sinks is None else attn.sinks.detach().float().tolist(),
         )
 
     def _step(self, meta: AttentionMetadata) -> tuple:

@@ -29,7 +29,7 @@ MoE layers is not captured in a CUDA graph (the model says so:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -120,27 +120,42 @@ class SparseMoe(nn.Module):
     def prepare_native(self) -> bool:
         """Once the weights are loaded: whether few-token steps run the
         experts in one native call (block-format weights on the CPU, one
-        format per projection, no biases)."""
+        format per projection, biases on all experts or none, a SiLU or
+        gpt-oss's clamped SwiGLU gate: the experts' `activation`)."""
         self.native = None
         pairs: list[tuple[QuantLinear, QuantLinear]] = []
         for expert in self.experts:
             gate_up, down = expert.gate_up_proj, expert.down_proj
             if not all(
-                isinstance(m, QuantLinear) and m.bias is None and m.weight.device.type == "cpu"
+                isinstance(m, QuantLinear) and m.weight.device.type == "cpu"
                 for m in (gate_up, down)
             ):
                 return False
             pairs.append((cast(QuantLinear, gate_up), cast(QuantLinear, down)))
-        if len({(g.fmt, d.fmt) for g, d in pairs}) != 1:
+        if len({(g.fmt, d.fmt, g.bias is None, d.bias is None) for g, d in pairs}) != 1:
             return False
         router = self.gate.weight.detach()
-        if (
-            router.dtype != torch.float32
-            or router.device.type != "cpu"
-            or self.gate.bias is not None
-        ):
+        if router.dtype != torch.float32 or router.device.type != "cpu":
+            return False
+        first: Any = self.experts[0]
+        activation = getattr(first, "activation", None)
+        clamped = None
+        if activation == "clamped_swiglu":
+            clamped = (float(first.alpha), float(first.limit))
+        elif activation != "silu":
             return False
         gate_up, down = pairs[0]
+        biases = None
+        if gate_up.bias is not None and down.bias is not None:
+
+            def stacked(layers: list[QuantLinear]) -> list[float]:
+                return torch.cat(
+                    [cast(torch.Tensor, m.bias).detach().float() for m in layers]
+                ).tolist()
+
+            biases = (stacked([g for g, _ in pairs]), stacked([d for _, d in pairs]))
+        bias = self.gate.bias
+        router_bias = None if bias is None else bias.detach().float().tolist()
         self.native = CpuMoeExperts(
             router.contiguous().numpy(),
             self.top_k,
@@ -151,6 +166,9 @@ class SparseMoe(nn.Module):
             down.fmt,
             gate_up.in_features,
             down.in_features,
+            router_bias,
+            biases,
+            clamped,
         )
         return True
 

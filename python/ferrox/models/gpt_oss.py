@@ -67,6 +67,8 @@ class ClampedSwiGluExpert(nn.Module):
     g = min(gate, l); its intermediate columns split over the ranks (the
     block all-reduces the sum of its experts)."""
 
+    activation: ClassVar[str] = "clamped_swiglu"  # (for the native MoE block)
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         _, inter = distributed.even_shard(int(config.intermediate_size), "intermediate size")
@@ -134,8 +136,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
         }
 
     def prepare_fused_decode(self) -> bool:
-        self.fused_decode = None  # (the fused decode has no sinks or expert biases)
-        return False
+        """Block-format experts run natively on the CPU (their biases and
+        clamped gate included); then decode steps fuse each layer's
+        attention half, sinks and all (layers/cpu_decoder.py)."""
+        for layer in self.decoder_layers():
+            cast(SparseMoe, layer.mlp).prepare_native()
+        return super().prepare_fused_decode()
 
     def shard_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         if distributed.state().size == 1:

@@ -70,6 +70,8 @@ pub struct DecoderLayerWeights<'a> {
     pub scale: f32,
     /// A sliding window (the step's tables are then the window pool's); 0: none.
     pub window: usize,
+    /// Attention sinks, one logit per query head (gpt-oss), or None.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// One step's tokens and the KV cache they read and write.
@@ -280,7 +282,7 @@ pub fn decoder_layer<T: KvElement>(
         block_size: step.block_size,
         scale: weights.scale,
         window: weights.window,
-        sinks: None,
+        sinks: weights.sinks,
         num_threads: threads,
     };
     paged_attention(&args, &mut attn)?;
@@ -378,6 +380,7 @@ mod tests {
             head_dim: d,
             scale: 0.25,
             window: 0,
+            sinks: None,
         };
         let (cos, sin) = (vec![1.0; 8 * d / 2], vec![0.0; 8 * d / 2]);
         let step = DecoderLayerStep {

@@ -24,7 +24,7 @@ pub use decoder_layer::{
 pub use elementwise::{add_rms_norm, rotary_in_place};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};
 pub use kv_element::{f32_to_f16, KvElement, F16};
-pub use moe::{moe_experts, route, ExpertWeights, MoeArgs, Router};
+pub use moe::{moe_experts, route, ExpertWeights, MoeActivation, MoeArgs, Router};
 pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 pub use quant_matmul::{
     dequantize_rows, quant_matmul, quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs,

@@ -20,12 +20,23 @@ use crate::quant_matmul::{
 };
 
 /// One expert's weights, in block formats: gate and up stacked
-/// ([2 I, row bytes of hidden]), down ([hidden, row bytes of I]). An expert
-/// no token chose may be given empty slices.
+/// ([2 I, row bytes of hidden]), down ([hidden, row bytes of I]), and their
+/// biases ([2 I], [hidden]) if the family has them (gpt-oss). An expert no
+/// token chose may be given empty slices.
 #[derive(Clone, Copy)]
 pub struct ExpertWeights<'a> {
     pub gate_up: &'a [u8],
     pub down: &'a [u8],
+    pub gate_up_bias: Option<&'a [f32]>,
+    pub down_bias: Option<&'a [f32]>,
+}
+
+/// The experts' gate: SiLU(gate) * up, or gpt-oss's clamped SwiGLU:
+/// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MoeActivation {
+    Silu,
+    ClampedSwiGlu { alpha: f32, limit: f32 },
 }
 
 pub struct MoeArgs<'a> {
@@ -37,12 +48,15 @@ pub struct MoeArgs<'a> {
     pub down_fmt: QuantFormat,
     pub hidden: usize,
     pub inter: usize,
+    pub activation: MoeActivation,
     pub num_threads: usize,
 }
 
-/// A softmax router over float32 weights ([experts, hidden]).
+/// A softmax router over float32 weights ([experts, hidden]) and an
+/// optional bias ([experts]).
 pub struct Router<'a> {
     pub weight: &'a [f32],
+    pub bias: Option<&'a [f32]>,
     pub top_k: usize,
     pub renormalize: bool,
 }
@@ -62,6 +76,7 @@ pub fn route(
         || !x.len().is_multiple_of(hidden)
         || router.top_k == 0
         || router.top_k > experts
+        || router.bias.is_some_and(|b| b.len() != experts)
     {
         return Err(QuantShapeError(format!(
             "router: {} weights for hidden {hidden}, {} of them a token",
@@ -74,7 +89,7 @@ pub fn route(
     let args = F32MatmulArgs {
         x,
         w: router.weight,
-        bias: None,
+        bias: router.bias,
         m: tokens,
         k: hidden,
         n: experts,
@@ -145,7 +160,12 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
     let groups: Vec<Group> = by_expert.into_iter().flatten().collect();
     for g in &groups {
         let e = &args.experts[g.expert];
-        if e.gate_up.len() != 2 * inter * gate_up_row || e.down.len() != hidden * down_row {
+        let biases_ok = e.gate_up_bias.is_none_or(|b| b.len() == 2 * inter)
+            && e.down_bias.is_none_or(|b| b.len() == hidden);
+        if e.gate_up.len() != 2 * inter * gate_up_row
+            || e.down.len() != hidden * down_row
+            || !biases_ok
+        {
             return bad(format!(
                 "expert {} has {} gate/up and {} down bytes, expected {} and {}",
                 g.expert,
@@ -183,7 +203,10 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
         &groups,
         &inputs,
         &kernels(args.gate_up_fmt),
-        |g| args.experts[g.expert].gate_up,
+        |g| {
+            let e = &args.experts[g.expert];
+            (e.gate_up, e.gate_up_bias)
+        },
         args.gate_up_fmt,
         hidden,
         2 * inter,
@@ -195,11 +218,18 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
             let mut act = Vec::with_capacity(rows.len() / 2);
             for row in rows.chunks_exact(2 * inter) {
                 let (gate, up) = row.split_at(inter);
-                act.extend(
-                    gate.iter()
-                        .zip(up)
-                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
-                );
+                let pairs = gate.iter().zip(up);
+                match args.activation {
+                    MoeActivation::Silu => {
+                        act.extend(pairs.map(|(&g, &u)| g / (1.0 + (-g).exp()) * u))
+                    }
+                    MoeActivation::ClampedSwiGlu { alpha, limit } => {
+                        act.extend(pairs.map(|(&g, &u)| {
+                            let g = g.min(limit);
+                            (u.clamp(-limit, limit) + 1.0) * g / (1.0 + (-alpha * g).exp())
+                        }))
+                    }
+                }
             }
             act
         })
@@ -208,7 +238,10 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
         &groups,
         &activated,
         &kernels(args.down_fmt),
-        |g| args.experts[g.expert].down,
+        |g| {
+            let e = &args.experts[g.expert];
+            (e.down, e.down_bias)
+        },
         args.down_fmt,
         inter,
         hidden,
@@ -238,7 +271,7 @@ fn project<'a>(
     groups: &[Group],
     inputs: &[Vec<f32>],
     kernels: &[QuantKernel],
-    weight: impl Fn(&Group) -> &'a [u8],
+    weight: impl Fn(&Group) -> (&'a [u8], Option<&'a [f32]>),
     fmt: QuantFormat,
     k: usize,
     n: usize,
@@ -256,8 +289,8 @@ fn project<'a>(
         .zip(inputs)
         .map(|(g, x)| QuantMatmulArgs {
             x,
-            w: weight(g),
-            bias: None,
+            w: weight(g).0,
+            bias: weight(g).1,
             m: g.tokens.len(),
             k,
             n,
@@ -320,13 +353,13 @@ mod tests {
         out
     }
 
-    fn matmul(x: &[f32], w: &[u8], k: usize, n: usize) -> Vec<f32> {
+    fn matmul(x: &[f32], w: &[u8], bias: Option<&[f32]>, k: usize, n: usize) -> Vec<f32> {
         let m = x.len() / k;
         let mut out = vec![0.0; m * n];
         let args = QuantMatmulArgs {
             x,
             w,
-            bias: None,
+            bias,
             m,
             k,
             n,
@@ -337,8 +370,30 @@ mod tests {
         out
     }
 
+    fn gated(g: f32, u: f32, activation: MoeActivation) -> f32 {
+        match activation {
+            MoeActivation::Silu => g / (1.0 + (-g).exp()) * u,
+            MoeActivation::ClampedSwiGlu { alpha, limit } => {
+                let g = g.min(limit);
+                (u.clamp(-limit, limit) + 1.0) * g / (1.0 + (-alpha * g).exp())
+            }
+        }
+    }
+
+    /// The block against each expert run alone, one quant_matmul at a
+    /// time; with biases and gpt-oss's clamped SwiGLU too.
     #[test]
     fn equals_the_experts_one_matmul_at_a_time() {
+        let clamped = MoeActivation::ClampedSwiGlu {
+            alpha: 1.702,
+            limit: 0.5,
+        };
+        for (activation, with_bias) in [(MoeActivation::Silu, false), (clamped, true)] {
+            check_against_one_at_a_time(activation, with_bias);
+        }
+    }
+
+    fn check_against_one_at_a_time(activation: MoeActivation, with_bias: bool) {
         let (hidden, inter, experts, tokens, top_k) = (64, 96, 5, 7, 2);
         let mut seed = 7;
         let weights: Vec<(Vec<u8>, Vec<u8>)> = (0..experts)
@@ -349,6 +404,14 @@ mod tests {
                 )
             })
             .collect();
+        let biases: Vec<(Vec<f32>, Vec<f32>)> = (0..experts)
+            .map(|_| {
+                (
+                    (0..2 * inter).map(|_| lcg(&mut seed)).collect(),
+                    (0..hidden).map(|_| lcg(&mut seed)).collect(),
+                )
+            })
+            .collect();
         let x: Vec<f32> = (0..tokens * hidden).map(|_| lcg(&mut seed)).collect();
         let ids: Vec<i64> = (0..tokens * top_k)
             .map(|i| ((i * 3 + i / 2) % 4) as i64)
@@ -356,11 +419,15 @@ mod tests {
         let w: Vec<f32> = (0..tokens * top_k)
             .map(|i| 0.25 + i as f32 * 0.01)
             .collect();
+        let bias = |e: usize| with_bias.then(|| (biases[e].0.as_slice(), biases[e].1.as_slice()));
         let views: Vec<ExpertWeights<'_>> = weights
             .iter()
-            .map(|(gu, d)| ExpertWeights {
+            .enumerate()
+            .map(|(e, (gu, d))| ExpertWeights {
                 gate_up: gu,
                 down: d,
+                gate_up_bias: bias(e).map(|b| b.0),
+                down_bias: bias(e).map(|b| b.1),
             })
             .collect();
         let args = MoeArgs {
@@ -372,6 +439,7 @@ mod tests {
             down_fmt: QuantFormat::Q8_0,
             hidden,
             inter,
+            activation,
             num_threads: 3,
         };
         let mut got = vec![f32::NAN; tokens * hidden];
@@ -390,18 +458,18 @@ mod tests {
             if chosen.is_empty() {
                 continue;
             }
-            let h = matmul(&rows, gu, hidden, 2 * inter);
+            let h = matmul(&rows, gu, bias(e).map(|b| b.0), hidden, 2 * inter);
             let act: Vec<f32> = h
                 .chunks_exact(2 * inter)
                 .flat_map(|r| {
                     let (g, u) = r.split_at(inter);
                     g.iter()
                         .zip(u)
-                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                        .map(|(&g, &u)| gated(g, u, activation))
                         .collect::<Vec<_>>()
                 })
                 .collect();
-            let y = matmul(&act, d, inter, hidden);
+            let y = matmul(&act, d, bias(e).map(|b| b.1), inter, hidden);
             for (row, &i) in y.chunks_exact(hidden).zip(&chosen) {
                 let t = i / top_k;
                 for (o, &v) in want[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
@@ -409,7 +477,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(got, want);
+        assert_eq!(got, want, "{activation:?}, biases {with_bias}");
     }
 
     #[test]
@@ -422,6 +490,7 @@ mod tests {
         let x = [0.0, 2.0, 1.0, -1.0, 5.0, 5.5, -3.0, 5.0];
         let plain = Router {
             weight: &weight,
+            bias: None,
             top_k: 2,
             renormalize: false,
         };
@@ -438,6 +507,14 @@ mod tests {
         assert!((w[0] + w[1] - 1.0).abs() < 1e-6 && (w[2] + w[3] - 1.0).abs() < 1e-6);
         let too_many = Router { top_k: 5, ..renorm };
         assert!(route(&x, 4, &too_many, 1).is_err());
+        // A bias moves the choice: +4 on expert 3 makes it token 1's first.
+        let bias = [0.0, 0.0, 0.0, 4.0];
+        let biased = Router {
+            bias: Some(&bias),
+            ..plain
+        };
+        let (ids, _) = route(&x, 4, &biased, 1).unwrap();
+        assert_eq!(ids[..2], [3, 1]);
     }
 
     #[test]
@@ -447,6 +524,8 @@ mod tests {
         let experts = [ExpertWeights {
             gate_up: &gu,
             down: &d,
+            gate_up_bias: None,
+            down_bias: None,
         }];
         let x = vec![0.0; 32];
         let run = |ids: &[i64], experts: &[ExpertWeights<'_>]| {
@@ -459,6 +538,7 @@ mod tests {
                 down_fmt: QuantFormat::Q8_0,
                 hidden: 32,
                 inter: 32,
+                activation: MoeActivation::Silu,
                 num_threads: 1,
             };
             moe_experts(&args, &mut [0.0; 32])
@@ -472,6 +552,8 @@ mod tests {
         let short = [ExpertWeights {
             gate_up: &gu[..34],
             down: &d,
+            gate_up_bias: None,
+            down_bias: None,
         }];
         assert!(run(&[0], &short).unwrap_err().0.contains("gate/up"));
     }

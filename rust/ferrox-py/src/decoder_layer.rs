@@ -121,6 +121,7 @@ pub struct CpuDecoderLayer {
     /// Gemma: the norms of the attention output and of the MLP output.
     output_norms: Option<HeadNorms<Py<PyArray1<f32>>>>,
     activation: Activation,
+    sinks: Option<Vec<f32>>,
 }
 
 #[pymethods]
@@ -134,9 +135,10 @@ impl CpuDecoderLayer {
     /// `output_norms` (Gemma): the norms ([hidden] each) of the attention
     /// output before it joins the stream and of the MLP output; then
     /// `post_attention_norm` is the MLP's input norm. `activation`: "silu"
-    /// or "gelu_tanh", of the MLP's gate.
+    /// or "gelu_tanh", of the MLP's gate. `sinks`: attention sinks, one
+    /// logit per query head (gpt-oss).
     #[new]
-    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None, window=0, output_norms=None, activation="silu"))]
+    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None, window=0, output_norms=None, activation="silu", sinks=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: Bound<'_, PyArray1<f32>>,
@@ -154,7 +156,13 @@ impl CpuDecoderLayer {
         window: usize,
         output_norms: Option<HeadNorms<Bound<'_, PyArray1<f32>>>>,
         activation: &str,
+        sinks: Option<Vec<f32>>,
     ) -> PyResult<Self> {
+        if sinks.as_ref().is_some_and(|s| s.len() != num_heads) {
+            return Err(invalid_argument(format!(
+                "sinks must have one logit per query head ({num_heads})"
+            )));
+        }
         let activation = match activation {
             "silu" => Activation::Silu,
             "gelu_tanh" => Activation::GeluTanh,
@@ -214,6 +222,7 @@ impl CpuDecoderLayer {
             window,
             output_norms: output_norms.map(|(a, m)| (a.unbind(), m.unbind())),
             activation,
+            sinks,
         })
     }
 
@@ -307,6 +316,7 @@ impl CpuDecoderLayer {
             head_dim: self.head_dim,
             scale: self.scale,
             window: self.window,
+            sinks: self.sinks.as_deref(),
         };
         let step = DecoderLayerStep {
             positions: contiguous(positions.as_slice())?,

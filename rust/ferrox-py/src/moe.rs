@@ -2,7 +2,7 @@
 //! once, and the block's forward on a few tokens (`ferrox_cpu::route`, then
 //! `ferrox_cpu::moe_experts`).
 
-use ferrox_cpu::{moe_experts, route, ExpertWeights, MoeArgs, QuantFormat, Router};
+use ferrox_cpu::{moe_experts, route, ExpertWeights, MoeActivation, MoeArgs, QuantFormat, Router};
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
@@ -20,6 +20,11 @@ pub struct CpuMoeExperts {
     down_fmt: QuantFormat,
     hidden: usize,
     inter: usize,
+    /// gpt-oss: the router's bias [experts], each expert's gate/up [2 I]
+    /// and down [hidden] biases (flattened, expert by expert).
+    router_bias: Option<Vec<f32>>,
+    expert_biases: Option<(Vec<f32>, Vec<f32>)>,
+    activation: MoeActivation,
 }
 
 #[pymethods]
@@ -27,9 +32,11 @@ impl CpuMoeExperts {
     /// `router`: float32 [experts, hidden], picking `top_k` experts a
     /// token (their weights rescaled to sum to one with `renormalize`);
     /// `gate_up[e]` and `down[e]`: expert e's block-format weights (uint8),
-    /// in `gate_up_fmt` and `down_fmt` ("q8_0" / "q4_1").
+    /// in `gate_up_fmt` and `down_fmt` ("q8_0" / "q4_1"). gpt-oss:
+    /// `router_bias` [experts], `expert_biases` (gate/up [E, 2 I], down [E,
+    /// hidden]), `clamped_swiglu` (alpha, limit) for the experts' gate.
     #[new]
-    #[pyo3(signature = (router, top_k, renormalize, gate_up, down, gate_up_fmt, down_fmt, hidden, inter))]
+    #[pyo3(signature = (router, top_k, renormalize, gate_up, down, gate_up_fmt, down_fmt, hidden, inter, router_bias=None, expert_biases=None, clamped_swiglu=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         router: Bound<'_, PyArray2<f32>>,
@@ -41,7 +48,26 @@ impl CpuMoeExperts {
         down_fmt: &str,
         hidden: usize,
         inter: usize,
+        router_bias: Option<Vec<f32>>,
+        expert_biases: Option<(Vec<f32>, Vec<f32>)>,
+        clamped_swiglu: Option<(f32, f32)>,
     ) -> PyResult<Self> {
+        let experts = gate_up.len();
+        if router_bias.as_ref().is_some_and(|b| b.len() != experts)
+            || expert_biases.as_ref().is_some_and(|(gu, d)| {
+                gu.len() != experts * 2 * inter || d.len() != experts * hidden
+            })
+        {
+            return Err(invalid_argument(format!(
+                "the router bias must be [{experts}], the experts' [{experts}, {}] and [{experts}, \
+                 {hidden}]",
+                2 * inter
+            )));
+        }
+        let activation = match clamped_swiglu {
+            None => MoeActivation::Silu,
+            Some((alpha, limit)) => MoeActivation::ClampedSwiGlu { alpha, limit },
+        };
         let (gate_up_fmt, down_fmt) = (quant_format(gate_up_fmt)?, quant_format(down_fmt)?);
         if gate_up.is_empty() || gate_up.len() != down.len() {
             return Err(invalid_argument(format!(
@@ -84,6 +110,9 @@ impl CpuMoeExperts {
             down_fmt,
             hidden,
             inter,
+            router_bias,
+            expert_biases,
+            activation,
         })
     }
 
@@ -102,6 +131,7 @@ impl CpuMoeExperts {
         let router_array = self.router.bind(py).readonly();
         let router = Router {
             weight: contiguous(router_array.as_slice())?,
+            bias: self.router_bias.as_deref(),
             top_k: self.top_k,
             renormalize: self.renormalize,
         };
@@ -133,16 +163,30 @@ impl CpuMoeExperts {
                 })
             })
             .collect();
+        let (inter, hidden) = (self.inter, self.hidden);
+        let biases = |e: usize| {
+            self.expert_biases.as_ref().map(|(gu, d)| {
+                (
+                    &gu[e * 2 * inter..(e + 1) * 2 * inter],
+                    &d[e * hidden..(e + 1) * hidden],
+                )
+            })
+        };
         let experts = views
             .iter()
-            .map(|v| match v {
+            .enumerate()
+            .map(|(e, v)| match v {
                 Some((gu, d)) => Ok(ExpertWeights {
                     gate_up: contiguous(gu.as_slice())?,
                     down: contiguous(d.as_slice())?,
+                    gate_up_bias: biases(e).map(|b| b.0),
+                    down_bias: biases(e).map(|b| b.1),
                 }),
                 None => Ok(ExpertWeights {
                     gate_up: &[],
                     down: &[],
+                    gate_up_bias: None,
+                    down_bias: None,
                 }),
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -155,6 +199,7 @@ impl CpuMoeExperts {
             down_fmt: self.down_fmt,
             hidden: self.hidden,
             inter: self.inter,
+            activation: self.activation,
             num_threads,
         };
         let out = out
