@@ -1,8 +1,9 @@
 //! A mixture-of-experts block on a few tokens (decode steps), in one call
 //! over block-format experts: the router (float32 logits, softmax, the top
-//! k, optionally renormalised: `route`), then each token's chosen experts'
-//! gated MLPs (gate/up, SiLU * up, down), weighted and summed
-//! (`moe_experts`).
+//! k, optionally renormalised, after an optional bias: `route`), then each
+//! token's chosen experts' gated MLPs (gate/up, SiLU * up or gpt-oss's
+//! clamped SwiGLU, down; biases where the family has them), weighted and
+//! summed (`moe_experts`).
 //!
 //! Tokens are grouped by expert; all active experts' gate/up column ranges
 //! are one job for the thread pool, then all their down column ranges
@@ -188,7 +189,7 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
             .collect()
     };
 
-    // gate/up for every active expert, then SiLU(gate) * up.
+    // gate/up for every active expert, then the gate's activation times up.
     let inputs: Vec<Vec<f32>> = groups
         .iter()
         .map(|g| {
