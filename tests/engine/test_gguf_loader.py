@@ -312,7 +312,7 @@ def test_gemma3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) ->
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from ferrox import LLM, SamplingParams
+    from ferrox import LLM
     from tests import models
 
     # The tiny Gemma 3 of the model tests (a local and a global layer, window
@@ -340,13 +340,7 @@ def test_gemma3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) ->
     hf = models.hf_model(source)
     llm = LLM(str(path), num_kv_blocks=64, block_size=4)
     prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40)), [200, 4]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
-        expected, expected_lp = models.hf_greedy(hf, prompt, 8)
-        completion = out.outputs[0]
-        assert completion.token_ids == expected
-        got = [lp[t].logprob for lp, t in zip(completion.logprobs or [], expected, strict=True)]
-        assert got == pytest.approx(expected_lp, abs=1e-3)
+    _assert_tracks_transformers(llm, hf, prompts)
 
 
 def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -> None:
@@ -357,7 +351,7 @@ def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from ferrox import LLM, SamplingParams
+    from ferrox import LLM
     from tests import models
 
     source = models.build_tiny_model(
@@ -380,13 +374,7 @@ def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -
     hf = models.hf_model(source)
     llm = LLM(str(path), num_kv_blocks=64, block_size=4)
     prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40)), [200, 4]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
-        expected, expected_lp = models.hf_greedy(hf, prompt, 8)
-        completion = out.outputs[0]
-        assert completion.token_ids == expected
-        got = [lp[t].logprob for lp, t in zip(completion.logprobs or [], expected, strict=True)]
-        assert got == pytest.approx(expected_lp, abs=1e-3)
+    _assert_tracks_transformers(llm, hf, prompts)
 
 
 def _round_expert_inputs(hf: torch.nn.Module) -> None:
@@ -424,7 +412,7 @@ def test_qwen3_moe_gguf_in_llama_cpp_layout_matches_transformers(
     `ffn_gate_inp`, each layer's experts stacked): ferrox's greedy tokens
     and logprobs equal transformers' on the checkpoint's weights. Q8_0
     experts stay in their blocks, one kernel call per active expert."""
-    from ferrox import LLM, SamplingParams
+    from ferrox import LLM
     from ferrox.layers.quant_linear import QuantLinear
     from tests import models
     from tests.gguf_files import write_qwen3_moe_gguf
@@ -456,22 +444,16 @@ def test_qwen3_moe_gguf_in_llama_cpp_layout_matches_transformers(
     expert = llm.engine.runner.model.layers[1].mlp.experts[5]
     assert isinstance(expert.gate_up_proj, QuantLinear) == (expert_type == Q.Q8_0)
     prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40)), [200, 4]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
-        expected, expected_lp = models.hf_greedy(hf, prompt, 8)
-        completion = out.outputs[0]
-        assert completion.token_ids == expected
-        got = [lp[t].logprob for lp, t in zip(completion.logprobs or [], expected, strict=True)]
-        # (a rounded activation crosses a rounding step now and then, as in
-        # tests/kernels/test_quantized_weights.py: ROUNDING_DRIFT)
-        assert got == pytest.approx(expected_lp, abs=1e-3 if expert_type == Q.F32 else 0.03)
+    # (a rounded activation crosses a rounding step now and then, as in
+    # tests/kernels/test_quantized_weights.py: ROUNDING_DRIFT)
+    _assert_tracks_transformers(llm, hf, prompts, 1e-3 if expert_type == Q.F32 else 0.03)
 
 
 def test_qwen2_moe_gguf_with_shared_experts_matches_transformers(tmp_path: Path) -> None:
     """A Qwen2-MoE GGUF in llama.cpp's layout (shared experts as `*_shexp`,
     their gates as `ffn_gate_inp_shexp`, the top-k weights not
     renormalised): ferrox's greedy tokens and logprobs equal transformers'."""
-    from ferrox import LLM, SamplingParams
+    from ferrox import LLM
     from tests import models
     from tests.gguf_files import write_qwen3_moe_gguf
 
@@ -487,13 +469,7 @@ def test_qwen2_moe_gguf_with_shared_experts_matches_transformers(tmp_path: Path)
     llm = LLM(str(path), num_kv_blocks=64, block_size=4)
     assert llm.engine.runner.model.layers[0].mlp.shared_expert is not None
     prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40))]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
-        expected, expected_lp = models.hf_greedy(hf, prompt, 8)
-        completion = out.outputs[0]
-        assert completion.token_ids == expected
-        got = [lp[t].logprob for lp, t in zip(completion.logprobs or [], expected, strict=True)]
-        assert got == pytest.approx(expected_lp, abs=1e-3)
+    _assert_tracks_transformers(llm, hf, prompts)
 
 
 def test_quantization_types_match_gguf_reference(tmp_path: Path) -> None:
@@ -571,3 +547,19 @@ def test_unreadable_files_raise(tmp_path: Path, content: bytes | None) -> None:
 def test_integer_dtype_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="floating point"):
         load_gguf(tmp_path / "any.gguf", dtype=torch.int8)
+
+
+def _assert_tracks_transformers(
+    llm: Any, hf: torch.nn.Module, prompts: list[list[int]], tolerance: float = 1e-3
+) -> None:
+    """Eight greedy tokens a prompt: transformers' own, logprobs within `tolerance`."""
+    from ferrox import SamplingParams
+    from tests import models
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        expected, expected_lp = models.hf_greedy(hf, prompt, 8)
+        completion = out.outputs[0]
+        assert completion.token_ids == expected
+        got = [lp[t].logprob for lp, t in zip(completion.logprobs or [], expected, strict=True)]
+        assert got == pytest.approx(expected_lp, abs=tolerance)

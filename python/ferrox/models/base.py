@@ -52,6 +52,17 @@ class SlidingWindowAttention:
 LayerState = FullAttention | SlidingWindowAttention
 
 
+def gguf_token_fields(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The config fields every GGUF family reads alike: whether the LM head
+    is the embedding (no `output.weight`), and the special token ids."""
+    return {
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
+
+
 def gguf_value(metadata: dict[str, Any], arch: str, key: str, default: Any = None) -> Any:
     """`{arch}.{key}` from GGUF metadata; a missing key without a default is
     a ModelLoadError."""

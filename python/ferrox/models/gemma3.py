@@ -41,7 +41,7 @@ from ferrox.layers.attention import AttentionBackend, AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
-from ferrox.models.base import gguf_value
+from ferrox.models.base import gguf_token_fields, gguf_value
 from ferrox.models.llama import DecoderAttention, GatedMlp, LlamaForCausalLM
 from ferrox.parallel import state as distributed
 
@@ -183,10 +183,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             layer_types=["sliding_attention" if w else "full_attention" for w in local],
             rope_parameters={"sliding_attention": local_rope, "full_attention": global_rope},
             final_logit_softcapping=metadata.get("gemma3.final_logit_softcapping"),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-            pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+            **gguf_token_fields(metadata, tensor_names),
         )
 
     @classmethod

@@ -54,7 +54,7 @@ from ferrox.common.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.attention import AttentionBackend
 from ferrox.layers.moe import SparseMoe
 from ferrox.layers.quant_linear import QuantLinear
-from ferrox.models.base import gguf_value
+from ferrox.models.base import gguf_token_fields, gguf_value
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.qwen3_moe import split_stacked_experts
 from ferrox.parallel import state as distributed
@@ -221,10 +221,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             max_position_embeddings=int(value("context_length")),
             rms_norm_eps=float(value("attention.layer_norm_rms_epsilon")),
             rope_parameters=rope,
-            tie_word_embeddings="output.weight" not in tensor_names,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-            pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+            **gguf_token_fields(metadata, tensor_names),
         )
 
     @classmethod

@@ -35,6 +35,7 @@ from ferrox.models.base import (
     FullAttention,
     LayerState,
     SlidingWindowAttention,
+    gguf_token_fields,
     gguf_value,
 )
 from ferrox.parallel import state as distributed
@@ -485,10 +486,7 @@ class LlamaForCausalLM(CausalLM):
             max_position_embeddings=value("context_length"),
             rope_theta=float(value("rope.freq_base", 10000.0)),
             rms_norm_eps=float(value("attention.layer_norm_rms_epsilon")),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-            pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+            **gguf_token_fields(metadata, tensor_names),
             **cls._gguf_config_extra(metadata, tensor_names),
         )
 
