@@ -8,6 +8,9 @@ which the tests cannot run (it needs the vendored source).
 
     python benches/converter_roundtrip.py                 # every family below
     python benches/converter_roundtrip.py --family gpt-oss
+
+The converter imports `sentencepiece` for Llama-family vocabularies
+(`pip install sentencepiece`).
 """
 
 from __future__ import annotations

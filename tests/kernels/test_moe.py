@@ -12,6 +12,8 @@ from ferrox.layers.quant_linear import QuantLinear
 
 
 class _Expert(nn.Module):
+    activation = "silu"  # (what the native block reads the gate by)
+
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
