@@ -21,8 +21,7 @@ from transformers import Qwen2MoeConfig
 from ferrox.layers.attention import AttentionBackend
 from ferrox.layers.moe import SparseMoe
 from ferrox.models.llama import GatedMlp
-from ferrox.models.qwen3_moe import Qwen3MoeForCausalLM
-from ferrox.parallel import state as distributed
+from ferrox.models.qwen3_moe import Qwen3MoeForCausalLM, gated_mlp_shard
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
@@ -41,14 +40,9 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
                 layer.mlp.add_shared_expert(GatedMlp(config, width, reduce=False))
 
     def shard_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        if ".mlp.shared_expert." in name and distributed.state().size > 1:
-            first, count = distributed.even_shard(
-                int(self.config.shared_expert_intermediate_size), "shared expert width"
-            )
-            if ".gate_proj." in name or ".up_proj." in name:
-                return 0, first, count
-            if ".down_proj.weight" in name:
-                return 1, first, count
+        if ".mlp.shared_expert." in name:
+            width = int(self.config.shared_expert_intermediate_size)
+            return gated_mlp_shard(name, width, "shared expert width")
         return super().shard_of(name, shape)
 
     # ---- GGUF --------------------------------------------------------------

@@ -86,14 +86,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return super().prepare_fused_decode()
 
     def shard_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        if ".mlp.experts." in name and distributed.state().size > 1:
-            first, count = distributed.even_shard(
-                int(self.config.moe_intermediate_size), "expert intermediate size"
-            )
-            if ".gate_proj." in name or ".up_proj." in name:
-                return 0, first, count
-            if ".down_proj.weight" in name:
-                return 1, first, count
+        if ".mlp.experts." in name:
+            width = int(self.config.moe_intermediate_size)
+            return gated_mlp_shard(name, width, "expert intermediate size")
         return super().shard_of(name, shape)
 
     # ---- GGUF --------------------------------------------------------------
@@ -144,6 +139,19 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         experts = split_stacked_experts(gguf_name, weight)
         yield from experts if experts is not None else super().checkpoint_tensors(gguf_name, weight)
+
+
+def gated_mlp_shard(name: str, width: int, what: str) -> tuple[int, int, int] | None:
+    """The slice of an expert's (or shared expert's) tensor this rank
+    loads: gate/up rows and down columns of its share of `width`."""
+    if distributed.state().size == 1:
+        return None
+    first, count = distributed.even_shard(width, what)
+    if ".gate_proj." in name or ".up_proj." in name:
+        return 0, first, count
+    if ".down_proj.weight" in name:
+        return 1, first, count
+    return None
 
 
 def split_stacked_experts(
