@@ -350,3 +350,44 @@ def hf_greedy(
         logprobs.append(float(step[tok]))
         ids = torch.tensor([[tok]])
     return tokens, logprobs
+
+
+def build_lora_adapter(
+    base: Path,
+    path: Path,
+    *,
+    rank: int,
+    targets: list[str],
+    alpha: float = 16.0,
+    use_rslora: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A random LoRA adapter for the model at `base`, saved by peft (its own
+    format), with weights large enough to change greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        use_rslora=use_rslora,
+        init_lora_weights=False,
+    )
+    model = get_peft_model(hf_model(base), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_merged(base: Path, adapter: Path) -> torch.nn.Module:
+    """transformers with peft's adapter merged into the base weights: the
+    oracle of a request under that adapter."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(hf_model(base), adapter).merge_and_unload().eval()

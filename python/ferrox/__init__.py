@@ -15,6 +15,7 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "ferrox.common.outputs",
     "EngineConfig": "ferrox.common.config",
     "Logprob": "ferrox.common.outputs",
+    "LoRARequest": "ferrox.common.lora",
     "RequestMetrics": "ferrox.common.outputs",
     "RequestOutput": "ferrox.common.outputs",
     "PoolingParams": "ferrox.common.pooling_params",
@@ -25,6 +26,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from ferrox.common.config import EngineConfig
+    from ferrox.common.lora import LoRARequest
     from ferrox.common.outputs import (
         CompletionOutput,
         EmbeddingRequestOutput,
@@ -59,6 +61,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "EngineConfig",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "RequestMetrics",

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError, error_class
+from ferrox.common.lora import LoRARequest
 from ferrox.common.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -68,15 +69,19 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completes each prompt (a string, a list of token ids, or a dict with
-        `prompt` or `prompt_token_ids`); returns outputs in input order."""
+        `prompt` or `prompt_token_ids`); returns outputs in input order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt
+        (None: the base model); the engine needs `enable_lora=True`."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
+        adapters = _as_lora_list(lora_request, len(items))
         requests = [self._tokenize(p) for p in items]
         for (_text, ids), sp in zip(requests, params, strict=True):
             self.engine.validate(ids, sp)
-        return self._run(requests, params, use_tqdm)
+        return self._run(requests, params, use_tqdm, adapters)
 
     def embed(
         self,
@@ -204,6 +209,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of
         them (with `tools` and `chat_template_kwargs` passed to it)."""
@@ -231,7 +237,7 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             prompts.append({"prompt": text, "add_special_tokens": False})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _require_tokenizer(self) -> Any:
         tokenizer = self.engine.tokenizer
@@ -263,6 +269,7 @@ class LLM:
         requests: list[tuple[str | None, list[int]]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        adapters: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         ids = [f"gen-{next(self._counter)}" for _ in requests]
         order = {rid: i for i, rid in enumerate(ids)}
@@ -271,7 +278,7 @@ class LLM:
         engine = self.engine
         start, generated = time.perf_counter(), engine.num_generated_tokens
         try:
-            for out in self.stream_outputs(ids, requests, params):
+            for out in self.stream_outputs(ids, requests, params, lora_requests=adapters):
                 results[order[out.request_id]] = out
                 bar.update(1)
                 elapsed = time.perf_counter() - start
@@ -290,16 +297,18 @@ class LLM:
         params: list[SamplingParams],
         *,
         stream: bool = False,
+        lora_requests: list[LoRARequest | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """Runs requests to the end through the one output path; yields each
         finished request's output, or (`stream`) each step's delta of each."""
         engine, processor = self.engine, self.output_processor
+        adapters = lora_requests or [None] * len(requests)
         for (_, prompt_ids), sp in zip(requests, params, strict=True):
             engine.validate(prompt_ids, sp)  # every request, before any work
         # The engine holds at most max_num_seqs + max_queued_requests of them
         # at once; the rest are added as others finish.
         bound = engine.config.max_admitted_requests
-        pending = iter(zip(request_ids, requests, params, strict=True))
+        pending = iter(zip(request_ids, requests, params, adapters, strict=True))
         added: list[str] = []
 
         def feed() -> None:
@@ -307,10 +316,17 @@ class LLM:
                 item = next(pending, None)
                 if item is None:
                     return
-                rid, (text, prompt_ids), sp = item
+                rid, (text, prompt_ids), sp, lora = item
                 state = processor.add_request(rid, text, prompt_ids, sp, stream=stream)
                 added.append(rid)
-                engine.add_request(rid, prompt_ids, sp, final_only=state.final_only, validated=True)
+                engine.add_request(
+                    rid,
+                    prompt_ids,
+                    sp,
+                    final_only=state.final_only,
+                    validated=True,
+                    lora_request=lora,
+                )
 
         try:
             feed()
@@ -338,6 +354,21 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [cast(list[int], items)]  # one prompt of token ids
     return cast(list[PromptInput], items)
+
+
+def _as_lora_list(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None] | None:
+    if lora is None or isinstance(lora, LoRARequest):
+        return None if lora is None else [lora] * n
+    items = list(lora)
+    if len(items) != n:
+        raise InvalidArgumentError(
+            f"got {len(items)} lora requests for {n} prompts; give one, or one per prompt"
+        )
+    if not all(x is None or isinstance(x, LoRARequest) for x in items):
+        raise InvalidArgumentError("lora_request must be LoRARequest objects (or None)")
+    return items
 
 
 def _as_params_list(

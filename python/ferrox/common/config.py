@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.lora import check_lora_options
 from ferrox.common.speculative_config import SpeculativeConfig
 
 # dtype names and the torch dtype each stands for
@@ -89,6 +90,14 @@ class EngineConfig:
     # built (vLLM's --hf-overrides): a dict, or its JSON text.
     hf_overrides: dict[str, Any] | str | None = None
     convert: str = "auto"  # one of CONVERSIONS
+    # LoRA adapters (common/lora.py): served only with enable_lora; at most
+    # max_loras distinct adapters in a step, of rank at most max_lora_rank;
+    # max_cpu_loras (default max_loras) loaded adapters no request uses are
+    # kept for later requests, least recently used dropped first.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @property
     def max_admitted_requests(self) -> int | None:
@@ -204,6 +213,17 @@ class EngineConfig:
                 raise InvalidArgumentError(
                     "with tensor_parallel_size > 1 give device 'cuda' or 'auto': "
                     "rank r runs on GPU r"
+                )
+        if self.enable_lora:
+            check_lora_options(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+            if self.speculative_config is not None:
+                raise InvalidArgumentError(
+                    "LoRA adapters do not run with speculative decoding (the draft would "
+                    "propose the base model's tokens): turn one of them off"
+                )
+            if tp > 1:
+                raise InvalidArgumentError(
+                    "LoRA adapters do not run with tensor_parallel_size > 1 yet"
                 )
         if self.max_logprobs < 0:
             raise InvalidArgumentError("max_logprobs must be >= 0")

@@ -40,12 +40,14 @@ from ferrox.common.errors import (
     InvalidArgumentError,
     ModelLoadError,
 )
+from ferrox.common.lora import LoRARequest
 from ferrox.common.outputs import FinishReason
 from ferrox.common.protocol import SequenceDelta
 from ferrox.common.sampling_params import SamplingParams, check_priority
 from ferrox.common.speculative_config import SpeculativeConfig
 from ferrox.common.structured_outputs import check_grammar
 from ferrox.engine.faults import StepFaults, StepResult
+from ferrox.engine.lora import AdapterRegistry
 from ferrox.engine.profiler import EngineProfiler
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, prompt_logprobs_of
 from ferrox.engine.sequence import EngineRequest, SequenceState, append_sampled, delta_of, now
@@ -115,12 +117,18 @@ class EngineCore:
             policy=config.scheduling_policy,
             sliding_window=self.runner.sliding_window,
             num_window_blocks=self.runner.num_window_blocks,
+            max_adapters=config.max_loras if config.enable_lora else 0,
             **(spec.scheduler_options() if spec is not None else {}),
         )
         self.speculator = (
             Speculator(self.scheduler, self.runner.draft) if spec is not None else None
         )
         self.grammar = GrammarEngine(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.adapters = (
+            AdapterRegistry(self.executor, config.max_cpu_loras or config.max_loras)
+            if config.enable_lora
+            else None
+        )
         self.faults = StepFaults(self)
         self.profiler = EngineProfiler(config.profiler_dir, self.runner.device)
         self._requests: dict[str, EngineRequest] = {}
@@ -225,28 +233,51 @@ class EngineCore:
         priority: int = 0,
         final_only: bool = False,
         validated: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """`final_only`: the caller wants each sequence's tokens once, when it
         finishes (no stop strings, no streaming): no delta before that.
-        `validated`: the caller has run `validate` on this prompt and params."""
+        `validated`: the caller has run `validate` on this prompt and params.
+        `lora_request`: the LoRA adapter the request runs under (None: the
+        base model)."""
         if request_id in self._requests or request_id in self._compiling:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_token_ids]
         if not validated:  # (a grammar is checked where it compiles, off the step)
             self.validate(prompt_ids, params, grammar=False)
         priority = check_priority(priority)
-        # A grammar the cache lacks compiles off the step; the request waits
-        # for it outside the scheduler (`_admit_compiled`).
-        grammar = None
-        if params.structured_outputs is not None:
-            grammar = self.grammar.cached(params.structured_outputs)
-            if grammar is None:
-                pending = self.grammar.compile_later(params.structured_outputs)
-                self._compiling[request_id] = _Compiling(
-                    prompt_ids, params, priority, final_only, pending
-                )
-                return
-        self._admit(request_id, prompt_ids, params, priority, final_only, grammar)
+        adapter = self._acquire_adapter(lora_request)
+        try:
+            # A grammar the cache lacks compiles off the step; the request
+            # waits for it outside the scheduler (`_admit_compiled`).
+            grammar = None
+            if params.structured_outputs is not None:
+                grammar = self.grammar.cached(params.structured_outputs)
+                if grammar is None:
+                    pending = self.grammar.compile_later(params.structured_outputs)
+                    self._compiling[request_id] = _Compiling(
+                        prompt_ids, params, priority, final_only, pending, adapter
+                    )
+                    return
+            self._admit(request_id, prompt_ids, params, priority, final_only, grammar, adapter)
+        except BaseException:
+            self._release_adapter(adapter)
+            raise
+
+    def _acquire_adapter(self, lora_request: LoRARequest | None) -> int:
+        """The internal id of the request's adapter (0: none), loaded."""
+        if lora_request is None:
+            return 0
+        if self.adapters is None:
+            raise InvalidArgumentError(
+                f"the request names LoRA adapter {lora_request.lora_name!r}, but this engine "
+                "serves none: start it with enable_lora=True"
+            )
+        return self.adapters.acquire(lora_request)
+
+    def _release_adapter(self, adapter: int) -> None:
+        if adapter and self.adapters is not None:
+            self.adapters.release(adapter)
 
     def _admit(
         self,
@@ -256,10 +287,12 @@ class EngineCore:
         priority: int,
         final_only: bool,
         grammar: Any,
+        adapter: int = 0,
     ) -> None:
         """The request's sequences reach the scheduler (each completion
-        copies the compiled grammar)."""
-        req = EngineRequest(request_id, prompt_ids, params, final_only=final_only)
+        copies the compiled grammar). On success the request holds its
+        adapter's use (given back by `_forget`)."""
+        req = EngineRequest(request_id, prompt_ids, params, final_only=final_only, adapter=adapter)
         if params.prompt_logprobs is not None:
             req.num_prompt_logprobs = 1
             self._num_prompt_logprob_requests += 1
@@ -315,6 +348,7 @@ class EngineCore:
             ignore_eos=params.ignore_eos,
             priority=priority,
             use_prefix_cache=params.prompt_logprobs is None or seq.index > 0,
+            adapter=seq.request.adapter,
         )
         self._seqs[seq.seq_id] = seq
         self._unscheduled.add(seq.seq_id)
@@ -329,7 +363,8 @@ class EngineCore:
     def abort_request(self, request_id: str) -> bool:
         """Stops a request in any state; its KV blocks return to the pool or
         the prefix cache. False for an unknown id."""
-        if self._compiling.pop(request_id, None) is not None:
+        if (waiting := self._compiling.pop(request_id, None)) is not None:
+            self._release_adapter(waiting.adapter)
             return True  # its grammar's compile goes on; the cache keeps it
         req = self._requests.get(request_id)
         if req is None:
@@ -362,8 +397,11 @@ class EngineCore:
         self._retire(seq)
 
     def _forget(self, req: EngineRequest) -> None:
-        if self._requests.pop(req.request_id, None) is not None and req.num_prompt_logprobs:
+        if self._requests.pop(req.request_id, None) is None:
+            return
+        if req.num_prompt_logprobs:
             self._num_prompt_logprob_requests -= 1
+        self._release_adapter(req.adapter)
 
     def start_profile(self) -> None:
         """Starts the torch profiler (CPU, and CUDA on a GPU)."""
@@ -512,11 +550,13 @@ class EngineCore:
                     waiting.priority,
                     waiting.final_only,
                     grammar,
+                    waiting.adapter,
                 )
             except Exception as exc:
                 if self.executor.is_fatal(exc):
                     raise
                 self._compiling.pop(rid, None)
+                self._release_adapter(waiting.adapter)
                 self.faults.record(rid, exc)
 
     def _note_preemptions(self, plan: BatchPlan) -> None:
@@ -660,6 +700,7 @@ class _Compiling:
     priority: int
     final_only: bool
     grammar: PendingGrammar
+    adapter: int = 0  # its LoRA adapter's internal id, held while it waits
 
 
 def _keep_pooled(live: list[SequenceState | None], rows: list[int], out: RunnerOutput) -> None:

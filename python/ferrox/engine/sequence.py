@@ -64,6 +64,7 @@ class EngineRequest:
     num_prompt_logprobs: int | None = None
     first_scheduled_time: float | None = None
     final_only: bool = False  # deltas only when a sequence finishes
+    adapter: int = 0  # the LoRA adapter's internal id (engine/lora.py); 0: none
 
     @property
     def is_finished(self) -> bool:

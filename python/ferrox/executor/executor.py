@@ -72,6 +72,13 @@ class Executor:
                 self._workers.raise_if_lost(exc)
             raise
 
+    def add_adapter(self, adapter: int, path: str) -> None:
+        """Loads a LoRA adapter (one rank: LoRA refuses tensor parallelism)."""
+        self.runner.add_adapter(adapter, path)
+
+    def remove_adapter(self, adapter: int) -> None:
+        self.runner.remove_adapter(adapter)
+
     def is_fatal(self, exc: BaseException) -> bool:
         """Whether an error in a step ends the engine (see `is_fatal`)."""
         return is_fatal(exc, tensor_parallel=self._workers is not None)

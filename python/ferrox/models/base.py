@@ -102,6 +102,8 @@ class CausalLM(nn.Module):
     labels: list[str] | None = None
     # A head made from LM-head rows (classifier_from_token): those tokens.
     score_from_tokens: list[str] | None = None
+    # Whether LoRA adapters run on this family (`lora_targets`, `lora_sites`).
+    supports_lora: ClassVar[bool] = False
 
     def forward(
         self,
@@ -165,6 +167,14 @@ class CausalLM(nn.Module):
         """Once the weights are loaded: whether decode steps run one native
         call per layer (the CPU's fused decode)."""
         return False
+
+    def lora_targets(self) -> Any:
+        """The modules a LoRA adapter may adapt (a `common.lora.LoraTargets`)."""
+        raise UnsupportedModelError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def lora_sites(self) -> list[Any]:
+        """The linear layers those modules live in (`layers.lora.LoraSite`s)."""
+        raise UnsupportedModelError(f"{type(self).__name__} serves no LoRA adapters")
 
     # GGUF (only for a family with a gguf_architecture)
 

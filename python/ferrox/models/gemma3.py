@@ -92,6 +92,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    supports_lora = False  # (not yet verified against peft)
     architectures: ClassVar[tuple[str, ...]] = ("Gemma3ForCausalLM",)
     gguf_architecture: ClassVar[str | None] = "gemma3"
     gguf_config_class: ClassVar[Any] = Gemma3TextConfig

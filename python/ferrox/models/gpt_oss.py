@@ -86,6 +86,7 @@ class ClampedSwiGluExpert(nn.Module):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
+    supports_lora = False  # (not yet verified against peft)
     architectures: ClassVar[tuple[str, ...]] = ("GptOssForCausalLM",)
     gguf_architecture: ClassVar[str | None] = "gpt-oss"
     gguf_config_class: ClassVar[Any] = GptOssConfig

@@ -24,10 +24,12 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 
 from ferrox.common.errors import ModelLoadError, UnsupportedModelError
+from ferrox.common.lora import LoraTargets
 from ferrox.layers.activation import silu_and_mul
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.layers.cpu_decoder import FusedCpuDecode
+from ferrox.layers.lora import LoraSite, LoraSlice
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
 from ferrox.models.base import (
@@ -193,6 +195,7 @@ class LlamaForCausalLM(CausalLM):
     )
     qkv_bias = False
     qk_norm = False
+    supports_lora = True
     # GGUF: llama.cpp's architecture name, the config class its metadata
     # fills, and whether its converter interleaved the Q/K rows of each head.
     gguf_architecture: ClassVar[str | None] = "llama"
@@ -288,6 +291,41 @@ class LlamaForCausalLM(CausalLM):
         fits = distributed.state().size == 1 and FusedCpuDecode.supports(layers)
         self.fused_decode = FusedCpuDecode(layers) if fits else None
         return self.fused_decode is not None
+
+    def lora_targets(self) -> LoraTargets:
+        """q/k/v/o and, in layers with a dense MLP, gate/up/down."""
+        config = self.config
+        hidden, head_dim = config.hidden_size, head_dim_of(config)
+        q = config.num_attention_heads * head_dim
+        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        modules = {
+            "q_proj": (hidden, q),
+            "k_proj": (hidden, kv),
+            "v_proj": (hidden, kv),
+            "o_proj": (q, hidden),
+        }
+        if all(isinstance(layer.mlp, GatedMlp) for layer in self.decoder_layers()):
+            inter = config.intermediate_size
+            modules |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
+            modules["down_proj"] = (inter, hidden)
+        return LoraTargets(config.num_hidden_layers, modules)
+
+    def lora_sites(self) -> list[LoraSite]:
+        sites = []
+        for i, layer in enumerate(self.decoder_layers()):
+            attn = layer.self_attn
+            q, kv, _ = attn.split_sizes
+            qkv = (LoraSlice("q_proj", 0, q), LoraSlice("k_proj", q, kv))
+            sites.append(LoraSite(i, attn, "qkv_proj", (*qkv, LoraSlice("v_proj", q + kv, kv))))
+            hidden = self.config.hidden_size
+            sites.append(LoraSite(i, attn, "o_proj", (LoraSlice("o_proj", 0, hidden),)))
+            mlp = layer.mlp
+            if isinstance(mlp, GatedMlp):
+                n = mlp.intermediate_size
+                gate_up = (LoraSlice("gate_proj", 0, n), LoraSlice("up_proj", n, n))
+                sites.append(LoraSite(i, mlp, "gate_up_proj", gate_up))
+                sites.append(LoraSite(i, mlp, "down_proj", (LoraSlice("down_proj", 0, hidden),)))
+        return sites
 
     def layer_states(self) -> list[LayerState]:
         """The per-request state of each layer: paged KV of every position,

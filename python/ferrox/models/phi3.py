@@ -28,6 +28,7 @@ _FUSED = {
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    supports_lora = False  # (not yet verified against peft)
     architectures: ClassVar[tuple[str, ...]] = ("Phi3ForCausalLM",)
     gguf_architecture: ClassVar[str | None] = "phi3"
     gguf_config_class: ClassVar[Any] = Phi3Config

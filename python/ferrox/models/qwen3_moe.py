@@ -51,6 +51,7 @@ def sparse_layers(config: Any) -> list[bool]:
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    supports_lora = False  # (not yet verified against peft)
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
     gguf_architecture: ClassVar[str | None] = "qwen3moe"
     gguf_config_class: ClassVar[Any] = Qwen3MoeConfig

@@ -25,6 +25,7 @@ GGUF_NO_ROPE_INTERVAL = 4
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
+    supports_lora = False  # (not yet verified against peft)
     architectures: ClassVar[tuple[str, ...]] = ("SmolLM3ForCausalLM",)
     gguf_architecture: ClassVar[str | None] = "smollm3"
     gguf_config_class: ClassVar[Any] = SmolLM3Config

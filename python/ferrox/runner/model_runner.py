@@ -4,6 +4,7 @@ plan samples, and samples."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -18,10 +19,13 @@ from ferrox.common.config import (
     CPU_KV_CACHE_TOKENS,
     EngineConfig,
 )
-from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
+from ferrox.common.lora import read_adapter
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
+from ferrox.layers.lora import LoraModel, LoraStep
 from ferrox.layers.quant_linear import QuantLinear
+from ferrox.loader.lora import load_adapter_tensors
 from ferrox.loader.model_loader import LoadedModel
 from ferrox.parallel import state as distributed
 from ferrox.parallel.device import torch_device, torch_dtype
@@ -146,6 +150,7 @@ class ModelRunner:
             self.draft.allocate(num_blocks)
         self.sampler = Sampler()
         self._staging: dict[str, torch.Tensor] = {}
+        self.lora = self._attach_lora() if config.enable_lora else None
         self.graphs: DecodeGraphs | None = None
         backend = self.model.attention_backend
         if (
@@ -164,6 +169,28 @@ class ModelRunner:
                 device=self.device,
             )
             self.graphs.capture()
+
+    def _attach_lora(self) -> LoraModel:
+        model = self.model
+        if not model.supports_lora:
+            raise UnsupportedModelError(
+                f"LoRA adapters do not run on {type(model).__name__} yet; they run on the "
+                "Llama, Mistral, Qwen2 and Qwen3 families"
+            )
+        return LoraModel(model, model.lora_targets(), model.lora_sites())
+
+    def add_adapter(self, adapter: int, path: str) -> None:
+        """Loads the adapter at `path` (checked again: the files may have
+        changed since the caller's check) under id `adapter`."""
+        if self.lora is None:
+            raise InvalidArgumentError("this engine serves no LoRA adapters (enable_lora)")
+        spec = read_adapter(path, self.lora.targets, self.config.max_lora_rank)
+        tensors = load_adapter_tensors(spec)
+        self.lora.add(adapter, spec, tensors, self.dtype, self.device)
+
+    def remove_adapter(self, adapter: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(adapter)
 
     def _reads_written_slots_only(self) -> bool:
         """The CPU backend in float32 reads each row's own context, never a
@@ -410,7 +437,10 @@ class ModelRunner:
         meta = self.build_metadata(plan)
         input_ids = self._tensor(plan.input_ids, "ids")
         positions = self._tensor(plan.positions, "positions")
-        fits = not eager and self._graph_fits(meta, prompt_logprob_rows)
+        lora_step = None
+        if self.lora is not None and isinstance(plan, BatchPlan):
+            lora_step = LoraStep.of(plan.adapters, plan.query_start_loc, self.device)
+        fits = not eager and lora_step is None and self._graph_fits(meta, prompt_logprob_rows)
         graphs = self.graphs if fits else None
         if graphs is not None:
             # A decode-only step samples every row, in order.
@@ -418,7 +448,9 @@ class ModelRunner:
                 input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_table
             )
             return logits, None
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
+        adapters = self.lora.step(lora_step) if self.lora else contextlib.nullcontext()
+        with adapters:
+            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
         logits_indices = self._tensor(plan.logits_indices, "logits")
         return self.model.compute_logits(hidden[logits_indices]), hidden  # [S, V]
 

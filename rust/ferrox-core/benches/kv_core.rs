@@ -57,7 +57,7 @@ fn build_tree() -> (BlockAllocator, RadixCache, Vec<Vec<u32>>) {
     let mut cache = RadixCache::new(BLOCK_SIZE, num_blocks).unwrap();
     for seq in &sequences {
         let blocks = alloc.allocate(seq.len() / BLOCK_SIZE).unwrap();
-        cache.insert(seq, &blocks, &mut alloc).unwrap();
+        cache.insert(0, seq, &blocks, &mut alloc).unwrap();
     }
     (alloc, cache, sequences)
 }
@@ -72,7 +72,7 @@ fn bench_radix(c: &mut Criterion) {
     let mut group = c.benchmark_group("radix_cache");
     group.measurement_time(Duration::from_secs(3));
     group.bench_function("match_prefix_4096_in_10k_tree", |b| {
-        b.iter(|| black_box(cache.split_and_touch_prefix(black_box(&prompt))))
+        b.iter(|| black_box(cache.split_and_touch_prefix(0, black_box(&prompt))))
     });
 
     // Insert a new 4,096-token sequence sharing a system prompt (its shared
@@ -87,7 +87,7 @@ fn bench_radix(c: &mut Criterion) {
                 seq.extend(tail);
                 let blocks = alloc.allocate(seq.len() / BLOCK_SIZE).unwrap();
                 let start = Instant::now();
-                let out = cache.insert(&seq, &blocks, &mut alloc).unwrap();
+                let out = cache.insert(0, &seq, &blocks, &mut alloc).unwrap();
                 total += start.elapsed();
                 black_box(out);
                 cache.evict(out.num_new_blocks, &mut alloc).unwrap();
@@ -102,7 +102,7 @@ fn bench_radix(c: &mut Criterion) {
             for _ in 0..iters {
                 let seq = rng.tokens(1_000 * BLOCK_SIZE);
                 let blocks = alloc.allocate(1_000).unwrap();
-                cache.insert(&seq, &blocks, &mut alloc).unwrap();
+                cache.insert(0, &seq, &blocks, &mut alloc).unwrap();
                 let start = Instant::now();
                 let freed = cache.evict(1_000, &mut alloc).unwrap();
                 total += start.elapsed();

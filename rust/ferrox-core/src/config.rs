@@ -95,6 +95,9 @@ pub struct SchedulerConfig {
     /// go back to the pool while the request runs. None: one pool.
     pub sliding_window: Option<usize>,
     pub num_window_blocks: usize,
+    /// The most distinct LoRA adapters among running requests (and so in a
+    /// step); 0: requests with an adapter are refused.
+    pub max_adapters: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -112,6 +115,7 @@ impl Default for SchedulerConfig {
             speculation: None,
             sliding_window: None,
             num_window_blocks: 0,
+            max_adapters: 0,
         }
     }
 }

@@ -8,7 +8,9 @@ pub mod radix_cache;
 
 pub use block_allocator::{BlockAllocator, BlockId, NULL_BLOCK};
 pub use error::{CoreError, Result};
-pub use radix_cache::{usable_window_prefix, InsertOutcome, NodeHandle, PrefixMatch, RadixCache};
+pub use radix_cache::{
+    usable_window_prefix, InsertOutcome, Namespace, NodeHandle, PrefixMatch, RadixCache,
+};
 pub mod config;
 pub mod plan;
 mod plan_builder;

@@ -27,6 +27,8 @@ pub struct BatchPlan {
     pub query_start_loc: Vec<i32>,
     /// [B] context length after this step.
     pub seq_lens: Vec<i32>,
+    /// [B] the LoRA adapter each row runs under (0: the base model).
+    pub adapters: Vec<u32>,
     /// [B, block_table_width], row-major, padded with 0.
     pub block_table: Vec<i32>,
     pub block_table_width: usize,

@@ -34,6 +34,7 @@ impl Scheduler {
             positions: Vec::with_capacity(num_tokens),
             query_start_loc: Vec::with_capacity(num_reqs + 1),
             seq_lens: Vec::with_capacity(num_reqs),
+            adapters: Vec::with_capacity(num_reqs),
             block_table: Vec::with_capacity(num_reqs * width),
             block_table_width: width,
             slot_mapping: Vec::with_capacity(num_tokens),
@@ -64,6 +65,7 @@ impl Scheduler {
             plan.num_computed_tokens.push(start as i32);
             plan.num_draft_tokens.push(c.num_draft as i32);
             plan.seq_lens.push(end as i32);
+            plan.adapters.push(req.params.adapter);
             plan.input_ids
                 .extend(req.tokens[start..known_end].iter().map(|&t| t as i64));
             plan.input_ids.extend(req.draft.iter().map(|&t| t as i64));

@@ -24,6 +24,13 @@
 //! own (`evict_window`), whatever the locks, as soon as no running request
 //! reads them; a prefix serves a hit only up to where the window before it
 //! is still held (`split_and_touch_windowed_prefix`).
+//!
+//! Every lookup and insert names a namespace: sequences of different
+//! namespaces never share a node, whatever their tokens (a LoRA adapter's
+//! KV differs from the base model's for the same prompt). Namespace 0 hangs
+//! off the root; another namespace has a root of its own, a node without
+//! tokens or blocks below the root, made by its first insert and removed
+//! like a leaf once it has no children left.
 
 use std::collections::BTreeSet;
 
@@ -34,6 +41,9 @@ use crate::error::{CoreError, Result};
 
 type NodeId = u32;
 const ROOT: NodeId = 0;
+
+/// Which sequences may share cached KV: only those of the same namespace.
+pub type Namespace = u64;
 
 /// Names a node for `lock` / `unlock`: the node's index in the low 32 bits and
 /// its generation in the high ones, so a handle to a removed node is detected.
@@ -115,6 +125,8 @@ pub struct RadixCache {
     num_queried_tokens: u64,
     num_hit_tokens: u64,
     num_evicted_blocks: u64,
+    /// The root of each namespace but 0 (whose root is ROOT).
+    namespace_roots: FxHashMap<Namespace, NodeId>,
 }
 
 /// Number of leading whole blocks on which `a` and `b` agree.
@@ -153,6 +165,7 @@ impl RadixCache {
             num_queried_tokens: 0,
             num_hit_tokens: 0,
             num_evicted_blocks: 0,
+            namespace_roots: FxHashMap::default(),
         })
     }
 
@@ -224,9 +237,10 @@ impl RadixCache {
         self.num_hit_tokens += num_hit as u64;
     }
 
-    /// The longest cached block-aligned prefix of `tokens`, counted in the stats.
-    pub fn match_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
-        let found = self.split_and_touch_prefix(tokens);
+    /// The longest cached block-aligned prefix of `tokens` in namespace
+    /// `ns`, counted in the stats.
+    pub fn match_prefix(&mut self, ns: Namespace, tokens: &[u32]) -> PrefixMatch {
+        let found = self.split_and_touch_prefix(ns, tokens);
         self.record_query(tokens.len(), found.num_tokens);
         found
     }
@@ -234,8 +248,8 @@ impl RadixCache {
     /// Like `match_prefix`, without touching the hit statistics. Marks the path
     /// as recently used and splits a node so that the handle ends exactly at
     /// the match.
-    pub fn split_and_touch_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
-        let walk = self.walk(tokens);
+    pub fn split_and_touch_prefix(&mut self, ns: Namespace, tokens: &[u32]) -> PrefixMatch {
+        let walk = self.walk(ns, tokens);
         let mut node = walk.node;
         if let Some((child, n)) = walk.partial {
             node = self.split(child, n);
@@ -254,22 +268,24 @@ impl RadixCache {
     /// the window pool still holds every block the next position reads.
     pub fn split_and_touch_windowed_prefix(
         &mut self,
+        ns: Namespace,
         tokens: &[u32],
         window: usize,
     ) -> PrefixMatch {
-        let walk = self.walk(tokens);
+        let walk = self.walk(ns, tokens);
         let usable = usable_window_prefix(&walk.window_blocks, window, self.block_size);
         let end = if self.is_windowed() {
             usable
         } else {
             walk.blocks.len()
         };
-        self.split_and_touch_prefix(&tokens[..end * self.block_size])
+        self.split_and_touch_prefix(ns, &tokens[..end * self.block_size])
     }
 
     /// Follows `tokens` down the tree without changing it: the deepest node
     /// matched whole, the blocks matched, and a child matched only in part.
-    fn walk(&self, tokens: &[u32]) -> Walk {
+    /// A namespace without a root matches nothing (at the root).
+    fn walk(&self, ns: Namespace, tokens: &[u32]) -> Walk {
         let bs = self.block_size;
         let mut walk = Walk {
             node: ROOT,
@@ -278,6 +294,10 @@ impl RadixCache {
             num_tokens: 0,
             partial: None,
         };
+        match self.namespace_root(ns) {
+            Some(root) => walk.node = root,
+            None => return walk,
+        }
         while tokens.len() - walk.num_tokens >= bs {
             let pos = walk.num_tokens;
             let Some(&child) = self.nodes[walk.node as usize]
@@ -310,6 +330,7 @@ impl RadixCache {
     /// block of tokens is ignored. Only for a cache without a window pool.
     pub fn insert(
         &mut self,
+        ns: Namespace,
         tokens: &[u32],
         blocks: &[BlockId],
         alloc: &mut BlockAllocator,
@@ -319,7 +340,7 @@ impl RadixCache {
                 "this cache has a window pool: insert_windowed".into(),
             ));
         }
-        self.insert_groups(tokens, blocks, alloc, None)
+        self.insert_groups(ns, tokens, blocks, alloc, None)
     }
 
     /// `insert` for a cache with a window pool: `window_blocks` are the
@@ -328,6 +349,7 @@ impl RadixCache {
     /// keeping it where it lacked that position's block.
     pub fn insert_windowed(
         &mut self,
+        ns: Namespace,
         tokens: &[u32],
         blocks: &[BlockId],
         window_blocks: &[BlockId],
@@ -349,11 +371,18 @@ impl RadixCache {
                 blocks.len()
             )));
         }
-        self.insert_groups(tokens, blocks, alloc, Some((window_blocks, window_alloc)))
+        self.insert_groups(
+            ns,
+            tokens,
+            blocks,
+            alloc,
+            Some((window_blocks, window_alloc)),
+        )
     }
 
     fn insert_groups(
         &mut self,
+        ns: Namespace,
         tokens: &[u32],
         blocks: &[BlockId],
         alloc: &mut BlockAllocator,
@@ -374,14 +403,18 @@ impl RadixCache {
                 "the allocator does not match this cache's pool".into(),
             ));
         }
-        let present = self.walk(&tokens[..num_blocks * bs]);
+        let present = self.walk(ns, &tokens[..num_blocks * bs]);
         let num_present = present.num_tokens / bs;
         self.validate_insert(blocks, num_present, alloc)?;
         if let Some((wblocks, walloc)) = &window {
             self.validate_window_insert(wblocks, &present.window_blocks, walloc)?;
         }
 
-        let mut node = ROOT;
+        let mut node = if num_blocks == 0 {
+            self.namespace_root(ns).unwrap_or(ROOT)
+        } else {
+            self.namespace_root_or_new(ns)
+        };
         let mut pos = 0;
         let mut num_new_blocks = 0;
         while pos < num_blocks {
@@ -633,6 +666,12 @@ impl RadixCache {
             let node = &self.nodes[leaf as usize];
             num_freed += num_own;
             let parent = node.parent;
+            if node.key.is_empty() {
+                // A namespace's root, left without children.
+                self.namespace_roots.retain(|_, &mut root| root != leaf);
+                self.remove_node(leaf);
+                continue;
+            }
             let first_block = node.key[..self.block_size].to_vec();
             self.remove_node(leaf);
             let p = &mut self.nodes[parent as usize];
@@ -647,6 +686,50 @@ impl RadixCache {
     }
 
     // ---- internals -------------------------------------------------------
+
+    /// The node a namespace's sequences hang from, if it has one.
+    fn namespace_root(&self, ns: Namespace) -> Option<NodeId> {
+        if ns == 0 {
+            Some(ROOT)
+        } else {
+            self.namespace_roots.get(&ns).copied()
+        }
+    }
+
+    /// The namespace's root, made (below the root, without tokens or
+    /// blocks) if it has none; the insert that needs it adds a child at once.
+    fn namespace_root_or_new(&mut self, ns: Namespace) -> NodeId {
+        if let Some(root) = self.namespace_root(ns) {
+            return root;
+        }
+        let now = self.clock;
+        let id = self.alloc_node(Node {
+            parent: ROOT,
+            is_live: true,
+            last_access: now,
+            ..Node::default()
+        });
+        self.namespace_roots.insert(ns, id);
+        id
+    }
+
+    /// The namespace of the handle's node (0 for the root itself).
+    pub fn namespace_of(&self, handle: NodeHandle) -> Result<Namespace> {
+        let mut node = self.resolve(handle)?;
+        while node != ROOT && self.nodes[node as usize].parent != ROOT {
+            node = self.nodes[node as usize].parent;
+        }
+        if node == ROOT || !self.nodes[node as usize].key.is_empty() {
+            return Ok(0);
+        }
+        let found = self.namespace_roots.iter().find(|(_, &root)| root == node);
+        Ok(found.map_or(0, |(&ns, _)| ns))
+    }
+
+    /// Namespaces other than 0 that have a root.
+    pub fn num_namespaces(&self) -> usize {
+        self.namespace_roots.len()
+    }
 
     fn drop_window_blocks(
         &mut self,

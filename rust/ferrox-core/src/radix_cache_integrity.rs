@@ -16,11 +16,24 @@ impl RadixCache {
         let (mut num_blocks, mut num_locked, mut num_reached) = (0usize, 0usize, 0usize);
         let mut leaves = BTreeSet::new();
         let mut stack = vec![ROOT];
+        for (&ns, &root) in &self.namespace_roots {
+            let node = &self.nodes[root as usize];
+            ensure!(ns != 0, "namespace 0 has a root of its own");
+            ensure!(
+                node.parent == ROOT && node.key.is_empty() && node.blocks.is_empty(),
+                "namespace {ns}'s root {root} holds tokens or hangs below another node"
+            );
+            stack.push(root);
+        }
         while let Some(id) = stack.pop() {
             let node = &self.nodes[id as usize];
             ensure!(node.is_live, "node {id} is reachable but not live");
             num_reached += 1;
-            if id != ROOT {
+            if node.key.is_empty() && id != ROOT {
+                if node.children.is_empty() && node.lock_ref == 0 {
+                    leaves.insert((node.last_access, id));
+                }
+            } else if id != ROOT {
                 ensure!(!node.blocks.is_empty(), "node {id} owns no block");
                 ensure!(
                     node.key.len() == node.blocks.len() * bs,

@@ -14,7 +14,7 @@ fn insert_fresh(
     tokens: &[u32],
 ) -> InsertOutcome {
     let blocks = alloc.allocate(tokens.len() / cache.block_size()).unwrap();
-    cache.insert(tokens, &blocks, alloc).unwrap()
+    cache.insert(0, tokens, &blocks, alloc).unwrap()
 }
 
 #[test]
@@ -25,7 +25,7 @@ fn match_returns_longest_block_aligned_prefix() {
     // 10 shared tokens: only two whole blocks count.
     let mut query: Vec<u32> = (0..10).collect();
     query.extend([99, 98, 97]);
-    let m = cache.match_prefix(&query);
+    let m = cache.match_prefix(0, &query);
     assert_eq!(m.num_tokens, 8);
     assert_eq!(m.blocks, vec![0, 1]);
     assert_eq!(cache.num_hit_tokens(), 8);
@@ -38,10 +38,10 @@ fn partial_blocks_are_ignored_on_insert() {
     let (mut alloc, mut cache) = setup(8, 4);
     let seq: Vec<u32> = (0..10).collect();
     let blocks = alloc.allocate(2).unwrap();
-    let out = cache.insert(&seq, &blocks, &mut alloc).unwrap();
+    let out = cache.insert(0, &seq, &blocks, &mut alloc).unwrap();
     assert_eq!(out.num_new_blocks, 2);
     assert_eq!(cache.num_cached_blocks(), 2);
-    let err = cache.insert(&seq, &[5], &mut alloc).unwrap_err();
+    let err = cache.insert(0, &seq, &[5], &mut alloc).unwrap_err();
     assert!(matches!(err, CoreError::InvalidArgument(_)));
     cache.check_integrity(&alloc).unwrap();
 }
@@ -52,7 +52,9 @@ fn duplicate_blocks_are_released_not_kept() {
     insert_fresh(&mut cache, &mut alloc, &[1, 2, 3, 4]);
     // Same tokens computed again into other blocks.
     let dup = alloc.allocate(3).unwrap();
-    let out = cache.insert(&[1, 2, 3, 4, 5, 6], &dup, &mut alloc).unwrap();
+    let out = cache
+        .insert(0, &[1, 2, 3, 4, 5, 6], &dup, &mut alloc)
+        .unwrap();
     assert_eq!(out.num_new_blocks, 1);
     assert_eq!(cache.num_cached_blocks(), 3);
     assert_eq!(alloc.num_used(), 3);
@@ -85,10 +87,10 @@ fn eviction_is_lru_and_trims_tails() {
     let (mut alloc, mut cache) = setup(16, 2);
     insert_fresh(&mut cache, &mut alloc, &[1, 1, 1, 1]); // older
     insert_fresh(&mut cache, &mut alloc, &[2, 2, 2, 2]); // newer
-    cache.match_prefix(&[1, 1, 1, 1]); // now [1..] is the most recent
+    cache.match_prefix(0, &[1, 1, 1, 1]); // now [1..] is the most recent
     assert_eq!(cache.evict(1, &mut alloc).unwrap(), 1);
-    assert_eq!(cache.match_prefix(&[2, 2, 2, 2]).num_tokens, 2);
-    assert_eq!(cache.match_prefix(&[1, 1, 1, 1]).num_tokens, 4);
+    assert_eq!(cache.match_prefix(0, &[2, 2, 2, 2]).num_tokens, 2);
+    assert_eq!(cache.match_prefix(0, &[1, 1, 1, 1]).num_tokens, 4);
     assert_eq!(cache.num_evicted_blocks(), 1);
     cache.check_integrity(&alloc).unwrap();
 }
@@ -99,7 +101,7 @@ fn locked_nodes_are_never_evicted() {
     let out = insert_fresh(&mut cache, &mut alloc, &[1, 2, 3, 4]);
     cache.lock(out.handle).unwrap();
     assert_eq!(cache.evict(8, &mut alloc).unwrap(), 0);
-    assert_eq!(cache.match_prefix(&[1, 2, 3, 4]).num_tokens, 4);
+    assert_eq!(cache.match_prefix(0, &[1, 2, 3, 4]).num_tokens, 4);
     cache.unlock(out.handle).unwrap();
     assert!(matches!(
         cache.unlock(out.handle),
@@ -129,23 +131,25 @@ fn stale_handles_are_rejected() {
 fn insert_rejects_foreign_or_reused_blocks_without_change() {
     let (mut alloc, mut cache) = setup(8, 2);
     insert_fresh(&mut cache, &mut alloc, &[1, 2]);
-    let cached_block = cache.match_prefix(&[1, 2]).blocks[0];
+    let cached_block = cache.match_prefix(0, &[1, 2]).blocks[0];
     alloc.share(&[cached_block]).unwrap();
     // The tree's block offered for other tokens.
-    assert!(cache.insert(&[7, 7], &[cached_block], &mut alloc).is_err());
+    assert!(cache
+        .insert(0, &[7, 7], &[cached_block], &mut alloc)
+        .is_err());
     alloc.release_one(cached_block).unwrap();
     // A free block: the caller holds no reference.
     assert!(matches!(
-        cache.insert(&[7, 7], &[5], &mut alloc),
+        cache.insert(0, &[7, 7], &[5], &mut alloc),
         Err(CoreError::BlockNotAllocated { block: 5 })
     ));
     assert!(matches!(
-        cache.insert(&[7, 7], &[50], &mut alloc),
+        cache.insert(0, &[7, 7], &[50], &mut alloc),
         Err(CoreError::BlockOutOfRange { .. })
     ));
     let b = alloc.allocate(1).unwrap();
     assert!(cache
-        .insert(&[7, 7, 8, 8], &[b[0], b[0]], &mut alloc)
+        .insert(0, &[7, 7, 8, 8], &[b[0], b[0]], &mut alloc)
         .is_err());
     assert_eq!(cache.num_cached_blocks(), 1);
     cache.check_integrity(&alloc).unwrap();
@@ -156,8 +160,8 @@ fn insert_rejects_foreign_or_reused_blocks_without_change() {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Insert(Vec<u32>),
-    Match(Vec<u32>),
+    Insert(Namespace, Vec<u32>),
+    Match(Namespace, Vec<u32>),
     Lock(usize),
     Unlock(usize),
     Evict(usize),
@@ -171,8 +175,8 @@ fn tokens() -> impl Strategy<Value = Vec<u32>> {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => tokens().prop_map(Op::Insert),
-        3 => tokens().prop_map(Op::Match),
+        3 => (0u64..3, tokens()).prop_map(|(ns, t)| Op::Insert(ns, t)),
+        3 => (0u64..3, tokens()).prop_map(|(ns, t)| Op::Match(ns, t)),
         1 => (0usize..8).prop_map(Op::Lock),
         1 => (0usize..8).prop_map(Op::Unlock),
         1 => (0usize..6).prop_map(Op::Evict),
@@ -182,16 +186,19 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 struct Reference {
-    sequences: Vec<Vec<u32>>,
-    /// Block-aligned prefix -> the block the tree last reported for it.
-    block_of: std::collections::HashMap<Vec<u32>, BlockId>,
+    sequences: Vec<(Namespace, Vec<u32>)>,
+    /// (Namespace, block-aligned prefix) -> the block the tree last reported for it.
+    block_of: std::collections::HashMap<(Namespace, Vec<u32>), BlockId>,
 }
 
 impl Reference {
-    fn longest(&self, query: &[u32], bs: usize) -> usize {
+    /// The longest prefix of `query` inserted in namespace `ns`: another
+    /// namespace's sequences never count.
+    fn longest(&self, ns: Namespace, query: &[u32], bs: usize) -> usize {
         self.sequences
             .iter()
-            .map(|s| common_blocks(s, query, bs) * bs)
+            .filter(|(n, _)| *n == ns)
+            .map(|(_, s)| common_blocks(s, query, bs) * bs)
             .max()
             .unwrap_or(0)
     }
@@ -209,7 +216,7 @@ fn run_machine(ops: Vec<Op>, bs: usize, num_blocks: usize) {
     let mut evicted = false;
     for op in ops {
         match op {
-            Op::Insert(seq) => {
+            Op::Insert(ns, seq) => {
                 let need = seq.len() / bs;
                 if alloc.num_free() < need {
                     let missing = need - alloc.num_free();
@@ -219,23 +226,23 @@ fn run_machine(ops: Vec<Op>, bs: usize, num_blocks: usize) {
                     continue;
                 }
                 let blocks = alloc.allocate(need).unwrap();
-                let out = cache.insert(&seq, &blocks, &mut alloc).unwrap();
+                let out = cache.insert(ns, &seq, &blocks, &mut alloc).unwrap();
                 handles.push(out.handle);
                 let aligned = &seq[..need * bs];
-                let found = cache.split_and_touch_prefix(aligned);
+                let found = cache.split_and_touch_prefix(ns, aligned);
                 assert_eq!(found.num_tokens, aligned.len());
                 for (i, &b) in found.blocks.iter().enumerate() {
                     reference
                         .block_of
-                        .insert(aligned[..(i + 1) * bs].to_vec(), b);
+                        .insert((ns, aligned[..(i + 1) * bs].to_vec()), b);
                 }
-                reference.sequences.push(aligned.to_vec());
+                reference.sequences.push((ns, aligned.to_vec()));
             }
-            Op::Match(query) => {
-                let m = cache.match_prefix(&query);
+            Op::Match(ns, query) => {
+                let m = cache.match_prefix(ns, &query);
                 assert_eq!(m.num_tokens % bs, 0);
                 assert_eq!(m.blocks.len(), m.num_tokens / bs);
-                let longest = reference.longest(&query, bs);
+                let longest = reference.longest(ns, &query, bs);
                 assert!(
                     m.num_tokens <= longest,
                     "tree reports a prefix the reference lacks"
@@ -244,7 +251,7 @@ fn run_machine(ops: Vec<Op>, bs: usize, num_blocks: usize) {
                     assert_eq!(m.num_tokens, longest);
                 }
                 for (i, &b) in m.blocks.iter().enumerate() {
-                    assert_eq!(reference.block_of[&query[..(i + 1) * bs]], b);
+                    assert_eq!(reference.block_of[&(ns, query[..(i + 1) * bs].to_vec())], b);
                 }
                 handles.push(m.handle);
             }
@@ -295,6 +302,12 @@ fn run_machine(ops: Vec<Op>, bs: usize, num_blocks: usize) {
     }
     cache.evict(usize::MAX, &mut alloc).unwrap();
     assert_eq!(cache.num_cached_blocks(), 0);
+    assert_eq!(
+        cache.num_namespaces(),
+        0,
+        "an empty namespace's root outlived it"
+    );
+    assert_eq!(cache.num_nodes(), 1);
     assert_eq!(alloc.num_free() + held.len(), num_blocks);
     cache.check_integrity(&alloc).unwrap();
 }
@@ -305,4 +318,32 @@ proptest! {
     fn radix_cache_state_machine(ops in prop::collection::vec(op(), 1..60), bs in 1usize..4) {
         run_machine(ops, bs, 24);
     }
+}
+
+#[test]
+fn namespaces_never_share_blocks() {
+    let (mut alloc, mut cache) = setup(8, 2);
+    insert_fresh(&mut cache, &mut alloc, &[1, 2, 3, 4]);
+    assert_eq!(cache.match_prefix(7, &[1, 2, 3, 4, 5]).num_tokens, 0);
+    let blocks = alloc.allocate(2).unwrap();
+    let out = cache.insert(7, &[1, 2, 3, 4], &blocks, &mut alloc).unwrap();
+    assert_eq!(
+        out.num_new_blocks, 2,
+        "namespace 7 must not reuse namespace 0's blocks"
+    );
+    let ours = cache.match_prefix(7, &[1, 2, 3, 4, 5]);
+    assert_eq!(ours.blocks, blocks);
+    assert_ne!(cache.match_prefix(0, &[1, 2, 3, 4, 5]).blocks, blocks);
+    assert_eq!(cache.num_namespaces(), 1);
+    cache.lock(ours.handle).unwrap();
+    assert_eq!(
+        cache.evict(usize::MAX, &mut alloc).unwrap(),
+        2,
+        "only namespace 0's"
+    );
+    cache.unlock(ours.handle).unwrap();
+    assert_eq!(cache.evict(usize::MAX, &mut alloc).unwrap(), 2);
+    assert_eq!(cache.num_namespaces(), 0);
+    cache.check_integrity(&alloc).unwrap();
+    assert_eq!(alloc.num_free(), 8);
 }

@@ -17,6 +17,10 @@ pub struct RequestParams {
     /// needs every prompt position computed, e.g. for prompt logprobs, opts
     /// out; its blocks are still shared with later requests).
     pub use_prefix_cache: bool,
+    /// The LoRA adapter the request runs under (0: the base model). It is
+    /// also the request's prefix-cache namespace: KV computed under one
+    /// adapter never serves another.
+    pub adapter: u32,
 }
 
 impl Default for RequestParams {
@@ -29,6 +33,7 @@ impl Default for RequestParams {
             ignore_eos: false,
             priority: 0,
             use_prefix_cache: true,
+            adapter: 0,
         }
     }
 }
@@ -80,6 +85,9 @@ pub struct Request {
     /// Steps this request has waited for another request to compute the
     /// prefix they share (bounded: see `scheduler::MAX_PREFIX_WAIT_STEPS`).
     pub num_prefix_wait_steps: u32,
+    /// Steps this request was passed over because `max_adapters` other
+    /// adapters were running (bounded: see `scheduler::MAX_ADAPTER_WAIT_STEPS`).
+    pub num_adapter_wait_steps: u32,
     /// Draft tokens of the outstanding plan (empty outside a step).
     pub draft: Vec<u32>,
     pub spec: SpecState,

@@ -21,6 +21,12 @@
 //! them and put them in the cache, and requests behind it are admitted
 //! meanwhile.
 //!
+//! A request may run under a LoRA adapter: at most `max_adapters` distinct
+//! adapters run at once (a request of another one waits, while those behind
+//! it are admitted, for at most `MAX_ADAPTER_WAIT_STEPS` steps; then it
+//! blocks them until its adapter gets a turn), and the adapter names the
+//! request's prefix-cache namespace.
+//!
 //! A model with sliding-window layers gives the scheduler a second block
 //! pool, for those layers, whose blocks behind each request's window go
 //! back while it runs (`scheduler_blocks.rs`); admission, growth and
@@ -42,6 +48,10 @@ use crate::speculation::{ngram_proposal, SpecCost, SpecState, SpecStats};
 /// Steps a waiting request may wait for another request to compute the
 /// prefix they share before it computes its own copy.
 pub const MAX_PREFIX_WAIT_STEPS: u32 = 64;
+
+/// Steps a waiting request may be passed over because other adapters fill
+/// `max_adapters` before it holds up the requests behind it.
+pub const MAX_ADAPTER_WAIT_STEPS: u32 = 64;
 
 pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
@@ -212,6 +222,12 @@ impl Scheduler {
         if params.max_tokens == 0 {
             return reject("max_tokens must be at least 1".into());
         }
+        if params.adapter != 0 && cfg.max_adapters == 0 {
+            return reject(format!(
+                "it names adapter {}, but this scheduler serves no adapters (max_adapters is 0)",
+                params.adapter
+            ));
+        }
         // Drafts never reach past this length (they are capped by the room left).
         let max_len = prompt
             .len()
@@ -250,6 +266,7 @@ impl Scheduler {
             num_preemptions: 0,
             protected_until: None,
             num_prefix_wait_steps: 0,
+            num_adapter_wait_steps: 0,
             draft: Vec::new(),
             spec: SpecState::starting_at(self.spec_stats.accept_rate),
         };
@@ -425,6 +442,7 @@ impl Scheduler {
         } else {
             Vec::new()
         };
+        let mut adapters = self.running_adapters();
         let mut after: Option<(i64, u64, usize)> = None;
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let next = match after {
@@ -436,6 +454,17 @@ impl Scheduler {
             };
             after = Some((key, arrival, slot));
             let req = self.slots[slot].as_ref().expect("live slot");
+            let adapter = req.params.adapter;
+            if adapter != 0
+                && !adapters.contains(&adapter)
+                && adapters.len() >= self.config.max_adapters
+            {
+                if req.num_adapter_wait_steps >= MAX_ADAPTER_WAIT_STEPS {
+                    break; // its turn: no request behind it starts another adapter's run
+                }
+                self.req_mut(slot).num_adapter_wait_steps += 1;
+                continue;
+            }
             let total = req.num_tokens();
             let found = if self.config.enable_prefix_caching {
                 let reusable = if req.params.use_prefix_cache {
@@ -444,9 +473,10 @@ impl Scheduler {
                     0
                 };
                 let tokens = &req.tokens[..reusable];
+                let ns = adapter as u64;
                 Some(match self.config.sliding_window {
-                    None => self.cache.split_and_touch_prefix(tokens),
-                    Some(w) => self.cache.split_and_touch_windowed_prefix(tokens, w),
+                    None => self.cache.split_and_touch_prefix(ns, tokens),
+                    Some(w) => self.cache.split_and_touch_windowed_prefix(ns, tokens, w),
                 })
             } else {
                 None
@@ -502,6 +532,9 @@ impl Scheduler {
             }
             debug_assert_eq!(hit_tokens % bs, 0);
             self.running.push(slot);
+            if adapter != 0 && !adapters.contains(&adapter) {
+                adapters.push(adapter);
+            }
             if self.is_prefix_leader(slot) {
                 leaders.push(slot);
             }
@@ -513,6 +546,18 @@ impl Scheduler {
             *budget -= num_tokens;
         }
         Ok(())
+    }
+
+    /// The distinct adapters (not 0) of the running requests.
+    pub(crate) fn running_adapters(&self) -> Vec<u32> {
+        let mut adapters: Vec<u32> = Vec::new();
+        for &slot in &self.running {
+            let a = self.req(slot).params.adapter;
+            if a != 0 && !adapters.contains(&a) {
+                adapters.push(a);
+            }
+        }
+        adapters
     }
 
     /// Running requests with full prompt blocks still to compute: those a
@@ -549,6 +594,9 @@ impl Scheduler {
         let first_new = hit_tokens + bs; // the shared prefix must reach past the cache hit
         leaders.iter().any(|&other| {
             let leader = self.req(other);
+            if leader.params.adapter != req.params.adapter {
+                return false; // (its blocks are another namespace's)
+            }
             let prompt = &leader.tokens[..leader.num_prompt_tokens];
             if own.len() < first_new || prompt.len() < first_new {
                 return false;

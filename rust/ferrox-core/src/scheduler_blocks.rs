@@ -34,9 +34,13 @@ impl Scheduler {
         let keep = if caching { num_full } else { 0 };
         if keep > 0 {
             let tokens = &req.tokens[..keep * bs];
+            let ns = req.params.adapter as u64;
             match self.window_alloc.as_mut() {
-                None => self.cache.insert(tokens, &table[..keep], &mut self.alloc)?,
+                None => self
+                    .cache
+                    .insert(ns, tokens, &table[..keep], &mut self.alloc)?,
                 Some(walloc) => self.cache.insert_windowed(
+                    ns,
                     tokens,
                     &table[..keep],
                     &window_table[..keep],
@@ -68,15 +72,17 @@ impl Scheduler {
             return Ok(());
         }
         let tokens = &req.tokens[..num_full * bs];
+        let ns = req.params.adapter as u64;
         self.alloc.share(&req.block_table[..num_full])?;
         let out = match self.window_alloc.as_mut() {
             None => self
                 .cache
-                .insert(tokens, &req.block_table[..num_full], &mut self.alloc)?,
+                .insert(ns, tokens, &req.block_table[..num_full], &mut self.alloc)?,
             Some(walloc) => {
                 let window = &req.window_table[..num_full];
                 share_held(walloc, window)?;
                 self.cache.insert_windowed(
+                    ns,
                     tokens,
                     &req.block_table[..num_full],
                     window,

@@ -2,6 +2,7 @@
 
 use crate::block_allocator::NULL_BLOCK;
 use crate::error::{ensure, Result};
+use crate::radix_cache::NodeHandle;
 use crate::request::{Request, RequestStatus};
 use crate::scheduler::Scheduler;
 
@@ -72,6 +73,13 @@ impl Scheduler {
                             "request {} uses an unlocked cache path",
                             req.id
                         );
+                        let ns = self.cache.namespace_of(handle)?;
+                        ensure!(
+                            ns == req.params.adapter as u64 || path_is_empty(&self.cache, handle)?,
+                            "request {} of adapter {} shares namespace {ns}'s blocks",
+                            req.id,
+                            req.params.adapter
+                        );
                         let path = self.cache.path_blocks(handle)?;
                         ensure!(
                             path.len() == req.num_shared_blocks
@@ -106,6 +114,13 @@ impl Scheduler {
             self.running.len() <= cfg.max_num_seqs,
             "{} running requests exceed max_num_seqs",
             self.running.len()
+        );
+        let adapters = self.running_adapters();
+        ensure!(
+            adapters.len() <= cfg.max_adapters,
+            "{} adapters running, max_adapters is {}",
+            adapters.len(),
+            cfg.max_adapters
         );
         let (mut used, mut cached, mut free) = (0, 0, 0);
         for block in 0..num_blocks as u32 {
@@ -186,4 +201,10 @@ impl Scheduler {
         }
         Ok(())
     }
+}
+
+/// Whether a handle's path holds no block (the root: a request without a
+/// hit locks it, whatever its namespace).
+fn path_is_empty(cache: &crate::radix_cache::RadixCache, handle: NodeHandle) -> Result<bool> {
+    Ok(cache.path_blocks(handle)?.is_empty())
 }

@@ -5,6 +5,8 @@ use proptest::prelude::*;
 
 const VOCAB: usize = 50;
 const EOS: u32 = 0;
+/// The fake model's KV for token t under adapter a is t + a * this.
+const ADAPTER_KV_OFFSET: u32 = 1000;
 
 fn config(num_blocks: usize, budget: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -14,6 +16,7 @@ fn config(num_blocks: usize, budget: usize) -> SchedulerConfig {
         max_num_batched_tokens: budget,
         max_model_len: 64,
         vocab_size: VOCAB,
+        max_adapters: 2,
         ..SchedulerConfig::default()
     }
 }
@@ -81,8 +84,15 @@ impl FakeModel {
     fn run(&mut self, plan: &BatchPlan) -> Vec<u32> {
         let bs = self.block_size;
         let windowed = !plan.window_slot_mapping.is_empty();
+        let mut row_of_token = vec![0usize; plan.input_ids.len()];
+        for row in 0..plan.num_reqs() {
+            let (qs, qe) = (plan.query_start_loc[row], plan.query_start_loc[row + 1]);
+            row_of_token[qs as usize..qe as usize].fill(row);
+        }
         for (i, &tok) in plan.input_ids.iter().enumerate() {
-            let entry = Some((tok as u32, plan.positions[i]));
+            // A row's adapter changes the KV it writes (as LoRA on k/v does).
+            let adapter = plan.adapters[row_of_token[i]];
+            let entry = Some((tok as u32 + ADAPTER_KV_OFFSET * adapter, plan.positions[i]));
             self.kv[plan.slot_mapping[i] as usize] = entry;
             if windowed {
                 self.window_kv[plan.window_slot_mapping[i] as usize] = entry;
@@ -695,6 +705,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 any::<bool>(),
                 0usize..12,
                 -1i32..2,
+                prop_oneof![2 => Just(0u32), 1 => 1u32..4],
             ),
             1..10,
         ),
@@ -703,18 +714,21 @@ fn workload() -> impl Strategy<Value = Workload> {
         .prop_map(|(prefixes, reqs, aborts)| {
             let requests = reqs
                 .into_iter()
-                .map(|(pi, suffix, max_tokens, ignore_eos, arrival, priority)| {
-                    let mut prompt = prefixes[pi % prefixes.len()].clone();
-                    prompt.extend(suffix);
-                    let p = RequestParams {
-                        max_tokens,
-                        ignore_eos,
-                        priority,
-                        eos_token_ids: vec![EOS],
-                        ..RequestParams::default()
-                    };
-                    (prompt, p, arrival)
-                })
+                .map(
+                    |(pi, suffix, max_tokens, ignore_eos, arrival, priority, adapter)| {
+                        let mut prompt = prefixes[pi % prefixes.len()].clone();
+                        prompt.extend(suffix);
+                        let p = RequestParams {
+                            max_tokens,
+                            ignore_eos,
+                            priority,
+                            eos_token_ids: vec![EOS],
+                            adapter,
+                            ..RequestParams::default()
+                        };
+                        (prompt, p, arrival)
+                    },
+                )
                 .collect();
             Workload { requests, aborts }
         })
@@ -772,12 +786,14 @@ proptest! {
         tight_pool in any::<bool>(),
         priority in any::<bool>(),
         budget in 8usize..40,
+        max_adapters in 1usize..4,
     ) {
         let num_blocks = if tight_pool { 8 } else { 128 };
         let cfg = SchedulerConfig {
             enable_prefix_caching: caching,
             policy: if priority { Policy::Priority } else { Policy::Fcfs },
             max_model_len: 28,
+            max_adapters,
             ..config(num_blocks, budget)
         };
         check_workload(&w, cfg);
@@ -1269,4 +1285,51 @@ fn usable_window_prefix_stops_where_the_window_is_missing() {
     assert_eq!(usable_window_prefix(&[n, 2, 3], 6, 4), 3);
     assert_eq!(usable_window_prefix(&[1, n, 3], 6, 4), 1);
     assert_eq!(usable_window_prefix(&[], 6, 4), 0);
+}
+
+#[test]
+fn adapters_beyond_max_wait_their_turn_and_never_starve() {
+    let cfg = SchedulerConfig {
+        max_adapters: 1,
+        ..config(128, 32)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let with_adapter = |adapter: u32| RequestParams {
+        max_tokens: 3,
+        ignore_eos: true,
+        adapter,
+        ..RequestParams::default()
+    };
+    sched.add_request(0, &[1, 2, 3], with_adapter(1)).unwrap();
+    sched.add_request(1, &[1, 2, 3], with_adapter(2)).unwrap();
+    let mut admitted_at = None;
+    // Adapter 1's requests keep arriving: adapter 2's waits a bounded time.
+    let mut on_step = |s: &mut Scheduler, step: usize| {
+        if step < 300 {
+            s.add_request(100 + step as u64, &[4, 5, 6, 7], with_adapter(1))
+                .unwrap();
+        }
+        if admitted_at.is_none() && s.request(1).map(|r| r.status) == Some(RequestStatus::Running) {
+            admitted_at = Some(step);
+        }
+        assert!(s.running_adapters().len() <= 1);
+    };
+    let finished = drive_for(&mut sched, &mut model, 300, &mut on_step);
+    let step = admitted_at.expect("adapter 2's request never ran");
+    assert!(
+        step <= MAX_ADAPTER_WAIT_STEPS as usize + 8,
+        "adapter 2 waited {step} steps"
+    );
+    assert_eq!(finished[&1], run_alone(&[1, 2, 3], with_adapter(2)));
+    assert_idle(&sched);
+    let mut off = Scheduler::new(SchedulerConfig {
+        max_adapters: 0,
+        ..config(16, 16)
+    })
+    .unwrap();
+    assert!(matches!(
+        off.add_request(1, &[1], with_adapter(1)),
+        Err(CoreError::RequestRejected { .. })
+    ));
 }

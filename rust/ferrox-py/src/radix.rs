@@ -68,15 +68,18 @@ impl PyRadixCache {
 
     /// Longest cached block-aligned prefix: `(block_ids, num_matched_tokens,
     /// handle)`, where `handle` names the node ending at the match (for
-    /// `lock`). Counted in the hit statistics.
+    /// `lock`). Counted in the hit statistics. `namespace`: only sequences
+    /// inserted under the same one match.
+    #[pyo3(signature = (tokens, namespace = 0))]
     fn match_prefix<'py>(
         &mut self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
+        namespace: u64,
     ) -> PyResult<(Bound<'py, PyArray1<u32>>, usize, u64)> {
         let tokens = extract_ids(tokens, "tokens")?;
         let inner = &mut self.inner;
-        let found = py.detach(|| inner.match_prefix(&tokens));
+        let found = py.detach(|| inner.match_prefix(namespace, &tokens));
         Ok((
             found.blocks.into_pyarray(py),
             found.num_tokens,
@@ -86,11 +89,13 @@ impl PyRadixCache {
 
     /// Caches a sequence's full blocks, taking over one reference of each
     /// block given; returns `(handle, num_new_blocks)`.
+    #[pyo3(signature = (tokens, blocks, namespace = 0))]
     fn insert(
         &mut self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
+        namespace: u64,
     ) -> PyResult<(u64, usize)> {
         let tokens = extract_ids(tokens, "tokens")?;
         let blocks = extract_ids(blocks, "blocks")?;
@@ -98,7 +103,7 @@ impl PyRadixCache {
         let alloc = &mut allocator.inner;
         let inner = &mut self.inner;
         let out = py
-            .detach(|| inner.insert(&tokens, &blocks, alloc))
+            .detach(|| inner.insert(namespace, &tokens, &blocks, alloc))
             .or_raise()?;
         Ok((out.handle.0, out.num_new_blocks))
     }

@@ -49,6 +49,9 @@ pub struct PyBatchPlan {
     query_start_loc: Py<PyArray1<i32>>,
     #[pyo3(get)]
     seq_lens: Py<PyArray1<i32>>,
+    /// [B] the LoRA adapter of each row (0: the base model).
+    #[pyo3(get)]
+    adapters: Py<PyArray1<u32>>,
     #[pyo3(get)]
     block_table: Py<PyArray2<i32>>,
     #[pyo3(get)]
@@ -109,6 +112,7 @@ impl PyBatchPlan {
                 .into_pyarray(py)
                 .unbind(),
             seq_lens: std::mem::take(&mut plan.seq_lens).into_pyarray(py).unbind(),
+            adapters: std::mem::take(&mut plan.adapters).into_pyarray(py).unbind(),
             block_table: block_table.unbind(),
             slot_mapping: std::mem::take(&mut plan.slot_mapping)
                 .into_pyarray(py)
@@ -279,7 +283,8 @@ impl PyScheduler {
         vocab_size, enable_prefix_caching = true, enable_chunked_prefill = true,
         policy = "fcfs", speculative_method = None, num_speculative_tokens = 0,
         prompt_lookup_min = 1, prompt_lookup_max = 4, spec_adaptive = true,
-        spec_disable_by_batch_size = None, sliding_window = None, num_window_blocks = 0
+        spec_disable_by_batch_size = None, sliding_window = None, num_window_blocks = 0,
+        max_adapters = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     /// `speculative_method`: None (off), "ngram" (the scheduler proposes by
@@ -287,6 +292,8 @@ impl PyScheduler {
     /// and passes its drafts to `update`). `sliding_window`: the window of
     /// the model's sliding-window layers, whose KV lives in a second pool of
     /// `num_window_blocks` blocks (None: one pool for every layer).
+    /// `max_adapters`: the most distinct LoRA adapters running at once (0:
+    /// requests with one are refused).
     fn new(
         block_size: usize,
         num_blocks: usize,
@@ -305,6 +312,7 @@ impl PyScheduler {
         spec_disable_by_batch_size: Option<usize>,
         sliding_window: Option<usize>,
         num_window_blocks: usize,
+        max_adapters: usize,
     ) -> PyResult<Self> {
         let method = match speculative_method {
             None => None,
@@ -338,6 +346,7 @@ impl PyScheduler {
             speculation,
             sliding_window,
             num_window_blocks,
+            max_adapters,
         };
         Ok(Self {
             inner: Scheduler::new(config).or_raise()?,
@@ -348,7 +357,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens = None, min_tokens = 0,
         eos_token_ids = None, stop_token_ids = None, ignore_eos = false, priority = 0,
-        use_prefix_cache = true
+        use_prefix_cache = true, adapter = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -363,6 +372,7 @@ impl PyScheduler {
         ignore_eos: bool,
         priority: i32,
         use_prefix_cache: bool,
+        adapter: u32,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
         let prompt = extract_ids(prompt_token_ids, "prompt_token_ids")?;
@@ -377,6 +387,7 @@ impl PyScheduler {
             ignore_eos,
             priority,
             use_prefix_cache,
+            adapter,
         };
         let inner = &mut self.inner;
         py.detach(|| inner.add_request(id, &prompt, params))

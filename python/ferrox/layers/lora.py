@@ -1,0 +1,187 @@
+"""LoRA adapters on a loaded model: several adapters and the base model in
+one step.
+
+Each adapted linear layer (whatever holds its base weight: float, oneDNN
+packed or block format) is wrapped in a `LoraLinear`. Its output is the base
+layer's, plus, for the tokens of each adapter in the step, `x @ A^T @ B^T`
+(the adapter's scale folded into B). A merged layer (q/k/v, gate/up) holds
+one slice of output columns per checkpoint module, and an adapter may adapt
+any of them: one A for its slices together (a single [n, sum of ranks]
+product), then one B product per slice, added into that slice's columns.
+
+The step's tokens are grouped by adapter (`LoraStep`): a group is the token
+indices of the rows that run under one adapter (None when every token
+does), gathered once per layer call and scattered back with `index_add_`;
+base-model tokens cost nothing. `LoraModel` owns the wrappers, the loaded
+adapters' weights, and the step in flight (`LoraModel.step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.lora import AdapterSpec, LoraTargets
+
+
+@dataclass(frozen=True)
+class LoraSlice:
+    """One checkpoint module's output columns in a (possibly merged) layer."""
+
+    module: str  # the checkpoint name: q_proj, k_proj, ..., down_proj
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class LoraSite:
+    """A linear layer an adapter may adapt: decoder layer `layer`'s
+    `getattr(parent, attr)`, whose output holds `slices`."""
+
+    layer: int
+    parent: nn.Module
+    attr: str
+    slices: tuple[LoraSlice, ...]
+
+
+@dataclass
+class LoraStep:
+    """The step's tokens by adapter: (adapter id, token indices or None for
+    all of them), base-model tokens left out."""
+
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, adapters: np.ndarray, query_start_loc: np.ndarray, device: torch.device
+    ) -> LoraStep | None:
+        """From the plan's per-row adapters and query starts; None when no
+        row has an adapter."""
+        if not adapters.any():
+            return None
+        num_tokens = int(query_start_loc[-1])
+        per_token = np.repeat(adapters, np.diff(query_start_loc))
+        step = cls()
+        for adapter in np.unique(adapters[adapters != 0]).tolist():
+            mine = np.flatnonzero(per_token == adapter)
+            rows = None if len(mine) == num_tokens else torch.from_numpy(mine).to(device)
+            step.groups.append((int(adapter), rows))
+        return step
+
+
+@dataclass
+class _Weights:
+    """One adapter's weights in one LoraLinear: A of its slices stacked
+    [sum r, in], and per slice (its columns, A's rows, B [size, r] * scale)."""
+
+    a: torch.Tensor
+    b: list[tuple[LoraSlice, int, int, torch.Tensor]]
+
+
+class LoraLinear(nn.Module):
+    def __init__(self, base: nn.Module, slices: tuple[LoraSlice, ...]) -> None:
+        super().__init__()
+        self.base = base
+        self.slices = slices
+        self.adapters: dict[int, _Weights] = {}
+        self.step: LoraStep | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        step = self.step
+        if step is None:
+            return out
+        for adapter, rows in step.groups:
+            w = self.adapters.get(adapter)
+            if w is None:
+                continue  # (the adapter leaves this layer as it is)
+            xa = x if rows is None else x.index_select(0, rows)
+            h = xa @ w.a.T  # [n, sum r]
+            for sl, r0, r1, b in w.b:
+                delta = h[:, r0:r1] @ b.T  # [n, size]
+                cols = out[:, sl.start : sl.start + sl.size]
+                if rows is None:
+                    cols += delta
+                else:
+                    cols.index_add_(0, rows, delta)
+        return out
+
+
+class LoraModel:
+    """The adapters a model serves: wraps every site the model declares
+    (`lora_sites`) and holds each loaded adapter's weights in them."""
+
+    def __init__(self, model: nn.Module, targets: LoraTargets, sites: list[LoraSite]) -> None:
+        self.model = model
+        self.targets = targets
+        self.layers: list[list[LoraLinear]] = [[] for _ in range(targets.num_layers)]
+        for site in sites:
+            wrapped = LoraLinear(getattr(site.parent, site.attr), site.slices)
+            setattr(site.parent, site.attr, wrapped)
+            self.layers[site.layer].append(wrapped)
+        self.loaded: set[int] = set()
+
+    def add(
+        self,
+        adapter: int,
+        spec: AdapterSpec,
+        tensors: dict[tuple[int, str, str], torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Installs an adapter's tensors ((layer, module, "A"/"B") -> tensor,
+        as `read_adapter` checked them) under id `adapter`."""
+        if adapter in self.loaded:
+            raise InvalidArgumentError(f"adapter {adapter} is already loaded")
+        for layer, wrappers in enumerate(self.layers):
+            for wrapped in wrappers:
+                mine = [s for s in wrapped.slices if (layer, s.module, "A") in tensors]
+                if not mine:
+                    continue
+                a = torch.cat([tensors[(layer, s.module, "A")] for s in mine])
+                parts = []
+                for i, s in enumerate(mine):
+                    b = tensors[(layer, s.module, "B")].to(torch.float32) * spec.scale
+                    r0 = i * spec.rank
+                    parts.append((s, r0, r0 + spec.rank, b.to(device, dtype).contiguous()))
+                wrapped.adapters[adapter] = _Weights(a.to(device, dtype).contiguous(), parts)
+        self.loaded.add(adapter)
+
+    def remove(self, adapter: int) -> None:
+        for wrappers in self.layers:
+            for wrapped in wrappers:
+                wrapped.adapters.pop(adapter, None)
+        self.loaded.discard(adapter)
+
+    @contextmanager
+    def step(self, step: LoraStep | None) -> Iterator[None]:
+        """Runs the step's adapters in every wrapper. A step with adapters
+        runs the model module by module (the CPU's fused decode layers know
+        no adapters)."""
+        if step is None:
+            yield
+            return
+        missing = {a for a, _ in step.groups} - self.loaded
+        if missing:
+            raise InvalidArgumentError(f"adapters {sorted(missing)} are not loaded")
+        model: Any = self.model
+        fused = model.fused_decode
+        model.fused_decode = None
+        self._set(step)
+        try:
+            yield
+        finally:
+            self._set(None)
+            model.fused_decode = fused
+
+    def _set(self, step: LoraStep | None) -> None:
+        for wrappers in self.layers:
+            for wrapped in wrappers:
+                wrapped.step = step
