@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from ferrox import LLM, LoRARequest, SamplingParams
-from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
-from ferrox.common.lora import LoRAAdapterError
+from ferrox.common.errors import InvalidArgumentError, LoRAAdapterError, UnsupportedModelError
 from tests import models
 from tests.engine.test_model_correctness import MAX_TOKENS, assert_matches_hf, greedy, prompts
 

@@ -56,6 +56,11 @@ HELP = {
     "convert": "auto | embed (a causal LM's pooling requests embed: its last token's final "
     "hidden state) | none (only a checkpoint made for pooling, a base model or a classifier, "
     "serves them)",
+    "enable_lora": "serve LoRA adapters (--lora-modules; LLM.generate(lora_request=...))",
+    "max_loras": "most distinct LoRA adapters in one step",
+    "max_lora_rank": "largest LoRA rank an adapter may have",
+    "max_cpu_loras": "loaded LoRA adapters kept when no request uses them, least recently used "
+    "dropped first (default: --max-loras)",
     "profiler_dir": "enable the torch profiler (LLM.start_profile / stop_profile, the server's "
     "POST /start_profile and /stop_profile); traces are written to this folder",
 }

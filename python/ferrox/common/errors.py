@@ -42,6 +42,11 @@ class ContextLengthExceededError(RequestRejectedError):
     """The prompt (plus the requested output) does not fit the context window."""
 
 
+class LoRAAdapterError(InvalidArgumentError):
+    """A LoRA adapter that cannot be served: missing files, a malformed
+    config, a rank over the limit, modules or shapes the model lacks."""
+
+
 class UnsupportedModelError(FerroxError, ValueError):
     """The model's architecture, tensor layout or tokenizer is not supported."""
 

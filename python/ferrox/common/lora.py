@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 
-from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.errors import InvalidArgumentError, LoRAAdapterError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -52,11 +52,6 @@ _UNSUPPORTED = {
     "use_qalora": "QA-LoRA",
     "use_bdlora": "block-diagonal LoRA",
 }
-
-
-class LoRAAdapterError(InvalidArgumentError):
-    """An adapter that cannot be served: missing files, a malformed config,
-    a rank over the limit, modules or shapes the model lacks."""
 
 
 class LoRARequest(msgspec.Struct, frozen=True, array_like=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ferrox.common.lora import LoRARequest
 from ferrox.common.sampling_params import SamplingParams
 
 # The engine sends a message at least this often, busy or idle, so that the
@@ -23,6 +24,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     # The one definition, sent as it is; decoding runs its validation again.
     params: SamplingParams
     priority: int = 0
+    lora: LoRARequest | None = None  # the LoRA adapter it runs under
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -50,6 +52,12 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
     """Drop every cached prefix no request is using."""
 
 
+class UnloadAdapter(msgspec.Struct, tag="unload_adapter"):
+    """Drop a loaded LoRA adapter (once no request uses it)."""
+
+    lora_name: str
+
+
 class StartProfile(msgspec.Struct, tag="start_profile"):
     pass
 
@@ -64,6 +72,7 @@ EngineInput = (
     | StopSequences
     | Shutdown
     | ResetPrefixCache
+    | UnloadAdapter
     | StartProfile
     | StopProfile
 )
@@ -158,6 +167,10 @@ class Ready(msgspec.Struct, tag="ready"):
     dtype: str
     # A sequence classifier's labels (see CausalLM.labels); None for other models.
     labels: list[str] | None = None
+    # With LoRA adapters: the decoder layers and, per module an adapter may
+    # adapt, its [in_features, out_features] (common/lora.LoraTargets).
+    lora_layers: int = 0
+    lora_modules: dict[str, list[int]] | None = None
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

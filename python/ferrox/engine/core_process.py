@@ -62,6 +62,7 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                     device=str(torch_device(engine.config)),
                     dtype=str(torch_dtype(engine.config)).removeprefix("torch."),
                     labels=engine.runner.model.labels,
+                    **lora_targets(engine),
                 )
             )
         )
@@ -169,7 +170,11 @@ class EngineLoop:
         if isinstance(msg, p.AddRequest):
             try:
                 engine.add_request(
-                    msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority
+                    msg.request_id,
+                    msg.prompt_token_ids,
+                    msg.params,
+                    priority=msg.priority,
+                    lora_request=msg.lora,
                 )
             except FerroxError as e:
                 self.failed.append(p.RequestFailed(msg.request_id, type(e).__name__, str(e)))
@@ -195,6 +200,12 @@ class EngineLoop:
                 if engine.executor.is_fatal(e):
                     raise
                 logger.error("%s: %s", type(msg).__name__, e)
+        elif isinstance(msg, p.UnloadAdapter):
+            try:
+                if engine.adapters is not None and engine.adapters.unload(msg.lora_name):
+                    logger.info("LoRA adapter %r unloaded", msg.lora_name)
+            except FerroxError as e:  # still in use: it goes once idle, as any other
+                logger.warning("unloading LoRA adapter %r: %s", msg.lora_name, e)
         elif isinstance(msg, p.ResetPrefixCache):
             freed = engine.reset_prefix_cache()
             logger.info("prefix cache reset: %d blocks freed", freed)
@@ -239,3 +250,12 @@ class EngineLoop:
             generation_tokens=self.engine.num_generated_tokens,
             integrity_failures=self.integrity_failures,
         )
+
+
+def lora_targets(engine: EngineCore) -> dict[str, Any]:
+    """The Ready message's fields that let the frontend check an adapter."""
+    lora = engine.runner.lora
+    if lora is None:
+        return {}
+    modules = {name: list(shape) for name, shape in lora.targets.modules.items()}
+    return {"lora_layers": lora.targets.num_layers, "lora_modules": modules}

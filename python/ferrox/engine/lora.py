@@ -16,8 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from ferrox.common.errors import InvalidArgumentError
-from ferrox.common.lora import LoRAAdapterError, LoRARequest
+from ferrox.common.errors import InvalidArgumentError, LoRAAdapterError
+from ferrox.common.lora import LoRARequest
 
 
 class AdapterRunner(Protocol):

@@ -18,6 +18,7 @@ from typing import Any
 
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import DuplicateRequestError, EngineDeadError, InvalidArgumentError
+from ferrox.common.lora import LoRARequest
 from ferrox.common.outputs import RequestOutput
 from ferrox.common.protocol import Ready, SequenceDelta
 from ferrox.common.sampling_params import SamplingParams
@@ -93,10 +94,12 @@ class AsyncLLM:
         request_id: str = "",
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's output after each step that changed it, cumulative
         (whole texts so far); the last one has `finished`. Leaving the loop
-        early aborts the request in the engine."""
+        early aborts the request in the engine. `lora_request`: its LoRA
+        adapter (None: the base model)."""
         await self.start()
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
@@ -106,7 +109,7 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         run = RequestRun(
             self.client.pick(ids), self.tokenizer, request_id, ids, params, priority=priority,
-            log_request=False, failover=self.client.pick,
+            log_request=False, failover=self.client.pick, lora_request=lora_request,
         )  # fmt: skip
         run.state.prompt = text
         self._runs[request_id] = run

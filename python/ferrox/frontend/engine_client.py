@@ -41,6 +41,7 @@ from ferrox.common.errors import (
     ModelLoadError,
     ServerBusyError,
 )
+from ferrox.common.lora import LoRARequest
 from ferrox.common.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrox.client")
@@ -145,8 +146,9 @@ class RequestStream:
     """What the engine reports for one request, in order, each item with the
     `time.monotonic()` at which the engine sent it (0.0 for local errors)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, lora_name: str | None = None) -> None:
         self.request_id = request_id
+        self.lora_name = lora_name  # the LoRA adapter it runs under
         self.queue: asyncio.Queue[tuple[StreamItem, float]] = asyncio.Queue()
 
     def put(self, item: StreamItem, sent_at: float = 0.0) -> None:
@@ -216,18 +218,20 @@ class AsyncEngineClient:
         params: SamplingParams,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         if self.is_dead:
             raise EngineDeadError(self.dead_message or "the engine process is not running")
         if self.refuse_new:
             raise ServerBusyError("the server is shutting down", 5)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, lora_request.lora_name if lora_request else None)
         self.streams[request_id] = stream
         message = p.AddRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             params=params,
             priority=priority,
+            lora=lora_request,
         )
         self._send(message)
         return stream
@@ -239,6 +243,14 @@ class AsyncEngineClient:
     def release(self, request_id: str) -> None:
         """Forgets a finished request's stream."""
         self.streams.pop(request_id, None)
+
+    def adapter_users(self, lora_name: str) -> int:
+        """Requests in flight under the LoRA adapter."""
+        return sum(s.lora_name == lora_name for s in self.streams.values())
+
+    def unload_adapter(self, lora_name: str) -> None:
+        if not self.is_dead:
+            self._control(p.UnloadAdapter(lora_name))
 
     def stop_sequence(self, stop: p.StopSequence) -> None:
         if not self.is_dead:

@@ -332,6 +332,13 @@ class ReplicaPool:
             if request_id in client.streams:
                 client.abort(request_id)
 
+    def adapter_users(self, lora_name: str) -> int:
+        return sum(c.adapter_users(lora_name) for c in self.clients)
+
+    def unload_adapter(self, lora_name: str) -> None:
+        for i in self.live():
+            self.clients[i].unload_adapter(lora_name)
+
     def reset_prefix_cache(self) -> None:
         for i in self.live():
             self.clients[i].reset_prefix_cache()

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from ferrox.common import protocol as p
 from ferrox.common.errors import EngineDeadError, RequestTimeoutError, error_class
+from ferrox.common.lora import LoRARequest
 from ferrox.common.outputs import PositionLogprobs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.frontend.engine_client import AsyncEngineClient, RequestStream, StreamItem
@@ -63,6 +64,7 @@ class RequestRun:
         stream: bool = True,
         deadline: float | None = None,
         failover: Callable[[list[int]], AsyncEngineClient] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """`stream`: the caller reads each update's text (else only the final
         text). `deadline`: the `time.monotonic()` by which the request must
@@ -76,6 +78,7 @@ class RequestRun:
             request_id, None, prompt_token_ids, params, tokenizer, stream=stream
         )
         self.priority = priority
+        self.lora_request = lora_request
         self.log_token_ids = log_token_ids
         self.log_request = log_request
         self.max_log_len = max_log_len
@@ -115,9 +118,7 @@ class RequestRun:
         """Yields each sequence update until every sequence finished; an
         unfinished request is aborted in the engine however this ends
         (client disconnect, error, cancellation)."""
-        stream = self.client.add_request(
-            self.request_id, self.prompt_token_ids, self.params, priority=self.priority
-        )
+        stream = self._add_to(self.client)
         started = False
         try:
             while not self.is_finished:
@@ -153,8 +154,15 @@ class RequestRun:
             return None
         logger.warning("%s: its engine replica died before it started; moved", self.request_id)
         self.client = other
-        return other.add_request(
-            self.request_id, self.prompt_token_ids, self.params, priority=self.priority
+        return self._add_to(other)
+
+    def _add_to(self, client: AsyncEngineClient) -> RequestStream:
+        return client.add_request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.params,
+            priority=self.priority,
+            lora_request=self.lora_request,
         )
 
     async def _next(self, stream: RequestStream) -> tuple[StreamItem, float]:

@@ -6,7 +6,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ferrox.common.lora import ADAPTER_WEIGHTS, AdapterSpec, LoRAAdapterError
+from ferrox.common.errors import LoRAAdapterError
+from ferrox.common.lora import ADAPTER_WEIGHTS, AdapterSpec
 
 
 def load_adapter_tensors(spec: AdapterSpec) -> dict[tuple[int, str, str], torch.Tensor]:

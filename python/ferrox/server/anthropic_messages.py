@@ -368,10 +368,10 @@ class AnthropicServing:
         self.ctx = serving.ctx
 
     def _model_missing(self, model: str) -> Response | None:
-        if model in self.ctx.model_names:
+        if self.ctx.serves(model):
             return None
         return anthropic_error_response(
-            404, f"the model {model!r} does not exist; this server has {self.ctx.model_names}"
+            404, f"the model {model!r} does not exist; this server has {self.ctx.all_models}"
         )
 
     async def count_tokens(self, http: Request) -> Response:

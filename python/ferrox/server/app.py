@@ -30,6 +30,7 @@ from ferrox.server.error_responses import (
     exception_response,
     is_anthropic_path,
 )
+from ferrox.server.lora_adapters import AdapterRoutes
 from ferrox.server.middleware import GuardMiddleware
 from ferrox.server.pooling import PoolingServing
 from ferrox.server.responses_api import ResponsesServing
@@ -94,15 +95,26 @@ def build_app(
     def card(name: str) -> op.ModelCard:
         return op.ModelCard(id=name, max_model_len=ctx.max_model_len)
 
+    def adapter_card(name: str) -> op.ModelCard:
+        lora = ctx.adapters.by_name[name]
+        parent = lora.base_model_name or ctx.model_name
+        return op.ModelCard(
+            id=name, max_model_len=ctx.max_model_len, root=lora.lora_path, parent=parent
+        )
+
     async def models(_: Request) -> Response:
-        return _json(op.ModelList(data=[card(name) for name in ctx.model_names]))
+        cards = [card(name) for name in ctx.model_names]
+        cards += [adapter_card(name) for name in ctx.adapters.by_name]
+        return _json(op.ModelList(data=cards))
 
     async def model(http: Request) -> Response:
         """One model by its id (ids may hold "/": `models.retrieve`)."""
         name = http.path_params["model"]
         if (missing := serving.check_model(name)) is not None:
             return missing
-        return _json(card(name))
+        return _json(adapter_card(name) if name in ctx.adapters.by_name else card(name))
+
+    lora = AdapterRoutes(ctx.adapters, ctx.client.adapter_users, ctx.client.unload_adapter)
 
     async def metrics(_: Request) -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -163,6 +175,8 @@ def build_app(
         Route("/reset_prefix_cache", control(ctx.client.reset_prefix_cache), methods=["POST"]),
         Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", lora.load, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", lora.unload, methods=["POST"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

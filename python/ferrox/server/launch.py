@@ -22,12 +22,14 @@ from starlette.applications import Starlette
 
 from ferrox.common.engine_args import add_engine_arguments, engine_options
 from ferrox.common.errors import ServerBusyError
+from ferrox.common.lora import LoraTargets
 from ferrox.common.protocol import Ready
 from ferrox.frontend.async_llm import AsyncLLM
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S
 from ferrox.frontend.replicas import ROUTING_POLICIES
 from ferrox.model_files.hub import is_hub_id
 from ferrox.server.app import CorsOptions, build_app
+from ferrox.server.lora_adapters import ServerAdapters, parse_lora_module
 from ferrox.server.metrics import Metrics
 from ferrox.server.request_translation import ServerLimits
 from ferrox.server.serving import ServingContext
@@ -211,6 +213,28 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="log the prompt and output token ids of every finished request",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served under their names as models: name=path, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths inside "
+        "--lora-dir only)",
+    )
+    group.add_argument(
+        "--lora-dir",
+        type=Path,
+        default=None,
+        help="the directory runtime-loaded adapters must lie in",
+    )
     group = parser.add_argument_group("data parallelism")
     group.add_argument(
         "--data-parallel-size",
@@ -268,6 +292,7 @@ def build_server_app(
             )
         args.model = args.model_tag
     options = engine_options(args)
+    adapters = server_adapters(args)
     tool_parser = tool_parser_option(args)
     # The engine process starts with the application (lifespan below).
     engine = AsyncLLM(
@@ -313,6 +338,7 @@ def build_server_app(
         reasoning_parser=args.reasoning_parser,
         disable_additional_properties=disable_additional_properties_option(args),
         max_stored_responses=args.max_stored_responses,
+        adapters=adapters,
     )
 
     @contextlib.asynccontextmanager
@@ -321,6 +347,10 @@ def build_server_app(
         ctx.max_model_len = info.max_model_len
         ctx.vocab_size = info.vocab_size
         ctx.labels = info.labels
+        if info.lora_modules is not None:
+            shapes = {name: (s[0], s[1]) for name, s in info.lora_modules.items()}
+            adapters.targets = LoraTargets(info.lora_layers, shapes)
+            adapters.check_all()
         client.on_dead = on_dead
         client.on_step = ctx.metrics.iteration_tokens.observe
         ctx.metrics.set_cache_config(
@@ -402,6 +432,33 @@ def serve(args: argparse.Namespace) -> int:
     if not server.started and exit_code == 0:
         return 1  # the engine or the socket failed at start-up
     return exit_code
+
+
+def server_adapters(args: argparse.Namespace) -> ServerAdapters:
+    """The adapters of --lora-modules, and whether runtime updates are on."""
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise SystemExit(
+            "ferrox serve: --lora-modules and --allow-runtime-lora-updating need --enable-lora"
+        )
+    if args.allow_runtime_lora_updating and args.lora_dir is None:
+        raise SystemExit(
+            "ferrox serve: --allow-runtime-lora-updating needs --lora-dir, the directory "
+            "runtime adapters must lie in"
+        )
+    adapters = ServerAdapters(
+        max_rank=args.max_lora_rank,
+        runtime_updates=args.allow_runtime_lora_updating,
+        lora_dir=args.lora_dir,
+    )
+    served = set(args.served_model_name or [])
+    for module in args.lora_modules:
+        if module.lora_name in served:
+            raise SystemExit(f"ferrox serve: {module.lora_name!r} names the base model too")
+        try:
+            adapters.add(module.lora_name, module.lora_path, module.base_model_name)
+        except ValueError as e:
+            raise SystemExit(f"ferrox serve: --lora-modules: {e}") from None
+    return adapters
 
 
 def _default_name(model: str | None) -> str:

@@ -435,6 +435,8 @@ class ModelCard(msgspec.Struct, kw_only=True, tag_field="object", tag="model"):
     created: int = msgspec.field(default_factory=_now)
     owned_by: str = "ferrox"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's directory
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(msgspec.Struct, kw_only=True, tag_field="object", tag="list"):

@@ -37,6 +37,7 @@ from ferrox.model_files.tokenizer import speaks_harmony
 from ferrox.server import openai_protocol as op
 from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.error_responses import error_response, exception_response, sse_error
+from ferrox.server.lora_adapters import ServerAdapters
 from ferrox.server.metrics import Metrics
 from ferrox.server.output_constraints import ToolPlan, tool_plan
 from ferrox.server.request_fields import OPENAI_FIELDS, FieldRules, check_fields
@@ -89,6 +90,8 @@ class ServingContext:
     max_stored_responses: int = 1024
     # The model's classifier labels (a cross-encoder's: one); None: it embeds.
     labels: list[str] | None = None
+    # LoRA adapters, served under their names as models (server/lora_adapters.py).
+    adapters: ServerAdapters = field(default_factory=ServerAdapters)
     draining: bool = False
     in_flight: int = 0
     executor: ThreadPoolExecutor = field(
@@ -100,6 +103,19 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @property
+    def all_models(self) -> list[str]:
+        """The base model's names and the LoRA adapters' names."""
+        return [*self.model_names, *self.adapters.by_name]
+
+    def answering(self, model: str | None) -> str:
+        """The model name a response gives: the adapter's, when the request
+        named one, else the base model's first name."""
+        return model if model in self.adapters.by_name else self.model_name
+
+    def serves(self, model: str) -> bool:
+        return model in self.model_names or model in self.adapters.by_name
 
     @functools.cached_property
     def harmony(self) -> bool:
@@ -155,10 +171,10 @@ class OpenAIServing:
             raise op.BadRequest("the body's JSON nests too deeply") from e
 
     def check_model(self, model: str | None) -> Response | None:
-        if model is not None and model not in self.ctx.model_names:
+        if model is not None and not self.ctx.serves(model):
             return error_response(
                 404,
-                f"the model {model!r} does not exist; this server has {self.ctx.model_names}",
+                f"the model {model!r} does not exist; this server has {self.ctx.all_models}",
                 param="model",
                 code="model_not_found",
             )
@@ -224,6 +240,7 @@ class OpenAIServing:
             prompt_token_ids=prompt_ids,
             params=params,
             priority=request.priority,
+            lora_request=self.ctx.adapters.by_name.get(getattr(request, "model", None) or ""),
             log_token_ids=self.ctx.log_token_ids,
             log_request=self.ctx.log_requests,
             max_log_len=self.ctx.max_log_len,
@@ -372,14 +389,14 @@ class OpenAIServing:
                     )
                 )
         response = op.CompletionResponse(
-            id=base, model=self.ctx.model_name, choices=choices, usage=self.usage(runs)
+            id=base, model=self.ctx.answering(req.model), choices=choices, usage=self.usage(runs)
         )
         return Response(msgspec.json.encode(response), media_type="application/json")
 
     async def _completion_chunks(
         self, req: op.CompletionRequest, base: str, runs: list[RequestRun], texts: list[str]
     ) -> AsyncIterator[bytes]:
-        model = self.ctx.model_name
+        model = self.ctx.answering(req.model)
         if req.echo:
             for i, (run, text) in enumerate(zip(runs, texts, strict=True)):
                 for seq in run.seqs:
@@ -519,7 +536,10 @@ class OpenAIServing:
                 )
             )
         response = op.ChatCompletionResponse(
-            id=run.request_id, model=self.ctx.model_name, choices=choices, usage=self.usage([run])
+            id=run.request_id,
+            model=self.ctx.answering(req.model),
+            choices=choices,
+            usage=self.usage([run]),
         )
         return Response(msgspec.json.encode(response), media_type="application/json")
 
@@ -535,7 +555,7 @@ class OpenAIServing:
     async def _chat_chunks(
         self, req: op.ChatCompletionRequest, run: RequestRun, tools: ToolPlan
     ) -> AsyncIterator[bytes]:
-        model, rid = self.ctx.model_name, run.request_id
+        model, rid = self.ctx.answering(req.model), run.request_id
 
         def chunk(choices: list[op.ChatCompletionStreamChoice], **kw: Any) -> bytes:
             return _sse(op.ChatCompletionStreamResponse(id=rid, model=model, choices=choices, **kw))

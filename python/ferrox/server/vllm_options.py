@@ -17,7 +17,6 @@ from ferrox.server.output_constraints import GRAMMAR_BACKENDS
 UNSUPPORTED_VLLM_FLAGS = {
     "--pipeline-parallel-size": "ferrox has no pipeline parallelism",
     "--trust-remote-code": "ferrox runs no code from model repositories",
-    "--enable-lora": "ferrox has no LoRA adapters",
     "--cpu-offload-gb": "ferrox does not offload weights",
     "--swap-space": "ferrox recomputes preempted requests instead of swapping",
     "--revision": "hub models resolve to their default revision",
