@@ -363,7 +363,9 @@ def build_lora_adapter(
     seed: int = 0,
 ) -> Path:
     """A random LoRA adapter for the model at `base`, saved by peft (its own
-    format), with weights large enough to change greedy tokens."""
+    format), with weights large enough to change greedy tokens. They are
+    float16 values (the CPU holds adapters as float16), so that the oracle
+    computes with the same weights."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -380,7 +382,7 @@ def build_lora_adapter(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+                param.copy_((torch.randn(param.shape, generator=gen) * 0.3).half().float())
     model.save_pretrained(path)
     return path
 

@@ -13,6 +13,7 @@ __all__ = [
     "BatchPlan",
     "BlockAllocator",
     "CpuDecoderLayer",
+    "CpuLoraLayer",
     "CpuMoeExperts",
     "RadixCache",
     "Scheduler",
@@ -384,3 +385,27 @@ class CpuMoeExperts:
         x: npt.NDArray[np.float32],
         num_threads: int,
     ) -> None: ...
+
+@final
+class CpuLoraLayer:
+    """One linear layer's LoRA adapters, their deltas for a step in one call."""
+
+    def __new__(
+        cls, in_features: int, out_features: int, slices: list[tuple[int, int]]
+    ) -> CpuLoraLayer: ...
+    def add(
+        self,
+        adapter: int,
+        rank: int,
+        a: npt.NDArray[np.float32],
+        b: list[tuple[int, npt.NDArray[np.float32]]],
+    ) -> None: ...
+    def remove(self, adapter: int) -> bool: ...
+    def apply(
+        self,
+        x: npt.NDArray[np.float32],
+        out: npt.NDArray[np.float32],
+        token_adapters: npt.NDArray[np.uint32],
+        num_threads: int,
+    ) -> None: ...
+

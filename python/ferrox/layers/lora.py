@@ -9,11 +9,16 @@ one slice of output columns per checkpoint module, and an adapter may adapt
 any of them: one A for its slices together (a single [n, sum of ranks]
 product), then one B product per slice, added into that slice's columns.
 
-The step's tokens are grouped by adapter (`LoraStep`): a group is the token
-indices of the rows that run under one adapter (None when every token
-does), gathered once per layer call and scattered back with `index_add_`;
-base-model tokens cost nothing. `LoraModel` owns the wrappers, the loaded
-adapters' weights, and the step in flight (`LoraModel.step`).
+On the CPU in float32 the adapters' weights live in a native layer
+(`CpuLoraLayer`, `ferrox_cpu::lora`): one call per layer and step adds every
+adapter's delta, whatever the number of adapters (`benches/lora_streams.py`:
+a torch op costs several microseconds, and a layer's delta is about twenty
+of them per adapter). Elsewhere the step's tokens are grouped by adapter
+(`LoraStep.groups`: a group is the token indices of the rows that run under
+one adapter, None when every token does), gathered once per layer call and
+scattered back with `index_add_` (not yet run on a GPU). Base-model tokens
+cost nothing. `LoraModel` owns the wrappers, the loaded adapters' weights,
+and the step in flight (`LoraModel.step`).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ferrox._native import CpuLoraLayer
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.common.lora import AdapterSpec, LoraTargets
+from ferrox.layers.native import kernel_threads
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,11 @@ class LoraSite:
 
 @dataclass
 class LoraStep:
-    """The step's tokens by adapter: (adapter id, token indices or None for
-    all of them), base-model tokens left out."""
+    """The step's tokens by adapter: each token's adapter (0: none), and
+    (adapter id, token indices or None for all of them), base-model tokens
+    left out."""
 
+    token_adapters: np.ndarray  # [T] uint32
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
 
     @classmethod
@@ -67,8 +76,8 @@ class LoraStep:
         if not adapters.any():
             return None
         num_tokens = int(query_start_loc[-1])
-        per_token = np.repeat(adapters, np.diff(query_start_loc))
-        step = cls()
+        per_token = np.repeat(adapters, np.diff(query_start_loc)).astype(np.uint32)
+        step = cls(per_token)
         for adapter in np.unique(adapters[adapters != 0]).tolist():
             mine = np.flatnonzero(per_token == adapter)
             rows = None if len(mine) == num_tokens else torch.from_numpy(mine).to(device)
@@ -86,17 +95,27 @@ class _Weights:
 
 
 class LoraLinear(nn.Module):
-    def __init__(self, base: nn.Module, slices: tuple[LoraSlice, ...]) -> None:
+    def __init__(self, base: nn.Module, slices: tuple[LoraSlice, ...], native: bool) -> None:
+        """`native`: the adapters run in a `CpuLoraLayer` (CPU, float32)."""
         super().__init__()
         self.base = base
         self.slices = slices
         self.adapters: dict[int, _Weights] = {}
+        self.native = None
+        if native:
+            spans = [(s.start, s.size) for s in slices]
+            fan_in, fan_out = int(base.in_features), int(base.out_features)  # type: ignore[arg-type]
+            self.native = CpuLoraLayer(fan_in, fan_out, spans)
         self.step: LoraStep | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         step = self.step
         if step is None:
+            return out
+        if self.native is not None:
+            x = x.contiguous()
+            self.native.apply(x.numpy(), out.numpy(), step.token_adapters, kernel_threads())
             return out
         for adapter, rows in step.groups:
             w = self.adapters.get(adapter)
@@ -118,12 +137,15 @@ class LoraModel:
     """The adapters a model serves: wraps every site the model declares
     (`lora_sites`) and holds each loaded adapter's weights in them."""
 
-    def __init__(self, model: nn.Module, targets: LoraTargets, sites: list[LoraSite]) -> None:
+    def __init__(
+        self, model: nn.Module, targets: LoraTargets, sites: list[LoraSite], native: bool
+    ) -> None:
+        """`native`: the adapters run in native CPU layers (a float32 CPU model)."""
         self.model = model
         self.targets = targets
         self.layers: list[list[LoraLinear]] = [[] for _ in range(targets.num_layers)]
         for site in sites:
-            wrapped = LoraLinear(getattr(site.parent, site.attr), site.slices)
+            wrapped = LoraLinear(getattr(site.parent, site.attr), site.slices, native)
             setattr(site.parent, site.attr, wrapped)
             self.layers[site.layer].append(wrapped)
         self.loaded: set[int] = set()
@@ -151,6 +173,11 @@ class LoraModel:
                     b = tensors[(layer, s.module, "B")].to(torch.float32) * spec.scale
                     r0 = i * spec.rank
                     parts.append((s, r0, r0 + spec.rank, b.to(device, dtype).contiguous()))
+                if wrapped.native is not None:
+                    index = {s: j for j, s in enumerate(wrapped.slices)}
+                    bs = [(index[s], b.numpy()) for s, _, _, b in parts]
+                    wrapped.native.add(adapter, spec.rank, a.contiguous().numpy(), bs)
+                    continue
                 wrapped.adapters[adapter] = _Weights(a.to(device, dtype).contiguous(), parts)
         self.loaded.add(adapter)
 
@@ -158,6 +185,8 @@ class LoraModel:
         for wrappers in self.layers:
             for wrapped in wrappers:
                 wrapped.adapters.pop(adapter, None)
+                if wrapped.native is not None:
+                    wrapped.native.remove(adapter)
         self.loaded.discard(adapter)
 
     @contextmanager

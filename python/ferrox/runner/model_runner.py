@@ -177,7 +177,8 @@ class ModelRunner:
                 f"LoRA adapters do not run on {type(model).__name__} yet; they run on the "
                 "Llama, Mistral, Qwen2 and Qwen3 families"
             )
-        return LoraModel(model, model.lora_targets(), model.lora_sites())
+        native = self.device.type == "cpu" and self.dtype == torch.float32
+        return LoraModel(model, model.lora_targets(), model.lora_sites(), native)
 
     def add_adapter(self, adapter: int, path: str) -> None:
         """Loads the adapter at `path` (checked again: the files may have

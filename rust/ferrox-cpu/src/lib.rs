@@ -5,6 +5,7 @@ pub mod decoder_layer;
 pub mod elementwise;
 pub mod f32_matmul;
 pub mod kv_element;
+pub mod lora;
 pub mod moe;
 pub mod paged_attention;
 pub mod pool;
@@ -24,6 +25,7 @@ pub use decoder_layer::{
 pub use elementwise::{add_rms_norm, rotary_in_place};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};
 pub use kv_element::{f32_to_f16, KvElement, F16};
+pub use lora::LoraLayer;
 pub use moe::{moe_experts, route, ExpertWeights, MoeActivation, MoeArgs, Router};
 pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 pub use quant_matmul::{

@@ -6,6 +6,7 @@ mod convert;
 mod decoder_layer;
 mod errors;
 mod kernels;
+mod lora;
 mod moe;
 mod radix;
 mod scheduler;
@@ -18,6 +19,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PyBlockAllocator>()?;
     m.add_class::<decoder_layer::CpuDecoderLayer>()?;
     m.add_class::<moe::CpuMoeExperts>()?;
+    m.add_class::<lora::CpuLoraLayer>()?;
     m.add_class::<radix::PyRadixCache>()?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PyBatchPlan>()?;
