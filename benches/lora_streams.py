@@ -2,11 +2,12 @@
 base model alone, same engine, same run.
 
     python benches/lora_streams.py [--repeats 3] [--adapters 8] [--rank 16]
-        [--targets all|attention] [--model DIR --dummy] [--json FILE]
+        [--targets all|attention] [--shape llama-1b] [--json FILE]
 
-The bundled model (its GGUF blocks) by default, or `--model` (with
-`--dummy`: a Hugging Face directory's config with random weights, quantized
-to Q8_0 at load), with random LoRA adapters in PEFT's format on every
+The bundled model (its GGUF blocks) by default, or with `--shape llama-1b`
+a Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 query and 8 KV
+heads, MLP 8192, the bundled model's vocabulary and tokenizer) with random
+weights quantized to Q8_0 at load, with random LoRA adapters in PEFT's format on every
 projection (`all`: q/k/v/o, gate/up/down) or on attention's (`attention`:
 q/k/v/o), written to a temporary directory. Each repeat runs both
 workloads, alternating: N greedy requests of a 64-token prompt and 128
@@ -64,6 +65,31 @@ def write_adapter(path: Path, llm: LLM, rank: int, seed: int, targets: str = "al
     return path
 
 
+def llama_1b_shape(path: Path) -> Path:
+    """A Hugging Face directory: Llama-3.2-1B's shape (tied embeddings) with
+    the bundled model's vocabulary and tokenizer; its weights come random."""
+    from transformers import LlamaConfig
+
+    from ferrox import EngineConfig
+    from ferrox.model_files.tokenizer import load_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        architectures=["LlamaForCausalLM"],
+    )
+    config.save_pretrained(path)
+    load_tokenizer(EngineConfig.create()).save_pretrained(path)
+    return path
+
+
 def timed(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     start = time.perf_counter()
@@ -79,15 +105,16 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--targets", choices=["all", "attention"], default="all")
-    parser.add_argument("--model", help="a model other than the bundled one")
-    parser.add_argument(
-        "--dummy", action="store_true", help="--model's config with random Q8_0 weights"
-    )
+    parser.add_argument("--shape", choices=["llama-1b"], help="a random-weight model instead")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    extra = dict(load_format="dummy", quantization="q8_0") if args.dummy else {}
+    work = tempfile.TemporaryDirectory()
+    model, extra = None, {}
+    if args.shape == "llama-1b":
+        model = str(llama_1b_shape(Path(work.name) / "llama-1b"))
+        extra = dict(load_format="dummy", quantization="q8_0")
     llm = LLM(
-        args.model,
+        model,
         **extra,
         enable_lora=True,
         max_loras=args.adapters,
@@ -97,7 +124,7 @@ def main() -> None:
     )
     prompts = [[1, *range(1000 + 97 * i, 1000 + 97 * i + PROMPT_TOKENS - 1)]
                for i in range(args.streams)]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
+    with work as tmp:
         loras = [
             LoRARequest(
                 f"a{i}",
@@ -116,7 +143,7 @@ def main() -> None:
             runs["adapters"].append(timed(llm, prompts, mixed))
     cpu = cpu_description()
     print(f"CPU: {cpu}")
-    print(f"{args.model or 'bundled model'}: {args.streams} streams, {args.adapters} adapters "
+    print(f"{args.shape or 'bundled model'}: {args.streams} streams, {args.adapters} adapters "
           f"of rank {args.rank} on {args.targets} projections, "
           f"{PROMPT_TOKENS}-token prompts, {NEW_TOKENS} tokens each")  # fmt: skip
     for name, values in runs.items():
@@ -132,8 +159,7 @@ def main() -> None:
         record = {
             "commit": commit,
             "cpu": cpu,
-            "command": "python benches/lora_streams.py "
-            + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "json"),
+            "command": "python " + " ".join(sys.argv),
             "runs": runs,
             "ratios": ratios,
         }
