@@ -408,4 +408,3 @@ class CpuLoraLayer:
         token_adapters: npt.NDArray[np.uint32],
         num_threads: int,
     ) -> None: ...
-

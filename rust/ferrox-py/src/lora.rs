@@ -19,8 +19,8 @@ impl CpuLoraLayer {
     /// output holds `slices` (first column, columns) an adapter may adapt.
     #[new]
     fn new(in_features: usize, out_features: usize, slices: Vec<(usize, usize)>) -> PyResult<Self> {
-        let inner = LoraLayer::new(in_features, out_features, slices)
-            .map_err(|e| invalid_argument(e.0))?;
+        let inner =
+            LoraLayer::new(in_features, out_features, slices).map_err(|e| invalid_argument(e.0))?;
         Ok(Self { inner })
     }
 
