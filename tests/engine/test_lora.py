@@ -313,3 +313,39 @@ def test_engines_that_cannot_serve_adapters_say_so(
         LLM(str(base), enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(UnsupportedModelError, match="do not run on Gemma3ForCausalLM"):
         LLM(str(tiny_models["gemma3"]), enable_lora=True, num_kv_blocks=32)
+
+
+def test_adapters_under_tensor_parallelism(tmp_path: Path) -> None:
+    """Two ranks over gloo, each with its shard of the base and of each
+    adapter (B by rows in q/k/v and gate/up, A by columns in o and down):
+    the same tokens as the merged model; the workers load an adapter as rank
+    0 does, and drop it with it."""
+    base = models.build_tiny_model(
+        tmp_path / "qwen2", "qwen2", num_attention_heads=4, num_key_value_heads=2
+    )
+    everything = models.build_lora_adapter(base, tmp_path / "all", rank=8, targets=ALL, seed=1)
+    qv = models.build_lora_adapter(
+        base, tmp_path / "qv", rank=4, targets=["q_proj", "v_proj"], use_rslora=True, seed=2
+    )
+    llm = LLM(
+        str(base), tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
+        max_cpu_loras=2, max_model_len=128,
+    )  # fmt: skip
+    batch = prompts(models.VOCAB_SIZE)[:4]
+    loras = [LoRARequest("all", 1, str(everything)), LoRARequest("qv", 2, str(qv)), None]
+    runs = [(p, lora) for p in batch for lora in loras]
+    outputs = llm.generate(
+        [p for p, _ in runs], greedy(logprobs=1), use_tqdm=False,
+        lora_request=[x for _, x in runs],
+    )  # fmt: skip
+    for key, path in (("all", everything), ("qv", qv), (None, None)):
+        mine = [(p, o) for (p, lora), o in zip(runs, outputs, strict=True)
+                if (lora.lora_name if lora else None) == key]  # fmt: skip
+        hf = models.hf_model(base) if path is None else models.hf_merged(base, path)
+        assert_matches_hf([o for _, o in mine], hf, [p for p, _ in mine], check_logprobs=True)
+    # A third adapter: the idle LRU (2) drops the oldest on every rank alike.
+    third = LoRARequest("again", 3, str(everything))
+    llm.generate(batch[:1], greedy(), use_tqdm=False, lora_request=third)
+    assert len(llm.engine.runner.lora.loaded) == 2
+    _check_idle(llm)
+    llm.engine.close()

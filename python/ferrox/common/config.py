@@ -221,10 +221,6 @@ class EngineConfig:
                     "LoRA adapters do not run with speculative decoding (the draft would "
                     "propose the base model's tokens): turn one of them off"
                 )
-            if tp > 1:
-                raise InvalidArgumentError(
-                    "LoRA adapters do not run with tensor_parallel_size > 1 yet"
-                )
         if self.max_logprobs < 0:
             raise InvalidArgumentError("max_logprobs must be >= 0")
         if not isinstance(self.seed, int):

@@ -18,7 +18,7 @@ from ferrox.common.errors import EngineDeadError, IntegrityError, InvalidArgumen
 from ferrox.executor.tensor_parallel import TensorParallelWorkers
 from ferrox.loader.model_loader import LoadedModel, load_model, resolve_max_model_len
 from ferrox.parallel.device import torch_device
-from ferrox.parallel.step_message import send_step
+from ferrox.parallel.step_message import ADAPTER_LOAD, ADAPTER_REMOVE, send_adapter, send_step
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
 from ferrox.runner.sampling_batch import SamplingBatch
 
@@ -73,11 +73,16 @@ class Executor:
             raise
 
     def add_adapter(self, adapter: int, path: str) -> None:
-        """Loads a LoRA adapter (one rank: LoRA refuses tensor parallelism)."""
+        """Loads a LoRA adapter on every rank (each its shard); rank 0
+        first, so that a bad adapter stops there."""
         self.runner.add_adapter(adapter, path)
+        if self._workers is not None:
+            send_adapter(ADAPTER_LOAD, adapter, path)
 
     def remove_adapter(self, adapter: int) -> None:
         self.runner.remove_adapter(adapter)
+        if self._workers is not None:
+            send_adapter(ADAPTER_REMOVE, adapter)
 
     def is_fatal(self, exc: BaseException) -> bool:
         """Whether an error in a step ends the engine (see `is_fatal`)."""

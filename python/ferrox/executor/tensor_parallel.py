@@ -28,7 +28,7 @@ from ferrox.common.errors import EngineDeadError, InvalidArgumentError
 from ferrox.loader.model_loader import load_model, resolve_max_model_len
 from ferrox.parallel import state as parallel
 from ferrox.parallel.device import torch_device
-from ferrox.parallel.step_message import receive_step, send_stop
+from ferrox.parallel.step_message import ADAPTER_LOAD, AdapterOrder, receive_step, send_stop
 from ferrox.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("ferrox.executor")
@@ -150,5 +150,11 @@ def worker_main(rank: int, size: int, init: str, options: dict[str, Any]) -> Non
         step = receive_step()
         if step is None:
             break
+        if isinstance(step, AdapterOrder):
+            if step.op == ADAPTER_LOAD:
+                runner.add_adapter(step.adapter, step.path)
+            else:
+                runner.remove_adapter(step.adapter)
+            continue
         runner.follow(*step)
     parallel.leave_group()

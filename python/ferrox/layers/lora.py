@@ -18,12 +18,14 @@ of them per adapter). Elsewhere the step's tokens are grouped by adapter
 one adapter, None when every token does), gathered once per layer call and
 scattered back with `index_add_` (not yet run on a GPU). Base-model tokens
 cost nothing. `LoraModel` owns the wrappers, the loaded adapters' weights,
-and the step in flight (`LoraModel.step`).
+and the step in flight (`LoraModel.step`). Under tensor parallelism each
+rank holds its slice of every adapter, cut as the base weights are
+(`LoraModel._shards`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,8 @@ from ferrox._native import CpuLoraLayer
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.common.lora import AdapterSpec, LoraTargets
 from ferrox.layers.native import kernel_threads
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -138,11 +142,19 @@ class LoraModel:
     (`lora_sites`) and holds each loaded adapter's weights in them."""
 
     def __init__(
-        self, model: nn.Module, targets: LoraTargets, sites: list[LoraSite], native: bool
+        self,
+        model: nn.Module,
+        targets: LoraTargets,
+        sites: list[LoraSite],
+        native: bool,
+        shard_of: Callable[[str, tuple[int, ...]], tuple[int, int, int] | None],
     ) -> None:
-        """`native`: the adapters run in native CPU layers (a float32 CPU model)."""
+        """`native`: the adapters run in native CPU layers (a float32 CPU
+        model). `shard_of`: the model's (dim, start, length) of each
+        checkpoint weight this tensor-parallel rank holds (None: whole)."""
         self.model = model
         self.targets = targets
+        self.shard_of = shard_of
         self.layers: list[list[LoraLinear]] = [[] for _ in range(targets.num_layers)]
         for site in sites:
             wrapped = LoraLinear(getattr(site.parent, site.attr), site.slices, native)
@@ -162,6 +174,7 @@ class LoraModel:
         as `read_adapter` checked them) under id `adapter`."""
         if adapter in self.loaded:
             raise InvalidArgumentError(f"adapter {adapter} is already loaded")
+        tensors = self._shards(tensors)
         for layer, wrappers in enumerate(self.layers):
             for wrapped in wrappers:
                 mine = [s for s in wrapped.slices if (layer, s.module, "A") in tensors]
@@ -180,6 +193,28 @@ class LoraModel:
                     continue
                 wrapped.adapters[adapter] = _Weights(a.to(device, dtype).contiguous(), parts)
         self.loaded.add(adapter)
+
+    def _shards(
+        self, tensors: dict[tuple[int, str, str], torch.Tensor]
+    ) -> dict[tuple[int, str, str], torch.Tensor]:
+        """This rank's slice of each tensor, as the base weight is split: a
+        column-parallel module's B by rows (its output columns), a
+        row-parallel module's A by columns (its input rows); the deltas of
+        row-parallel layers are partial sums the layer's all-reduce adds."""
+        out = {}
+        for (layer, module, part), t in tensors.items():
+            group = "self_attn" if module in _ATTENTION else "mlp"
+            fan_in, fan_out = self.targets.modules[module]
+            name = f"layers.{layer}.{group}.{module}.weight"
+            shard = self.shard_of(name, (fan_out, fan_in))
+            if shard is not None:
+                dim, start, length = shard
+                if dim == 0 and part == "B":
+                    t = t[start : start + length]
+                elif dim == 1 and part == "A":
+                    t = t[:, start : start + length]
+            out[(layer, module, part)] = t.contiguous()
+        return out
 
     def remove(self, adapter: int) -> None:
         for wrappers in self.layers:

@@ -1,6 +1,7 @@
 """The step message of tensor parallelism: rank 0 broadcasts the part of
 each BatchPlan that every rank's forward pass reads (a fixed header and one
-flat int64 payload over a gloo group: no pickle), or the order to stop."""
+flat int64 payload over a gloo group: no pickle), an order to load or drop a
+LoRA adapter, or the order to stop."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch.distributed as dist
 
 from ferrox.parallel.state import state
 
-_STOP, _STEP = 0, 1
+_STOP, _STEP, _ADAPTER = 0, 1, 2
+ADAPTER_LOAD, ADAPTER_REMOVE = 1, 2
 # The plan's arrays a step needs on every rank, in payload order.
 PLAN_FIELDS = (
     "input_ids",
@@ -27,6 +29,7 @@ PLAN_FIELDS = (
     "logits_indices",
     "window_slot_mapping",  # (empty without a window pool)
     "window_block_table",
+    "adapters",  # each row's LoRA adapter (0: none)
 )
 _FIELD_DTYPES = {
     "input_ids": np.int64,
@@ -40,6 +43,7 @@ _FIELD_DTYPES = {
     "logits_indices": np.int64,
     "window_slot_mapping": np.int64,
     "window_block_table": np.int32,
+    "adapters": np.uint32,
 }
 # kind, num_reqs, num_decodes, num_tokens, block table columns, prompt rows,
 # then the length of each field
@@ -64,6 +68,16 @@ class StepPlan:
     logits_indices: np.ndarray
     window_slot_mapping: np.ndarray | None = None
     window_block_table: np.ndarray | None = None
+    adapters: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class AdapterOrder:
+    """Load the LoRA adapter at `path` under id `adapter`, or drop it."""
+
+    op: int  # ADAPTER_LOAD or ADAPTER_REMOVE
+    adapter: int
+    path: str = ""
 
 
 def _broadcast_header(header: np.ndarray) -> None:
@@ -73,6 +87,15 @@ def _broadcast_header(header: np.ndarray) -> None:
 def send_stop() -> None:
     """Rank 0: tells every worker to leave its step loop."""
     _broadcast_header(np.array([_STOP] + [0] * (_HEADER_LEN - 1), dtype=np.int64))
+
+
+def send_adapter(op: int, adapter: int, path: str = "") -> None:
+    """Rank 0: every worker loads (or drops) a LoRA adapter, as rank 0 did."""
+    raw = np.frombuffer(path.encode(), dtype=np.uint8).astype(np.int64)
+    header = np.zeros(_HEADER_LEN, dtype=np.int64)
+    header[:4] = (_ADAPTER, op, adapter, raw.size)
+    _broadcast_header(header)
+    dist.broadcast(torch.from_numpy(raw), src=0, group=state().control)
 
 
 def send_step(plan: Any, prompt_rows: list[tuple[int, int, int]] | None) -> None:
@@ -103,13 +126,18 @@ def send_step(plan: Any, prompt_rows: list[tuple[int, int, int]] | None) -> None
     dist.broadcast(torch.from_numpy(payload), src=0, group=state().control)
 
 
-def receive_step() -> tuple[StepPlan, list[tuple[int, int, int]]] | None:
-    """A worker: the next step, or None when rank 0 stops."""
+def receive_step() -> tuple[StepPlan, list[tuple[int, int, int]]] | AdapterOrder | None:
+    """A worker: the next step, an adapter order, or None when rank 0 stops."""
     header_t = torch.empty(_HEADER_LEN, dtype=torch.int64)
     dist.broadcast(header_t, src=0, group=state().control)
     header = header_t.numpy()
     if header[0] == _STOP:
         return None
+    if header[0] == _ADAPTER:
+        raw_t = torch.empty(int(header[3]), dtype=torch.int64)
+        dist.broadcast(raw_t, src=0, group=state().control)
+        path = raw_t.numpy().astype(np.uint8).tobytes().decode()
+        return AdapterOrder(int(header[1]), int(header[2]), path)
     num_reqs, num_decodes, num_tokens, width, num_rows = (int(v) for v in header[1:6])
     sizes = [int(v) for v in header[6:]]
     payload_t = torch.empty(sum(sizes) + 3 * num_rows, dtype=torch.int64)

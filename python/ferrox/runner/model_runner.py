@@ -178,7 +178,8 @@ class ModelRunner:
                 "Llama, Mistral, Qwen2 and Qwen3 families"
             )
         native = self.device.type == "cpu" and self.dtype == torch.float32
-        return LoraModel(model, model.lora_targets(), model.lora_sites(), native)
+        sites = model.lora_sites()
+        return LoraModel(model, model.lora_targets(), sites, native, model.shard_of)
 
     def add_adapter(self, adapter: int, path: str) -> None:
         """Loads the adapter at `path` (checked again: the files may have
@@ -439,7 +440,7 @@ class ModelRunner:
         input_ids = self._tensor(plan.input_ids, "ids")
         positions = self._tensor(plan.positions, "positions")
         lora_step = None
-        if self.lora is not None and isinstance(plan, BatchPlan):
+        if self.lora is not None and plan.adapters is not None:
             lora_step = LoraStep.of(plan.adapters, plan.query_start_loc, self.device)
         fits = not eager and lora_step is None and self._graph_fits(meta, prompt_logprob_rows)
         graphs = self.graphs if fits else None
