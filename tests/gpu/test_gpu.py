@@ -231,3 +231,29 @@ def test_speculative_decoding_matches_plain_decoding(tiny_models: dict[str, Path
         assert stats.spec_num_accepted_tokens > 0
         if spec["method"] == "draft_model":
             assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens
+
+
+def test_lora_adapters_match_peft_merged(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The stacked adapters and the Triton LoRA kernels, in float32, two
+    adapters and the base in one batch, with CUDA graphs on for base steps."""
+    from ferrox import LoRARequest
+
+    base = tiny_models["qwen3"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    everything = models.build_lora_adapter(base, tmp_path / "all", rank=8, targets=targets)
+    qv = models.build_lora_adapter(base, tmp_path / "qv", rank=4, targets=["q_proj", "v_proj"])
+    llm = engine(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompts = batch(models.VOCAB_SIZE)[:4]
+    loras = [LoRARequest("all", 1, str(everything)), LoRARequest("qv", 2, str(qv)), None]
+    runs = [(p, lora) for p in prompts for lora in loras]
+    outs = llm.generate(
+        [p for p, _ in runs], greedy(), use_tqdm=False, lora_request=[x for _, x in runs]
+    )
+    oracles = {
+        "all": models.hf_merged(base, everything),
+        "qv": models.hf_merged(base, qv),
+        None: models.hf_model(base),
+    }
+    for (prompt, lora), out in zip(runs, outs, strict=True):
+        hf = oracles[lora.lora_name if lora else None]
+        assert out.outputs[0].token_ids == models.hf_greedy(hf, prompt, MAX_TOKENS)[0]

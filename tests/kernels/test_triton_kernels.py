@@ -1,4 +1,4 @@
-"""The Triton KV-store and paged-attention kernels against the torch backend:
+"""The Triton KV-store, paged-attention and LoRA kernels against torch:
 small cases everywhere (on the CPU under the Triton interpreter, compiled on a
 GPU), and full-size cases on a GPU only."""
 
@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ if IN_PROCESS and not ON_GPU:
         del sys.modules[_name]
 
 from ferrox.triton_kernels.kv_store import store_kv  # noqa: E402
+from ferrox.triton_kernels.lora import lora_expand, lora_shrink  # noqa: E402
 from ferrox.triton_kernels.paged_attention import num_kv_splits_for, paged_attention  # noqa: E402
 from ferrox.triton_kernels.quant_matmul import (  # noqa: E402
     dequant_matmul,
@@ -447,3 +449,83 @@ class TestFullSizeOnGpu:
             step.meta.block_table.zero_()[:, :width] = new.meta.block_table
             graph.replay()
             assert_matches(out, reference(new))
+
+
+@pytest.mark.parametrize(("k", "r", "n", "dtype"), [(37, 5, 29, F32), (96, 48, 130, F16)])
+def test_lora_shrink_and_expand_match_torch(k: int, r: int, n: int, dtype: torch.dtype) -> None:
+    """Per token its slot's A and B (slot -1: the base model, nothing added)."""
+    gen = torch.Generator().manual_seed(k)
+    slots_list = [2, -1, 0, 2, 1, -1, 0]
+    x = torch.randn(len(slots_list), k, generator=gen).to(DEVICE, dtype)
+    a = torch.randn(3, r, k, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(3, n, r, generator=gen).to(DEVICE, dtype)
+    out = torch.randn(len(slots_list), n, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor(slots_list, dtype=torch.int32, device=DEVICE)
+    h = lora_shrink(x, a, slots)
+    want = out.float().clone()
+    for t, s in enumerate(slots_list):
+        if s >= 0:
+            ht = a[s].float() @ x[t].float()
+            torch.testing.assert_close(h[t], ht, atol=1e-2, rtol=1e-3)
+            want[t] += b[s].float() @ ht
+    lora_expand(h, b, slots, out)
+    tol = 1e-3 if dtype == F32 else 5e-2
+    torch.testing.assert_close(out.float(), want, atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.parametrize("mode", ["stacked", "native"])
+def test_stacked_adapters_match_the_torch_path(mode: str) -> None:
+    """LoraModel's stacked mode (slots in stacks, the Triton kernels) or its
+    native one (the CPU's CpuLoraLayer) against its torch mode on the same
+    merged layer (three slices), two adapters that adapt different slices
+    at different ranks, mixed with base tokens; a removed adapter's slot is
+    reused."""
+    if mode == "native" and ON_GPU:
+        pytest.skip("the native layer runs on the CPU")
+    from torch import nn
+
+    from ferrox.common.lora import AdapterSpec, LoraTargets
+    from ferrox.layers.lora import LoraModel, LoraSite, LoraSlice, LoraStep
+
+    gen = torch.Generator().manual_seed(0)
+    k, sizes = 24, (16, 8, 8)
+    slices = (LoraSlice("q_proj", 0, 16), LoraSlice("k_proj", 16, 8), LoraSlice("v_proj", 24, 8))
+    targets = LoraTargets(1, {"q_proj": (k, 16), "k_proj": (k, 8), "v_proj": (k, 8)})
+
+    def build(mode: str) -> tuple[nn.Module, LoraModel]:
+        torch.manual_seed(1)
+        holder = nn.Module()
+        holder.qkv = nn.Linear(k, sum(sizes), bias=False).to(DEVICE)
+        model = nn.Module()
+        model.fused_decode = None
+        site = LoraSite(0, holder, "qkv", slices)
+        return holder, LoraModel(model, targets, [site], mode, lambda *_: None, max_rank=4)
+
+    def adapter(rank: int, modules: list[str]) -> tuple[AdapterSpec, dict]:
+        tensors = {}
+        for m in modules:
+            fan_in, fan_out = targets.modules[m]
+            # (float16 values: the native layer holds its weights as float16)
+            tensors[(0, m, "A")] = torch.randn(rank, fan_in, generator=gen).half().float()
+            tensors[(0, m, "B")] = torch.randn(fan_out, rank, generator=gen).half().float()
+        spec = AdapterSpec(Path("."), rank, 0.5, frozenset(modules), {})
+        return spec, tensors
+
+    first, second = adapter(4, ["q_proj", "v_proj"]), adapter(2, ["k_proj", "v_proj", "q_proj"])
+    x = torch.randn(6, k, generator=gen).to(DEVICE)
+    per_token = np.array([1, 0, 2, 2, 1, 0], dtype=np.uint32)
+    outs = []
+    for each in (mode, "torch"):
+        holder, lora = build(each)
+        lora.add(1, *first, F32, DEVICE)
+        lora.add(3, *second, F32, DEVICE)
+        lora.remove(1)  # its slot goes free and is taken again below
+        lora.add(2, *second, F32, DEVICE)
+        lora.add(1, *first, F32, DEVICE)
+        step = LoraStep.of(per_token, np.arange(7, dtype=np.int32), DEVICE)
+        with torch.inference_mode(), lora.step(step):
+            outs.append(holder.qkv(x).float().cpu())
+    base = build("torch")[0].qkv(x).detach().float().cpu()
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(outs[0][[1, 5]], base[[1, 5]])  # base tokens untouched
+    assert not torch.allclose(outs[0][0], base[0])

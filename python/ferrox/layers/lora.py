@@ -13,10 +13,13 @@ On the CPU in float32 the adapters' weights live in a native layer
 (`CpuLoraLayer`, `ferrox_cpu::lora`): one call per layer and step adds every
 adapter's delta, whatever the number of adapters (`benches/lora_streams.py`:
 a torch op costs several microseconds, and a layer's delta is about twenty
-of them per adapter). Elsewhere the step's tokens are grouped by adapter
-(`LoraStep.groups`: a group is the token indices of the rows that run under
-one adapter, None when every token does), gathered once per layer call and
-scattered back with `index_add_` (not yet run on a GPU). Base-model tokens
+of them per adapter). On a GPU every layer holds the adapters stacked by
+slot, each merged slice at `max_rank` columns (block-diagonal B), and two
+Triton kernels add every token's delta (`triton_kernels/lora.py`; not yet
+run on a GPU). Otherwise (a CPU model in another dtype) the step's tokens
+are grouped by adapter (`LoraStep.groups`: a group is the token indices of
+the rows that run under one adapter, None when every token does), gathered
+once per layer call and scattered back with `index_add_`. Base-model tokens
 cost nothing. `LoraModel` owns the wrappers, the loaded adapters' weights,
 and the step in flight (`LoraModel.step`). Under tensor parallelism each
 rank holds its slice of every adapter, cut as the base weights are
@@ -70,6 +73,8 @@ class LoraStep:
 
     token_adapters: np.ndarray  # [T] uint32
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    # (stacked mode) each token's slot on the device, -1 for none; set by LoraModel.step
+    token_slots: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -98,18 +103,31 @@ class _Weights:
     b: list[tuple[LoraSlice, int, int, torch.Tensor]]
 
 
+# Where a LoraLinear's adapters live and run (LoraModel picks one per model).
+MODES = ("native", "stacked", "torch")
+
+
 class LoraLinear(nn.Module):
-    def __init__(self, base: nn.Module, slices: tuple[LoraSlice, ...], native: bool) -> None:
-        """`native`: the adapters run in a `CpuLoraLayer` (CPU, float32)."""
+    def __init__(
+        self, base: nn.Module, slices: tuple[LoraSlice, ...], mode: str, max_rank: int
+    ) -> None:
+        """`mode`: "native", the adapters in a `CpuLoraLayer` (CPU, float32);
+        "stacked", stacked by slot for the Triton kernels (a GPU); "torch",
+        torch ops per adapter."""
         super().__init__()
         self.base = base
         self.slices = slices
-        self.adapters: dict[int, _Weights] = {}
+        self.mode = mode
+        self.max_rank = max_rank
+        self.fan_in, self.fan_out = int(base.in_features), int(base.out_features)  # type: ignore[arg-type]
+        self.adapters: dict[int, _Weights] = {}  # (torch)
         self.native = None
-        if native:
+        if mode == "native":
             spans = [(s.start, s.size) for s in slices]
-            fan_in, fan_out = int(base.in_features), int(base.out_features)  # type: ignore[arg-type]
-            self.native = CpuLoraLayer(fan_in, fan_out, spans)
+            self.native = CpuLoraLayer(self.fan_in, self.fan_out, spans)
+        # (stacked) [slots, slices * max_rank, in] and [slots, out, slices * max_rank]
+        self.a_stack: torch.Tensor | None = None
+        self.b_stack: torch.Tensor | None = None
         self.step: LoraStep | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +138,14 @@ class LoraLinear(nn.Module):
         if self.native is not None:
             x = x.contiguous()
             self.native.apply(x.numpy(), out.numpy(), step.token_adapters, kernel_threads())
+            return out
+        if self.mode == "stacked":
+            if self.a_stack is not None and self.b_stack is not None:
+                from ferrox.triton_kernels.lora import lora_expand, lora_shrink
+
+                assert step.token_slots is not None
+                h = lora_shrink(x, self.a_stack, step.token_slots)
+                lora_expand(h, self.b_stack, step.token_slots, out)
             return out
         for adapter, rows in step.groups:
             w = self.adapters.get(adapter)
@@ -146,21 +172,28 @@ class LoraModel:
         model: nn.Module,
         targets: LoraTargets,
         sites: list[LoraSite],
-        native: bool,
+        mode: str,
         shard_of: Callable[[str, tuple[int, ...]], tuple[int, int, int] | None],
+        max_rank: int,
     ) -> None:
-        """`native`: the adapters run in native CPU layers (a float32 CPU
-        model). `shard_of`: the model's (dim, start, length) of each
-        checkpoint weight this tensor-parallel rank holds (None: whole)."""
+        """`mode`: one of MODES (see LoraLinear). `shard_of`: the model's
+        (dim, start, length) of each checkpoint weight this tensor-parallel
+        rank holds (None: whole). `max_rank`: the largest rank (the stacked
+        mode's width per slice)."""
+        if mode not in MODES:
+            raise InvalidArgumentError(f"LoRA mode must be one of {MODES}, got {mode!r}")
         self.model = model
         self.targets = targets
         self.shard_of = shard_of
+        self.mode = mode
         self.layers: list[list[LoraLinear]] = [[] for _ in range(targets.num_layers)]
         for site in sites:
-            wrapped = LoraLinear(getattr(site.parent, site.attr), site.slices, native)
+            base = getattr(site.parent, site.attr)
+            wrapped = LoraLinear(base, site.slices, mode, max_rank)
             setattr(site.parent, site.attr, wrapped)
             self.layers[site.layer].append(wrapped)
         self.loaded: set[int] = set()
+        self.slots: dict[int, int] = {}  # (stacked) adapter -> its slot in the stacks
 
     def add(
         self,
@@ -175,6 +208,9 @@ class LoraModel:
         if adapter in self.loaded:
             raise InvalidArgumentError(f"adapter {adapter} is already loaded")
         tensors = self._shards(tensors)
+        if self.mode == "stacked":
+            self._add_stacked(adapter, spec, tensors, dtype, device)
+            return
         for layer, wrappers in enumerate(self.layers):
             for wrapped in wrappers:
                 mine = [s for s in wrapped.slices if (layer, s.module, "A") in tensors]
@@ -192,6 +228,42 @@ class LoraModel:
                     wrapped.native.add(adapter, spec.rank, a.contiguous().numpy(), bs)
                     continue
                 wrapped.adapters[adapter] = _Weights(a.to(device, dtype).contiguous(), parts)
+        self.loaded.add(adapter)
+
+    def _add_stacked(
+        self,
+        adapter: int,
+        spec: AdapterSpec,
+        tensors: dict[tuple[int, str, str], torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """The adapter in a free slot of every layer's stacks (grown as
+        needed): slice j's A in rows j * max_rank ..., its B in the slice's
+        output rows and the same columns; zeros where it adapts nothing."""
+        slot = min(set(range(len(self.slots) + 1)) - set(self.slots.values()))
+        for layer, wrappers in enumerate(self.layers):
+            for w in wrappers:
+                width = len(w.slices) * w.max_rank
+                if w.a_stack is None or w.b_stack is None or w.a_stack.shape[0] <= slot:
+                    grown = max(2 * slot, 1)
+                    a_new = torch.zeros(grown, width, w.fan_in, dtype=dtype, device=device)
+                    b_new = torch.zeros(grown, w.fan_out, width, dtype=dtype, device=device)
+                    if w.a_stack is not None and w.b_stack is not None:
+                        a_new[: w.a_stack.shape[0]] = w.a_stack
+                        b_new[: w.b_stack.shape[0]] = w.b_stack
+                    w.a_stack, w.b_stack = a_new, b_new
+                w.a_stack[slot].zero_()
+                w.b_stack[slot].zero_()
+                for j, s in enumerate(w.slices):
+                    if (layer, s.module, "A") not in tensors:
+                        continue
+                    r0, r1 = j * w.max_rank, j * w.max_rank + spec.rank
+                    a = tensors[(layer, s.module, "A")]
+                    b = tensors[(layer, s.module, "B")].to(torch.float32) * spec.scale
+                    w.a_stack[slot, r0:r1] = a.to(device, dtype)
+                    w.b_stack[slot, s.start : s.start + s.size, r0:r1] = b.to(device, dtype)
+        self.slots[adapter] = slot
         self.loaded.add(adapter)
 
     def _shards(
@@ -222,6 +294,7 @@ class LoraModel:
                 wrapped.adapters.pop(adapter, None)
                 if wrapped.native is not None:
                     wrapped.native.remove(adapter)
+        self.slots.pop(adapter, None)
         self.loaded.discard(adapter)
 
     @contextmanager
@@ -235,6 +308,13 @@ class LoraModel:
         missing = {a for a, _ in step.groups} - self.loaded
         if missing:
             raise InvalidArgumentError(f"adapters {sorted(missing)} are not loaded")
+        if self.mode == "stacked":
+            lookup = np.full(int(step.token_adapters.max()) + 1, -1, dtype=np.int32)
+            for adapter, slot in self.slots.items():
+                if adapter < len(lookup):
+                    lookup[adapter] = slot
+            slots = torch.from_numpy(lookup[step.token_adapters])
+            step.token_slots = slots.to(self.layers[0][0].a_stack.device)  # type: ignore[union-attr]
         model: Any = self.model
         fused = model.fused_decode
         model.fused_decode = None

@@ -177,9 +177,13 @@ class ModelRunner:
                 f"LoRA adapters do not run on {type(model).__name__} yet; they run on the "
                 "Llama, Mistral, Qwen2 and Qwen3 families"
             )
-        native = self.device.type == "cpu" and self.dtype == torch.float32
+        if self.device.type == "cpu":
+            mode = "native" if self.dtype == torch.float32 else "torch"
+        else:
+            mode = "stacked"  # the Triton kernels (not yet run on a GPU)
         sites = model.lora_sites()
-        return LoraModel(model, model.lora_targets(), sites, native, model.shard_of)
+        max_rank = self.config.max_lora_rank
+        return LoraModel(model, model.lora_targets(), sites, mode, model.shard_of, max_rank)
 
     def add_adapter(self, adapter: int, path: str) -> None:
         """Loads the adapter at `path` (checked again: the files may have
