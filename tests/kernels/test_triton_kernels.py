@@ -499,7 +499,8 @@ def test_stacked_adapters_match_the_torch_path(mode: str) -> None:
         model = nn.Module()
         model.fused_decode = None
         site = LoraSite(0, holder, "qkv", slices)
-        return holder, LoraModel(model, targets, [site], mode, lambda *_: None, max_rank=4)
+        lora = LoraModel(model, targets, [site], mode, lambda *_: None, 4, F32, DEVICE)
+        return holder, lora
 
     def adapter(rank: int, modules: list[str]) -> tuple[AdapterSpec, dict]:
         tensors = {}
@@ -517,12 +518,12 @@ def test_stacked_adapters_match_the_torch_path(mode: str) -> None:
     outs = []
     for each in (mode, "torch"):
         holder, lora = build(each)
-        lora.add(1, *first, F32, DEVICE)
-        lora.add(3, *second, F32, DEVICE)
+        lora.add(1, *first)
+        lora.add(3, *second)
         lora.remove(1)  # its slot goes free and is taken again below
-        lora.add(2, *second, F32, DEVICE)
-        lora.add(1, *first, F32, DEVICE)
-        step = LoraStep.of(per_token, np.arange(7, dtype=np.int32), DEVICE)
+        lora.add(2, *second)
+        lora.add(1, *first)
+        step = LoraStep.of(per_token, np.arange(7, dtype=np.int32))
         with torch.inference_mode(), lora.step(step):
             outs.append(holder.qkv(x).float().cpu())
     base = build("torch")[0].qkv(x).detach().float().cpu()

@@ -67,31 +67,24 @@ class LoraSite:
 
 @dataclass
 class LoraStep:
-    """The step's tokens by adapter: each token's adapter (0: none), and
-    (adapter id, token indices or None for all of them), base-model tokens
-    left out."""
+    """The step's adapters: each token's (0: none) and the distinct ones;
+    `LoraModel.step` adds what its mode reads."""
 
     token_adapters: np.ndarray  # [T] uint32
+    adapters: list[int]  # the distinct adapters (not 0)
+    # (torch mode) per adapter, its token indices (None: every token)
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
-    # (stacked mode) each token's slot on the device, -1 for none; set by LoraModel.step
+    # (stacked mode) each token's slot on the device, -1 for none
     token_slots: torch.Tensor | None = None
 
     @classmethod
-    def of(
-        cls, adapters: np.ndarray, query_start_loc: np.ndarray, device: torch.device
-    ) -> LoraStep | None:
+    def of(cls, adapters: np.ndarray, query_start_loc: np.ndarray) -> LoraStep | None:
         """From the plan's per-row adapters and query starts; None when no
         row has an adapter."""
         if not adapters.any():
             return None
-        num_tokens = int(query_start_loc[-1])
         per_token = np.repeat(adapters, np.diff(query_start_loc)).astype(np.uint32)
-        step = cls(per_token)
-        for adapter in np.unique(adapters[adapters != 0]).tolist():
-            mine = np.flatnonzero(per_token == adapter)
-            rows = None if len(mine) == num_tokens else torch.from_numpy(mine).to(device)
-            step.groups.append((int(adapter), rows))
-        return step
+        return cls(per_token, np.unique(adapters[adapters != 0]).tolist())
 
 
 @dataclass
@@ -175,13 +168,17 @@ class LoraModel:
         mode: str,
         shard_of: Callable[[str, tuple[int, ...]], tuple[int, int, int] | None],
         max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         """`mode`: one of MODES (see LoraLinear). `shard_of`: the model's
         (dim, start, length) of each checkpoint weight this tensor-parallel
         rank holds (None: whole). `max_rank`: the largest rank (the stacked
-        mode's width per slice)."""
+        mode's width per slice). `dtype`, `device`: the adapters' (the
+        model's; the native mode holds float16)."""
         if mode not in MODES:
             raise InvalidArgumentError(f"LoRA mode must be one of {MODES}, got {mode!r}")
+        self.dtype, self.device = dtype, device
         self.model = model
         self.targets = targets
         self.shard_of = shard_of
@@ -200,8 +197,6 @@ class LoraModel:
         adapter: int,
         spec: AdapterSpec,
         tensors: dict[tuple[int, str, str], torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
     ) -> None:
         """Installs an adapter's tensors ((layer, module, "A"/"B") -> tensor,
         as `read_adapter` checked them) under id `adapter`."""
@@ -209,8 +204,9 @@ class LoraModel:
             raise InvalidArgumentError(f"adapter {adapter} is already loaded")
         tensors = self._shards(tensors)
         if self.mode == "stacked":
-            self._add_stacked(adapter, spec, tensors, dtype, device)
+            self._add_stacked(adapter, spec, tensors)
             return
+        dtype, device = self.dtype, self.device
         for layer, wrappers in enumerate(self.layers):
             for wrapped in wrappers:
                 mine = [s for s in wrapped.slices if (layer, s.module, "A") in tensors]
@@ -235,12 +231,11 @@ class LoraModel:
         adapter: int,
         spec: AdapterSpec,
         tensors: dict[tuple[int, str, str], torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
     ) -> None:
         """The adapter in a free slot of every layer's stacks (grown as
         needed): slice j's A in rows j * max_rank ..., its B in the slice's
         output rows and the same columns; zeros where it adapts nothing."""
+        dtype, device = self.dtype, self.device
         slot = min(set(range(len(self.slots) + 1)) - set(self.slots.values()))
         for layer, wrappers in enumerate(self.layers):
             for w in wrappers:
@@ -305,16 +300,20 @@ class LoraModel:
         if step is None:
             yield
             return
-        missing = {a for a, _ in step.groups} - self.loaded
+        missing = set(step.adapters) - self.loaded
         if missing:
             raise InvalidArgumentError(f"adapters {sorted(missing)} are not loaded")
         if self.mode == "stacked":
-            lookup = np.full(int(step.token_adapters.max()) + 1, -1, dtype=np.int32)
-            for adapter, slot in self.slots.items():
-                if adapter < len(lookup):
-                    lookup[adapter] = slot
-            slots = torch.from_numpy(lookup[step.token_adapters])
-            step.token_slots = slots.to(self.layers[0][0].a_stack.device)  # type: ignore[union-attr]
+            lookup = np.full(max(step.adapters) + 1, -1, dtype=np.int32)
+            for adapter in step.adapters:
+                lookup[adapter] = self.slots[adapter]
+            step.token_slots = torch.from_numpy(lookup[step.token_adapters]).to(self.device)
+        elif self.mode == "torch":
+            num_tokens = len(step.token_adapters)
+            for adapter in step.adapters:
+                mine = np.flatnonzero(step.token_adapters == adapter)
+                rows = None if len(mine) == num_tokens else torch.from_numpy(mine).to(self.device)
+                step.groups.append((adapter, rows))
         model: Any = self.model
         fused = model.fused_decode
         model.fused_decode = None

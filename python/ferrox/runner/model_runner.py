@@ -183,7 +183,10 @@ class ModelRunner:
             mode = "stacked"  # the Triton kernels (not yet run on a GPU)
         sites = model.lora_sites()
         max_rank = self.config.max_lora_rank
-        return LoraModel(model, model.lora_targets(), sites, mode, model.shard_of, max_rank)
+        targets = model.lora_targets()
+        return LoraModel(
+            model, targets, sites, mode, model.shard_of, max_rank, self.dtype, self.device
+        )
 
     def add_adapter(self, adapter: int, path: str) -> None:
         """Loads the adapter at `path` (checked again: the files may have
@@ -192,7 +195,7 @@ class ModelRunner:
             raise InvalidArgumentError("this engine serves no LoRA adapters (enable_lora)")
         spec = read_adapter(path, self.lora.targets, self.config.max_lora_rank)
         tensors = load_adapter_tensors(spec)
-        self.lora.add(adapter, spec, tensors, self.dtype, self.device)
+        self.lora.add(adapter, spec, tensors)
 
     def remove_adapter(self, adapter: int) -> None:
         if self.lora is not None:
@@ -445,7 +448,7 @@ class ModelRunner:
         positions = self._tensor(plan.positions, "positions")
         lora_step = None
         if self.lora is not None and plan.adapters is not None:
-            lora_step = LoraStep.of(plan.adapters, plan.query_start_loc, self.device)
+            lora_step = LoraStep.of(plan.adapters, plan.query_start_loc)
         fits = not eager and lora_step is None and self._graph_fits(meta, prompt_logprob_rows)
         graphs = self.graphs if fits else None
         if graphs is not None:
