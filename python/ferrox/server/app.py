@@ -114,7 +114,9 @@ def build_app(
             return missing
         return _json(adapter_card(name) if name in ctx.adapters.by_name else card(name))
 
-    lora = AdapterRoutes(ctx.adapters, ctx.client.adapter_users, ctx.client.unload_adapter)
+    lora = AdapterRoutes(
+        ctx.adapters, serving.decode, ctx.client.adapter_users, ctx.client.unload_adapter
+    )
 
     async def metrics(_: Request) -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")

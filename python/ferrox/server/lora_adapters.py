@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -34,7 +35,6 @@ class LoadAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 class UnloadAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
-    lora_int_id: int | None = None
 
 
 def parse_lora_module(text: str) -> LoRARequest:
@@ -103,17 +103,20 @@ class ServerAdapters:
 
 
 class AdapterRoutes:
-    """/v1/load_lora_adapter and /v1/unload_lora_adapter. `in_use(name)`:
-    the requests in flight under an adapter; `unload(name)` tells the
-    engines to drop it."""
+    """/v1/load_lora_adapter and /v1/unload_lora_adapter. `decode(body,
+    kind)`: the server's request decoding (its 400s); `in_use(name)`: the
+    requests in flight under an adapter; `unload(name)` tells the engines to
+    drop it. Their bodies take no field beyond those declared."""
 
     def __init__(
         self,
         adapters: ServerAdapters,
+        decode: Callable[[bytes, type[Any]], Any],
         in_use: Callable[[str], int],
         unload: Callable[[str], None],
     ) -> None:
         self.adapters = adapters
+        self.decode = decode
         self.in_use = in_use
         self.unload_in_engines = unload
 
@@ -131,7 +134,7 @@ class AdapterRoutes:
         if (refused := self._refuse_without_flag()) is not None:
             return refused
         try:
-            req = _decode(await http.body(), LoadAdapterRequest)
+            req = self.decode(await http.body(), LoadAdapterRequest)
             if req.load_inplace:
                 raise op.BadRequest("load_inplace is not supported", param="load_inplace")
             if not req.lora_name:
@@ -147,7 +150,7 @@ class AdapterRoutes:
         if (refused := self._refuse_without_flag()) is not None:
             return refused
         try:
-            req = _decode(await http.body(), UnloadAdapterRequest)
+            req = self.decode(await http.body(), UnloadAdapterRequest)
             request = self.adapters.by_name.get(req.lora_name)
             if request is None:
                 return error_response(
@@ -163,12 +166,3 @@ class AdapterRoutes:
         except Exception as e:
             return exception_response(e)
         return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
-
-
-def _decode(body: bytes, kind: type[msgspec.Struct]):  # type: ignore[no-untyped-def]
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        raise op.BadRequest(f"invalid request: {e}") from e
-    except msgspec.DecodeError as e:
-        raise op.BadRequest(f"the body is not valid JSON: {e}") from e
