@@ -18,6 +18,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
@@ -214,6 +215,33 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
             mlp_only_layers=[0],
         ),
     ),
+    # Qwen3.5: three Gated DeltaNet layers then an attention layer (gated
+    # queries, partial rotary), twice; two value heads per key head.
+    "qwen3.5": (
+        Qwen3_5TextConfig,
+        dict(
+            architectures=["Qwen3_5ForCausalLM"],
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=True,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        ),
+    ),
     # LongRoPE, inside the pretraining length: the short factors.
     "phi3-longrope": (
         Phi3Config,
@@ -286,7 +314,7 @@ def build_tiny_model(path: Path, name: str, **overrides: Any) -> Path:
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0.0, 0.5)
-    if "gemma" in name:
+    if "gemma" in name or "qwen3.5" in name:
         with torch.no_grad():  # its norms start at 1 + 0: make them matter
             for param_name, param in model.named_parameters():
                 if param_name.endswith("norm.weight"):

@@ -117,16 +117,27 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         params: dict[str, Any],
         context_length: int | None = None,
+        partial: bool = False,
     ) -> None:
         """`context_length`: the longest sequence the engine runs (LongRoPE
-        picks its factors by it; default `max_position`)."""
+        picks its factors by it; default `max_position`). `partial`: the
+        family honours `partial_rotary_factor` (only the first
+        `rotary_dim` dimensions of each head rotate, the rest pass)."""
         super().__init__()
         rope_type = params["rope_type"]
         if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
             raise UnsupportedModelError(f"rope type {rope_type!r} is not supported")
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        factor = float(params.get("partial_rotary_factor", 1.0))
+        if factor != 1.0 and not (partial and rope_type in ("default", "linear")):
             raise UnsupportedModelError(
-                "partial rotary embeddings (partial_rotary_factor < 1) are not supported yet"
+                "partial rotary embeddings (partial_rotary_factor < 1) are not supported for "
+                f"this family{' with rope type ' + repr(rope_type) if partial else ''}"
+            )
+        self.head_dim = head_dim
+        head_dim = self.rotary_dim = int(head_dim * factor)
+        if head_dim <= 0 or head_dim % 2:
+            raise UnsupportedModelError(
+                f"rotary dimension {head_dim} is not a positive even number"
             )
         base = float(params["rope_theta"])
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -155,6 +166,12 @@ class RotaryEmbedding(nn.Module):
         """Rotates the first `num_heads` heads of x in place.
 
         positions: [T]; x: [T, heads, D] (queries, then keys, then others)."""
+        if self.rotary_dim != self.head_dim:  # partial: the first rotary_dim rotate
+            cos = self.cos_cache[positions].unsqueeze(1)
+            sin = self.sin_cache[positions].unsqueeze(1)
+            part = x[:, :num_heads, : self.rotary_dim]
+            x[:, :num_heads, : self.rotary_dim] = _rotate(part, cos, sin)
+            return
         if on_cpu_fp32(x, self.cos_cache) and x.is_contiguous() and positions.dtype == torch.int64:
             rotary_in_place_cpu(
                 x.numpy(),

@@ -47,9 +47,37 @@ class SlidingWindowAttention:
     window: int
 
 
+@dataclass(frozen=True)
+class LinearAttentionState:
+    """A linear-attention layer (Gated DeltaNet) whose per-request state has
+    a fixed size whatever the sequence's length: the last `conv_kernel - 1`
+    inputs of its causal convolution over `conv_dim` channels, and a
+    `k_head_dim x v_head_dim` matrix per value head. It lives in the state
+    pool, one slot per running sequence (the Rust core's state slots), in
+    float32."""
+
+    conv_dim: int
+    conv_kernel: int
+    num_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def recurrent_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.k_head_dim, self.v_head_dim)
+
+    @property
+    def num_bytes(self) -> int:
+        conv = self.conv_dim * (self.conv_kernel - 1)
+        return 4 * (conv + self.num_heads * self.k_head_dim * self.v_head_dim)
+
+
 # The kinds of per-layer state the runner and the Rust core manage.
-# Recurrent (linear-attention) state is the next kind.
-LayerState = FullAttention | SlidingWindowAttention
+LayerState = FullAttention | SlidingWindowAttention | LinearAttentionState
 
 
 def gguf_token_fields(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:

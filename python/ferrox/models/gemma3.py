@@ -113,7 +113,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_scale = float(config.hidden_size) ** 0.5
 
     def decoder_layer(
-        self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend]
+        self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend], index: int
     ) -> nn.Module:
         return Gemma3DecoderLayer(config, rotary, backend)
 

@@ -211,11 +211,13 @@ class LlamaForCausalLM(CausalLM):
         self.vocab_start, self.vocab_rows = distributed.vocab_shard(self.vocab_size)
         self.embed_tokens = nn.Embedding(self.vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(
-            self.decoder_layer(config, rotary, backend) for rotary in self.rotary_tables(None)
+            self.decoder_layer(config, rotary, backend, i)
+            for i, rotary in enumerate(self.rotary_tables(None))
         )
         if backend.supports_sliding_window:  # (else the context is capped at the window)
             for layer, window in zip(self.decoder_layers(), layer_windows(config), strict=True):
-                layer.self_attn.sliding_window = window
+                if window is not None:
+                    layer.self_attn.sliding_window = window
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_rows, bias=False)
@@ -269,9 +271,9 @@ class LlamaForCausalLM(CausalLM):
             head.weight.copy_(rows)
 
     def decoder_layer(
-        self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend]
+        self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend], index: int
     ) -> nn.Module:
-        """One decoder layer, rotating by `rotary`."""
+        """Decoder layer `index`, rotating by `rotary`."""
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         return DecoderLayer(config, rotary, backend, qkv_bias, self.qk_norm)
 
@@ -343,7 +345,12 @@ class LlamaForCausalLM(CausalLM):
 
     @property
     def attention_backend(self) -> AttentionBackend:
-        return self.decoder_layers()[0].self_attn.attn
+        return self.first_attention().attn
+
+    def first_attention(self) -> DecoderAttention:
+        """The first layer's attention (of a hybrid model: the first
+        attention layer's); its shapes are every attention layer's."""
+        return self.decoder_layers()[0].self_attn
 
     def reset_buffers(self, device: torch.device, context_length: int) -> None:
         """After the parameters were materialised from the meta device: the
@@ -393,7 +400,7 @@ class LlamaForCausalLM(CausalLM):
         size = distributed.state().size
         if size == 1:
             return None
-        shard = self.decoder_layers()[0].self_attn.shard
+        shard = self.first_attention().shard
         d = self.head_dim
         if ".self_attn.q_proj." in name:
             return 0, shard.q_first * d, shard.num_heads * d
@@ -453,7 +460,7 @@ class LlamaForCausalLM(CausalLM):
     def _slice_for(self, param: torch.Tensor, target: str, part: str | None) -> torch.Tensor:
         if part is None:
             return param
-        attn = self.decoder_layers()[0].self_attn
+        attn = self.first_attention()
         if ".qkv_proj" in target:
             sizes = attn.split_sizes
             index = "qkv".index(part)

@@ -69,6 +69,8 @@ class StepPlan:
     window_slot_mapping: np.ndarray | None = None
     window_block_table: np.ndarray | None = None
     adapters: np.ndarray | None = None
+    # (models with recurrent state run on one rank: never sent)
+    state_slots: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

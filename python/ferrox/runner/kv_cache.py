@@ -2,44 +2,64 @@
 num_kv_heads, head_dim]`, carved out of one allocation per pool. A model
 with sliding-window layers has two pools, the full-attention layers' and the
 window layers' (`ModelKV`), each indexed by its own block tables (the Rust
-scheduler's two allocators)."""
+scheduler's two allocators). A hybrid model's linear-attention layers keep
+no KV: their fixed-size recurrent state lives in a state pool
+(`StatePool`), one slot per running sequence (the Rust scheduler's state
+slots)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
-from ferrox.models.base import CausalLM, FullAttention, SlidingWindowAttention
+from ferrox.models.base import (
+    CausalLM,
+    FullAttention,
+    LinearAttentionState,
+    SlidingWindowAttention,
+)
 
 
 @dataclass(frozen=True)
 class KVGroups:
-    """Which of a model's layers keep full-attention KV and which keep a
-    sliding window's, all of one KV shape."""
+    """Which of a model's layers keep full-attention KV, which keep a
+    sliding window's (all of one KV shape), and which keep a recurrent
+    state (`state_layers`, each with its `LinearAttentionState`)."""
 
     num_kv_heads: int
     head_dim: int
     full_layers: list[int]
     window_layers: list[int]
     sliding_window: int | None
+    state_layers: list[int] = field(default_factory=list)
+    states: list[LinearAttentionState] = field(default_factory=list)
+
+    @property
+    def state_bytes(self) -> int:
+        """One sequence's recurrent state, all layers."""
+        return sum(s.num_bytes for s in self.states)
 
 
 def kv_groups(model: CausalLM) -> KVGroups:
-    """The layer groups of a model's paged KV (other kinds of per-layer
-    state, and sliding windows of different lengths, are refused)."""
+    """The layer groups of a model's per-request state (other kinds of
+    per-layer state, and sliding windows of different lengths, are refused)."""
     states = model.layer_states()
-    known = (FullAttention, SlidingWindowAttention)
+    known = (FullAttention, SlidingWindowAttention, LinearAttentionState)
     kinds = sorted({type(s).__name__ for s in states if not isinstance(s, known)})
     if kinds:
         raise UnsupportedModelError(f"layers with {kinds} state are not supported yet")
-    shapes = {(s.num_kv_heads, s.head_dim) for s in states}
+    recurrent = [(i, s) for i, s in enumerate(states) if isinstance(s, LinearAttentionState)]
+    paged = [s for s in states if not isinstance(s, LinearAttentionState)]
+    if not paged:
+        raise UnsupportedModelError("a model without attention layers is not supported yet")
+    shapes = {(s.num_kv_heads, s.head_dim) for s in paged}
     if len(shapes) != 1:
         raise UnsupportedModelError(
             f"layers of different KV shapes {sorted(shapes)} are not supported yet"
         )
-    windows = {s.window for s in states if isinstance(s, SlidingWindowAttention)}
+    windows = {s.window for s in paged if isinstance(s, SlidingWindowAttention)}
     if len(windows) > 1:
         raise UnsupportedModelError(
             f"sliding windows of different lengths {sorted(windows)} are not supported yet"
@@ -51,6 +71,8 @@ def kv_groups(model: CausalLM) -> KVGroups:
         [i for i, s in enumerate(states) if isinstance(s, FullAttention)],
         [i for i, s in enumerate(states) if isinstance(s, SlidingWindowAttention)],
         windows.pop() if windows else None,
+        [i for i, _ in recurrent],
+        [s for _, s in recurrent],
     )
 
 
@@ -59,6 +81,8 @@ def kv_layout(model: CausalLM) -> tuple[int, int, int]:
     full-attention KV of one shape (a draft model's); other kinds of
     per-layer state are refused."""
     groups = kv_groups(model)
+    if groups.state_layers:
+        raise UnsupportedModelError("a draft model with recurrent-state layers is not supported")
     if groups.window_layers:
         raise UnsupportedModelError(
             "a draft model with sliding-window layers is not supported; its KV follows the "
@@ -110,10 +134,39 @@ class KVCache:
         return self.storage.numel() * self.storage.element_size()
 
 
+class StatePool:
+    """The recurrent state of a model's linear-attention layers: per layer,
+    the convolution's last inputs `[num_slots, conv_dim, conv_kernel - 1]`
+    and the recurrent matrices `[num_slots, heads, k_head_dim, v_head_dim]`,
+    float32. A running sequence owns one slot of every layer (the Rust
+    scheduler gives it); a row with no computed tokens starts its slot from
+    zero, so a slot needs no clearing when it changes hands."""
+
+    def __init__(
+        self, states: list[LinearAttentionState], num_slots: int, device: torch.device
+    ) -> None:
+        if num_slots <= 0:
+            raise InvalidArgumentError("the state pool needs at least one slot")
+        self.num_slots = num_slots
+        self.layers = [
+            (
+                torch.zeros(num_slots, *s.conv_shape, dtype=torch.float32, device=device),
+                torch.zeros(num_slots, *s.recurrent_shape, dtype=torch.float32, device=device),
+            )
+            for s in states
+        ]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(c.numel() * 4 + r.numel() * 4 for c, r in self.layers)
+
+
 class ModelKV:
-    """A model's paged KV: the full-attention pool, the window pool (a
-    model with sliding-window layers), and each layer's (K, V) in model
-    order. A model whose every layer has a window keeps no full pool
+    """A model's per-request state: the full-attention pool, the window
+    pool (a model with sliding-window layers), the state pool (a model with
+    linear-attention layers), and each layer's pair in model order: (K, V)
+    of an attention layer, (convolution state, recurrent state) of a linear
+    one. A model whose every attention layer has a window keeps no full pool
     memory: its full block tables are only the scheduler's bookkeeping."""
 
     def __init__(
@@ -125,6 +178,7 @@ class ModelKV:
         dtype: torch.dtype,
         device: torch.device,
         zeroed: bool = True,
+        num_state_slots: int = 0,
     ) -> None:
         def pool(layers: list[int], blocks: int) -> KVCache:
             return KVCache(
@@ -148,6 +202,11 @@ class ModelKV:
         )
         if self.window is not None:
             layers |= dict(zip(groups.window_layers, self.window.layers, strict=True))
+        self.state = (
+            StatePool(groups.states, num_state_slots, device) if groups.state_layers else None
+        )
+        if self.state is not None:
+            layers |= dict(zip(groups.state_layers, self.state.layers, strict=True))
         self.layers = [layers[i] for i in range(len(layers))]
 
     @property
@@ -163,5 +222,12 @@ class ModelKV:
         return self.full.storage.dtype
 
     @property
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots (0: the model has no linear-attention layers)."""
+        return 0 if self.state is None else self.state.num_slots
+
+    @property
     def num_bytes(self) -> int:
-        return self.full.num_bytes + (0 if self.window is None else self.window.num_bytes)
+        window = 0 if self.window is None else self.window.num_bytes
+        state = 0 if self.state is None else self.state.num_bytes
+        return self.full.num_bytes + window + state

@@ -136,6 +136,13 @@ class ModelRunner:
             if draft is None
             else DraftRunner(draft, config.block_size, self.kv_dtype, self.device)
         )
+        if groups.state_layers and draft is not None:
+            raise UnsupportedModelError(
+                "speculative decoding is not supported for a model with linear-attention layers "
+                "(their recurrent state cannot roll back rejected drafts)"
+            )
+        # One recurrent-state slot per sequence that may run.
+        self.num_state_slots = config.max_num_seqs if groups.state_layers else 0
         num_blocks, num_window_blocks = self._num_kv_blocks()
         self.kv_cache = ModelKV(
             self.kv_groups,
@@ -145,6 +152,7 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
             zeroed=not self._reads_written_slots_only(),
+            num_state_slots=self.num_state_slots,
         )
         if self.draft is not None:
             self.draft.allocate(num_blocks)
@@ -243,7 +251,7 @@ class ModelRunner:
             if cfg.kv_cache_memory_bytes is not None:
                 budget = cfg.kv_cache_memory_bytes
             elif self.device.type == "cuda":
-                budget = self._free_gpu_budget()
+                budget = self._free_gpu_budget() - self.num_state_slots * groups.state_bytes
             else:
                 # Sized from the model: a 135M model needs hundreds of
                 # megabytes, not gigabytes, for its default context; a tiny
@@ -328,7 +336,16 @@ class ModelRunner:
         rows = -(-num_tokens // seq)
         lens = np.full(rows, seq, dtype=np.int32)
         lens[-1] = num_tokens - seq * (rows - 1)
-        scratch = ModelKV(self.kv_groups, 1, 1, cfg.block_size, self.kv_dtype, self.device)
+        stateful = bool(self.kv_groups.state_layers)
+        scratch = ModelKV(
+            self.kv_groups,
+            1,
+            1,
+            cfg.block_size,
+            self.kv_dtype,
+            self.device,
+            num_state_slots=rows if stateful else 0,
+        )
         qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         meta = AttentionMetadata(
             num_reqs=rows,
@@ -346,6 +363,9 @@ class ModelRunner:
         )
         if self.kv_groups.window_layers:
             meta.window = dataclasses.replace(meta, sliding_window=self.sliding_window or 0)
+        if stateful:
+            meta.state_slots_cpu = np.arange(rows, dtype=np.int64)
+            meta.state_slots = torch.from_numpy(meta.state_slots_cpu).to(self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(self.device)
         with torch.inference_mode():
@@ -398,6 +418,10 @@ class ModelRunner:
                 block_table_cpu=window_table,
                 sliding_window=self.sliding_window or 0,
             )
+        if plan.state_slots is not None:
+            slots = plan.state_slots.astype(np.int64)
+            meta.state_slots_cpu = slots
+            meta.state_slots = self._tensor(slots, "state_slots")
         return meta
 
     @torch.inference_mode()

@@ -98,6 +98,11 @@ pub struct SchedulerConfig {
     /// The most distinct LoRA adapters among running requests (and so in a
     /// step); 0: requests with an adapter are refused.
     pub max_adapters: usize,
+    /// Recurrent-state slots (a hybrid model's linear-attention layers keep
+    /// a fixed-size state per sequence): each running request holds one,
+    /// taken on admission and given back when it finishes, is aborted or is
+    /// preempted (its state is then recomputed). 0: the model keeps none.
+    pub num_state_slots: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -116,6 +121,7 @@ impl Default for SchedulerConfig {
             sliding_window: None,
             num_window_blocks: 0,
             max_adapters: 0,
+            num_state_slots: 0,
         }
     }
 }
@@ -185,6 +191,30 @@ impl SchedulerConfig {
                 ))
             }
             _ => {}
+        }
+        if self.num_state_slots > 0 {
+            if self.num_state_slots > i32::MAX as usize {
+                return Err(CoreError::InvalidArgument(
+                    "num_state_slots must fit in 32 bits".into(),
+                ));
+            }
+            // A cached prefix holds KV only: it cannot restore the recurrent
+            // state of the tokens it covers, and a draft's rejected
+            // positions would leave their updates in the state.
+            if self.enable_prefix_caching {
+                return Err(CoreError::InvalidArgument(
+                    "prefix caching is not supported for a model with recurrent state \
+                     (num_state_slots > 0)"
+                        .into(),
+                ));
+            }
+            if self.speculation.is_some() {
+                return Err(CoreError::InvalidArgument(
+                    "speculative decoding is not supported for a model with recurrent state \
+                     (num_state_slots > 0)"
+                        .into(),
+                ));
+            }
         }
         Ok(())
     }

@@ -39,6 +39,10 @@ pub struct BatchPlan {
     /// read) and each token's slot in that pool [T].
     pub window_block_table: Vec<i32>,
     pub window_slot_mapping: Vec<i64>,
+    /// With recurrent state (else empty): [B] each row's state slot. A row
+    /// with no computed tokens starts from a zero state; any other row
+    /// continues the state its slot holds.
+    pub state_slots: Vec<i32>,
     /// [S] token indices whose logits are sampled.
     pub logits_indices: Vec<i64>,
     /// [S] row of each sampled position.
@@ -113,6 +117,9 @@ pub struct SchedulerStats {
     pub num_window_blocks: usize,
     pub num_free_window_blocks: usize,
     pub num_cached_window_blocks: usize,
+    /// Recurrent-state slots (0 without recurrent state) and those free.
+    pub num_state_slots: usize,
+    pub num_free_state_slots: usize,
     pub prefix_queried_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub num_preemptions: u64,

@@ -40,6 +40,7 @@ impl Scheduler {
             slot_mapping: Vec::with_capacity(num_tokens),
             window_block_table: Vec::new(),
             window_slot_mapping: Vec::new(),
+            state_slots: Vec::new(),
             logits_indices: Vec::with_capacity(num_reqs),
             sample_rows: Vec::with_capacity(num_reqs),
             preempted_ids,
@@ -51,6 +52,10 @@ impl Scheduler {
         if windowed {
             plan.window_block_table.reserve(num_reqs * width);
             plan.window_slot_mapping.reserve(num_tokens);
+        }
+        let stateful = self.config.num_state_slots > 0;
+        if stateful {
+            plan.state_slots.reserve(num_reqs);
         }
         plan.query_start_loc.push(0);
         for (row, c) in chosen.iter().enumerate() {
@@ -66,6 +71,12 @@ impl Scheduler {
             plan.num_draft_tokens.push(c.num_draft as i32);
             plan.seq_lens.push(end as i32);
             plan.adapters.push(req.params.adapter);
+            if stateful {
+                let state = req
+                    .state_slot
+                    .expect("a running request holds a state slot");
+                plan.state_slots.push(state as i32);
+            }
             plan.input_ids
                 .extend(req.tokens[start..known_end].iter().map(|&t| t as i64));
             plan.input_ids.extend(req.draft.iter().map(|&t| t as i64));

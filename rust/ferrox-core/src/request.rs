@@ -72,6 +72,9 @@ pub struct Request {
     pub window_table: Vec<BlockId>,
     /// Entries of `window_table` before this one are all NULL_BLOCK.
     pub window_start: usize,
+    /// The recurrent-state slot it holds while it runs (a model with
+    /// recurrent state; see `SchedulerConfig::num_state_slots`).
+    pub state_slot: Option<u32>,
     /// The radix-cache node this request locks (the prefix it shares).
     pub cache_handle: Option<NodeHandle>,
     /// Leading blocks of `block_table` that are the cache's blocks.

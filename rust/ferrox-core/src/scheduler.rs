@@ -62,6 +62,9 @@ pub struct Scheduler {
     /// Live requests by slot; `index` maps ids to slots.
     pub(crate) slots: Vec<Option<Request>>,
     free_slots: Vec<usize>,
+    /// Recurrent-state slots no request holds (see
+    /// `SchedulerConfig::num_state_slots`), the next one given last.
+    pub(crate) free_state_slots: Vec<u32>,
     pub(crate) index: FxHashMap<u64, usize>,
     /// (effective priority, arrival, slot) in service order.
     pub(crate) waiting: BTreeSet<(i64, u64, usize)>,
@@ -102,6 +105,7 @@ impl Scheduler {
                 )?,
             ),
         };
+        let free_state_slots = (0..config.num_state_slots as u32).rev().collect();
         Ok(Self {
             alloc: BlockAllocator::new(config.num_blocks, config.block_size)?,
             window_alloc,
@@ -109,6 +113,7 @@ impl Scheduler {
             config,
             slots: Vec::new(),
             free_slots: Vec::new(),
+            free_state_slots,
             index: FxHashMap::default(),
             waiting: BTreeSet::new(),
             running: Vec::new(),
@@ -152,6 +157,8 @@ impl Scheduler {
             num_window_blocks: window.map_or(0, |w| w.num_blocks()),
             num_free_window_blocks: window.map_or(0, |w| w.num_free()),
             num_cached_window_blocks: window.map_or(0, |w| w.num_cached_only()),
+            num_state_slots: self.config.num_state_slots,
+            num_free_state_slots: self.free_state_slots.len(),
             num_running: self.running.len(),
             num_waiting: self.waiting.len(),
             num_total_blocks: self.alloc.num_blocks(),
@@ -260,6 +267,7 @@ impl Scheduler {
             block_table: Vec::new(),
             window_table: Vec::new(),
             window_start: 0,
+            state_slot: None,
             cache_handle: None,
             num_shared_blocks: 0,
             num_prefix_hit_tokens: 0,
@@ -444,7 +452,11 @@ impl Scheduler {
         };
         let mut adapters = self.running_adapters();
         let mut after: Option<(i64, u64, usize)> = None;
+        let stateful = self.config.num_state_slots > 0;
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+            if stateful && self.free_state_slots.is_empty() {
+                break;
+            }
             let next = match after {
                 None => self.waiting.first(),
                 Some(last) => self.waiting.range((Excluded(last), Unbounded)).next(),
@@ -523,8 +535,14 @@ impl Scheduler {
             let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
             let grown = self.grow_table(slot, need_blocks)?;
             debug_assert!(grown, "room was checked");
+            let state_slot = if stateful {
+                self.free_state_slots.pop()
+            } else {
+                None
+            };
             let req = self.req_mut(slot);
             req.status = RequestStatus::Running;
+            req.state_slot = state_slot;
             req.num_computed_tokens = hit_tokens;
             req.num_shared_blocks = hit_blocks;
             if req.num_preemptions == 0 {

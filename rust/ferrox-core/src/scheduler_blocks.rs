@@ -22,8 +22,9 @@ use crate::radix_cache::PrefixMatch;
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
-    /// Gives back a request's blocks: its computed full blocks go into the
-    /// prefix cache (when enabled), the rest to the pool.
+    /// Gives back a request's blocks and its recurrent-state slot: its
+    /// computed full blocks go into the prefix cache (when enabled), the
+    /// rest to the pool.
     pub(crate) fn release_blocks(&mut self, slot: usize) -> Result<()> {
         let bs = self.config.block_size;
         let caching = self.config.enable_prefix_caching;
@@ -58,6 +59,9 @@ impl Scheduler {
         }
         req.num_shared_blocks = 0;
         req.window_start = 0;
+        if let Some(state) = req.state_slot.take() {
+            self.free_state_slots.push(state);
+        }
         Ok(())
     }
 

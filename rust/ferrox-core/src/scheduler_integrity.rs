@@ -44,7 +44,8 @@ impl Scheduler {
                     ensure!(
                         req.block_table.is_empty()
                             && req.window_table.is_empty()
-                            && req.cache_handle.is_none(),
+                            && req.cache_handle.is_none()
+                            && req.state_slot.is_none(),
                         "waiting request {} holds blocks",
                         req.id
                     );
@@ -67,6 +68,13 @@ impl Scheduler {
                         req.id
                     );
                     self.check_window_table(req)?;
+                    ensure!(
+                        req.state_slot.is_some() == (cfg.num_state_slots > 0),
+                        "running request {} holds state slot {:?} of {}",
+                        req.id,
+                        req.state_slot,
+                        cfg.num_state_slots
+                    );
                     if let Some(handle) = req.cache_handle {
                         ensure!(
                             self.cache.is_locked(handle)?,
@@ -122,6 +130,7 @@ impl Scheduler {
             adapters.len(),
             cfg.max_adapters
         );
+        self.check_state_slots()?;
         let (mut used, mut cached, mut free) = (0, 0, 0);
         for block in 0..num_blocks as u32 {
             let in_tree = self.cache.contains_block(block);
@@ -157,6 +166,30 @@ impl Scheduler {
                     walloc.ref_count(block)?
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// Every recurrent-state slot is either free or held by exactly one
+    /// running request.
+    fn check_state_slots(&self) -> Result<()> {
+        let n = self.config.num_state_slots;
+        let mut holders = vec![0u32; n];
+        for &s in &self.free_state_slots {
+            ensure!((s as usize) < n, "free state slot {s} is out of range");
+            holders[s as usize] += 1;
+        }
+        for &slot in &self.running {
+            if let Some(s) = self.req(slot).state_slot {
+                ensure!((s as usize) < n, "state slot {s} is out of range");
+                holders[s as usize] += 1;
+            }
+        }
+        if let Some(s) = holders.iter().position(|&h| h != 1) {
+            return Err(crate::error::CoreError::Integrity(format!(
+                "state slot {s} is free or held {} times",
+                holders[s]
+            )));
         }
         Ok(())
     }

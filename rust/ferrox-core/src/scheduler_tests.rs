@@ -34,12 +34,18 @@ fn params(max_tokens: usize) -> RequestParams {
 /// prefix-cache hit changes the tokens it produces. With a window it also
 /// has sliding-window layers: they read the last `window` positions from
 /// the window pool's store (from the full one under a plan without window
-/// tables), and their reading changes the token too.
+/// tables), and their reading changes the token too. Under a plan with
+/// state slots it also has recurrent layers: a state per slot that folds in
+/// every token the slot's rows feed it (started afresh by a row with no
+/// computed tokens); without state slots the same fold is taken over the
+/// context read back from the KV store, so a state that was not reset,
+/// shared, or resumed wrongly changes the token.
 struct FakeModel {
     kv: Vec<Option<(u32, i64)>>,
     window_kv: Vec<Option<(u32, i64)>>,
     window: Option<usize>,
     block_size: usize,
+    states: Vec<Option<u64>>,
 }
 
 impl FakeModel {
@@ -53,7 +59,26 @@ impl FakeModel {
             window_kv: vec![None; cfg.num_window_blocks * cfg.block_size],
             window,
             block_size: cfg.block_size,
+            states: vec![None; cfg.num_state_slots],
         }
+    }
+
+    /// The recurrent layers' fold of one more token.
+    fn fold(state: u64, token: u32) -> u64 {
+        state.wrapping_mul(31).wrapping_add(token as u64 + 1)
+    }
+
+    /// The recurrent state after a context read back from the KV store.
+    fn context_state(context: &[u32]) -> u64 {
+        context
+            .iter()
+            .fold(0, |h, &t| Self::fold(h, t % ADAPTER_KV_OFFSET))
+    }
+
+    /// The token after `context` (full-attention layers) given the
+    /// recurrent state (without window layers).
+    fn token_of(context: &[u32], state: u64) -> u32 {
+        (Self::next_token(context) + (state % VOCAB as u64) as u32) % VOCAB as u32
     }
 
     /// Reads positions `range` of a row through its block table.
@@ -98,6 +123,24 @@ impl FakeModel {
                 self.window_kv[plan.window_slot_mapping[i] as usize] = entry;
             }
         }
+        // The recurrent state after each row's tokens.
+        let stateful = !plan.state_slots.is_empty();
+        let mut row_states = vec![0u64; plan.num_reqs()];
+        if stateful {
+            for (row, state) in row_states.iter_mut().enumerate() {
+                let slot = plan.state_slots[row] as usize;
+                let held = if plan.num_computed_tokens[row] == 0 {
+                    0
+                } else {
+                    self.states[slot].expect("a state slot read before it was written")
+                };
+                let (qs, qe) = (plan.query_start_loc[row], plan.query_start_loc[row + 1]);
+                *state = plan.input_ids[qs as usize..qe as usize]
+                    .iter()
+                    .fold(held, |h, &t| Self::fold(h, t as u32));
+                self.states[slot] = Some(*state);
+            }
+        }
         let width = plan.block_table_width;
         let mut out = vec![];
         for (&row, &index) in plan.sample_rows.iter().zip(&plan.logits_indices) {
@@ -106,7 +149,12 @@ impl FakeModel {
             let seq_len = plan.positions[index as usize] as usize + 1;
             let table = &plan.block_table[row * width..];
             let context = Self::read(&self.kv, table, bs, 0..seq_len);
-            let mut token = Self::next_token(&context);
+            let state = if stateful {
+                row_states[row]
+            } else {
+                Self::context_state(&context)
+            };
+            let mut token = Self::token_of(&context, state);
             if let Some(w) = self.window {
                 let range = seq_len.saturating_sub(w)..seq_len;
                 let seen = if windowed {
@@ -138,6 +186,17 @@ fn check_plan(plan: &BatchPlan, cfg: &SchedulerConfig) {
         plan.num_tokens()
     );
     assert_eq!(plan.block_table.len(), b * plan.block_table_width);
+    if cfg.num_state_slots > 0 {
+        assert_eq!(plan.state_slots.len(), b);
+        let distinct: std::collections::HashSet<_> = plan.state_slots.iter().collect();
+        assert_eq!(distinct.len(), b, "two rows share a state slot");
+        assert!(plan
+            .state_slots
+            .iter()
+            .all(|&s| (s as usize) < cfg.num_state_slots));
+    } else {
+        assert!(plan.state_slots.is_empty());
+    }
     for row in 0..b {
         let (qs, qe) = (
             plan.query_start_loc[row] as usize,
@@ -308,6 +367,23 @@ fn config_is_validated() {
         ..config(8, 32)
     };
     assert!(Scheduler::new(cfg).is_err()); // budget < max_model_len
+                                           // Recurrent state: a cached prefix cannot restore it, drafts would
+                                           // leave rejected updates in it.
+    let stateful = SchedulerConfig {
+        num_state_slots: 4,
+        ..config(8, 32)
+    };
+    assert!(Scheduler::new(stateful.clone()).is_err()); // prefix caching is on
+    let stateful = SchedulerConfig {
+        enable_prefix_caching: false,
+        ..stateful
+    };
+    Scheduler::new(stateful.clone()).unwrap();
+    let speculating = SchedulerConfig {
+        speculation: spec_config(SpecMethod::Ngram { min: 1, max: 3 }, 2, false),
+        ..stateful
+    };
+    assert!(Scheduler::new(speculating).is_err());
 }
 
 #[test]
@@ -918,7 +994,7 @@ fn oracle_drafter(
             let mut context = sched.request(plan.req_ids[row]).unwrap().tokens.clone();
             let start = plan.query_start_loc[row] as usize + 1;
             for i in 0..d {
-                let truth = FakeModel::next_token(&context);
+                let truth = FakeModel::token_of(&context, FakeModel::context_state(&context));
                 let token = if rng.chance(accept_percent) {
                     truth
                 } else {
@@ -1332,4 +1408,89 @@ fn adapters_beyond_max_wait_their_turn_and_never_starve() {
         off.add_request(1, &[1], with_adapter(1)),
         Err(CoreError::RequestRejected { .. })
     ));
+}
+
+fn stateful(num_state_slots: usize, num_blocks: usize, budget: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        enable_prefix_caching: false,
+        num_state_slots,
+        max_model_len: 28,
+        ..config(num_blocks, budget)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(120))]
+    #[test]
+    fn workloads_with_recurrent_state_match_isolated_runs(
+        w in workload(),
+        num_state_slots in 1usize..10,
+        tight_pool in any::<bool>(),
+        priority in any::<bool>(),
+        budget in 8usize..40,
+    ) {
+        let cfg = SchedulerConfig {
+            policy: if priority { Policy::Priority } else { Policy::Fcfs },
+            ..stateful(num_state_slots, if tight_pool { 8 } else { 128 }, budget)
+        };
+        let stats = check_workload_with(&w, cfg, None);
+        prop_assert_eq!(stats.num_free_state_slots, num_state_slots);
+    }
+}
+
+#[test]
+fn state_slots_bound_the_running_requests_and_come_back() {
+    let cfg = stateful(2, 64, 32);
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    for id in 0..5 {
+        let p = RequestParams {
+            ignore_eos: true,
+            ..params(6)
+        };
+        sched.add_request(id, &[id as u32 + 1; 5], p).unwrap();
+    }
+    let mut most_running = 0;
+    let finished = drive(&mut sched, &mut model, |s, step| {
+        most_running = most_running.max(s.stats().num_running);
+        if step == 3 {
+            s.abort(4).unwrap(); // waiting: it holds no slot
+        }
+    });
+    assert_eq!(most_running, 2);
+    assert_eq!(finished.len(), 4);
+    let stats = sched.stats();
+    assert_eq!((stats.num_state_slots, stats.num_free_state_slots), (2, 2));
+    // Aborting a running request gives its slot back.
+    sched.add_request(9, &[3; 5], params(6)).unwrap();
+    let plan = sched.schedule().unwrap();
+    assert_eq!(plan.state_slots.len(), 1);
+    assert_eq!(sched.stats().num_free_state_slots, 1);
+    sched.update(&plan, &[1], &[], None).unwrap();
+    sched.abort(9).unwrap();
+    sched.check_integrity().unwrap();
+    assert_eq!(sched.stats().num_free_state_slots, 2);
+}
+
+#[test]
+fn a_preempted_request_gives_its_state_slot_back_and_restarts_from_zero() {
+    // 8 blocks of 4 tokens, 3 requests that grow to 16 tokens each: some are
+    // preempted, and each resumes from a new, zeroed state (the fake model
+    // panics on a state read before it was written, and its outputs then
+    // differ from the request run alone).
+    let w = Workload {
+        requests: (0..3)
+            .map(|i| {
+                let p = RequestParams {
+                    ignore_eos: true,
+                    ..params(8)
+                };
+                (vec![i + 1; 8], p, 0)
+            })
+            .collect(),
+        aborts: vec![],
+    };
+    let stats = check_workload_with(&w, stateful(3, 8, 16), None);
+    assert!(stats.num_preemptions > 0);
+    assert_eq!(stats.num_free_state_slots, 3);
 }

@@ -62,6 +62,10 @@ pub struct PyBatchPlan {
     window_block_table: Option<Py<PyArray2<i32>>>,
     #[pyo3(get)]
     window_slot_mapping: Option<Py<PyArray1<i64>>>,
+    /// With recurrent state: each row's state slot [B] (a row with no
+    /// computed tokens starts from a zero state); None without.
+    #[pyo3(get)]
+    state_slots: Option<Py<PyArray1<i32>>>,
     #[pyo3(get)]
     logits_indices: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -73,8 +77,9 @@ pub struct PyBatchPlan {
 }
 
 impl PyBatchPlan {
-    /// `windowed`: the scheduler has a sliding-window pool.
-    fn new(py: Python<'_>, mut plan: BatchPlan, windowed: bool) -> PyResult<Self> {
+    /// `windowed`: the scheduler has a sliding-window pool; `stateful`:
+    /// recurrent-state slots.
+    fn new(py: Python<'_>, mut plan: BatchPlan, windowed: bool, stateful: bool) -> PyResult<Self> {
         let (num_reqs, width) = (plan.num_reqs(), plan.block_table_width);
         let block_table = std::mem::take(&mut plan.block_table)
             .into_pyarray(py)
@@ -88,9 +93,15 @@ impl PyBatchPlan {
         } else {
             (None, None)
         };
+        let state_slots = stateful.then(|| {
+            std::mem::take(&mut plan.state_slots)
+                .into_pyarray(py)
+                .unbind()
+        });
         Ok(Self {
             window_block_table,
             window_slot_mapping,
+            state_slots,
             step_id: plan.step_id,
             num_reqs,
             num_tokens: plan.num_tokens(),
@@ -162,6 +173,9 @@ pub struct PySchedulerStats {
     num_window_blocks: usize,
     num_free_window_blocks: usize,
     num_cached_window_blocks: usize,
+    /// Recurrent-state slots (0 without recurrent state) and those free.
+    num_state_slots: usize,
+    num_free_state_slots: usize,
     prefix_queried_tokens: u64,
     prefix_hit_tokens: u64,
     num_preemptions: u64,
@@ -187,6 +201,8 @@ impl From<SchedulerStats> for PySchedulerStats {
             num_window_blocks: s.num_window_blocks,
             num_free_window_blocks: s.num_free_window_blocks,
             num_cached_window_blocks: s.num_cached_window_blocks,
+            num_state_slots: s.num_state_slots,
+            num_free_state_slots: s.num_free_state_slots,
             prefix_queried_tokens: s.prefix_queried_tokens,
             prefix_hit_tokens: s.prefix_hit_tokens,
             num_preemptions: s.num_preemptions,
@@ -284,7 +300,7 @@ impl PyScheduler {
         policy = "fcfs", speculative_method = None, num_speculative_tokens = 0,
         prompt_lookup_min = 1, prompt_lookup_max = 4, spec_adaptive = true,
         spec_disable_by_batch_size = None, sliding_window = None, num_window_blocks = 0,
-        max_adapters = 0
+        max_adapters = 0, num_state_slots = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     /// `speculative_method`: None (off), "ngram" (the scheduler proposes by
@@ -293,7 +309,9 @@ impl PyScheduler {
     /// the model's sliding-window layers, whose KV lives in a second pool of
     /// `num_window_blocks` blocks (None: one pool for every layer).
     /// `max_adapters`: the most distinct LoRA adapters running at once (0:
-    /// requests with one are refused).
+    /// requests with one are refused). `num_state_slots`: recurrent-state
+    /// slots, one per running request (a hybrid model's linear-attention
+    /// layers; 0: none).
     fn new(
         block_size: usize,
         num_blocks: usize,
@@ -313,6 +331,7 @@ impl PyScheduler {
         sliding_window: Option<usize>,
         num_window_blocks: usize,
         max_adapters: usize,
+        num_state_slots: usize,
     ) -> PyResult<Self> {
         let method = match speculative_method {
             None => None,
@@ -347,6 +366,7 @@ impl PyScheduler {
             sliding_window,
             num_window_blocks,
             max_adapters,
+            num_state_slots,
         };
         Ok(Self {
             inner: Scheduler::new(config).or_raise()?,
@@ -404,7 +424,9 @@ impl PyScheduler {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyBatchPlan> {
         let inner = &mut self.inner;
         let plan = py.detach(|| inner.schedule()).or_raise()?;
-        PyBatchPlan::new(py, plan, self.inner.config().sliding_window.is_some())
+        let config = self.inner.config();
+        let (windowed, stateful) = (config.sliding_window.is_some(), config.num_state_slots > 0);
+        PyBatchPlan::new(py, plan, windowed, stateful)
     }
 
     /// Applies a step: one sampled token per logits index; `draft_token_ids`,
@@ -485,6 +507,10 @@ impl PyScheduler {
     #[getter]
     fn num_window_blocks(&self) -> usize {
         self.inner.config().num_window_blocks
+    }
+    #[getter]
+    fn num_state_slots(&self) -> usize {
+        self.inner.config().num_state_slots
     }
     #[getter]
     fn max_model_len(&self) -> usize {

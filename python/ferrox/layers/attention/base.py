@@ -15,6 +15,10 @@ metadata (`AttentionMetadata.window`): the window pool's block table and
 slots, with `sliding_window` set; a query there sees only the last
 `sliding_window` positions up to itself, and the table's entries behind
 every window of the row point at blocks that must not be read.
+
+Linear-attention layers (a hybrid model's) read `state_slots` instead: each
+row's slot in the state pool, which holds the state after its computed
+tokens.
 """
 
 from abc import ABC, abstractmethod
@@ -49,6 +53,11 @@ class AttentionMetadata:
     # Of the full pool's metadata, for a model with sliding-window layers:
     # the window pool's (same rows and positions, its own table and slots).
     window: "AttentionMetadata | None" = None
+    # Of a model with recurrent-state layers: each row's state slot [B]
+    # (int64), on the device and on the host; a row with no computed tokens
+    # starts its slot from zero.
+    state_slots: torch.Tensor | None = None
+    state_slots_cpu: np.ndarray | None = None
     _row_split: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property

@@ -1,0 +1,157 @@
+"""Hybrid models (Gated DeltaNet linear attention beside attention layers)
+against transformers on the same weights: greedy tokens equal and logprobs
+close in a mixed batch, with chunked prefill (the state carried across
+chunks), under preemption (the state recomputed), with fewer state slots
+than requests; the state pool comes back whole; what is not supported yet
+is refused clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ferrox import LLM
+from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
+from ferrox.layers.attention.base import AttentionMetadata
+from ferrox.layers.gated_delta import CHUNK, causal_conv1d, gated_delta_rule
+from tests import models
+from tests.engine.test_model_correctness import assert_matches_hf, greedy, prompts
+
+HYBRIDS = ["qwen3.5"]
+
+
+@pytest.mark.parametrize(
+    ("label", "options"),
+    [
+        ("one-batch", dict()),
+        ("chunked-prefill", dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)),
+        ("preemption", dict(num_kv_blocks=12, block_size=8, max_model_len=96)),
+        ("few-state-slots", dict(max_num_seqs=3, max_num_batched_tokens=64)),
+    ],
+)
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_models_match_transformers(
+    tiny_models: dict[str, Path], label: str, options: dict, name: str
+) -> None:
+    path = tiny_models[name]
+    hf = models.hf_model(path)
+    batch = prompts(models.VOCAB_SIZE, seed=2)
+    llm = LLM(str(path), **{"num_kv_blocks": 256, "max_num_seqs": 8, **options})
+    outputs = llm.generate(batch, greedy(logprobs=1), use_tqdm=False)
+    assert_matches_hf(outputs, hf, batch, check_logprobs=True)
+    stats = llm.engine.stats()
+    if label == "preemption":
+        assert stats.num_preemptions > 0
+    assert stats.num_state_slots == options.get("max_num_seqs", 8)
+    assert stats.num_free_state_slots == stats.num_state_slots
+    assert stats.num_used_blocks == 0
+    assert stats.prefix_hit_tokens == 0  # (prefix caching is off for hybrids)
+    llm.engine.scheduler.check_integrity()
+
+
+def test_an_aborted_hybrid_request_gives_its_state_slot_back(
+    tiny_models: dict[str, Path],
+) -> None:
+    path = tiny_models["qwen3.5"]
+    llm = LLM(str(path), max_num_seqs=2, num_kv_blocks=64, max_num_batched_tokens=48)
+    engine = llm.engine
+    engine.add_request("a", prompts(models.VOCAB_SIZE)[6], greedy(max_tokens=50))
+    engine.add_request("b", prompts(models.VOCAB_SIZE)[5], greedy(max_tokens=50))
+    engine.step()  # both hold a slot: one decodes, one is mid-prefill
+    assert engine.stats().num_free_state_slots == 0
+    engine.abort_request("a")
+    engine.step()
+    engine.abort_request("b")
+    engine.step()
+    assert engine.stats().num_free_state_slots == 2
+    # The slots serve new requests from zero: same tokens as a fresh engine.
+    batch = prompts(models.VOCAB_SIZE, seed=3)[:4]
+    again = llm.generate(batch, greedy(), use_tqdm=False)
+    assert_matches_hf(again, models.hf_model(path), batch, check_logprobs=False)
+
+
+def test_what_hybrids_do_not_support_yet_is_refused(tiny_models: dict[str, Path]) -> None:
+    path = str(tiny_models["qwen3.5"])
+    with pytest.raises(InvalidArgumentError, match="recurrent state"):
+        LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
+        LLM(path, tensor_parallel_size=2)
+    with pytest.raises(UnsupportedModelError, match="LoRA"):
+        LLM(path, enable_lora=True)
+
+
+# ---- the kernels against transformers' reference implementation ---------------
+
+
+def _meta(lengths: list[int], computed: list[int], slots: list[int]) -> AttentionMetadata:
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    seq = (np.array(lengths) + np.array(computed)).astype(np.int32)
+    slot_array = np.array(slots, dtype=np.int64)
+    return AttentionMetadata(
+        num_reqs=len(lengths),
+        num_decodes=sum(1 for n in lengths if n == 1),  # (rows of one token come first)
+        num_tokens=int(qsl[-1]),
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_table=torch.zeros(len(lengths), 1, dtype=torch.int32),
+        query_start_loc=torch.from_numpy(qsl),
+        seq_lens=torch.from_numpy(seq),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq,
+        num_computed_cpu=np.array(computed, dtype=np.int32),
+        max_query_len=max(lengths),
+        max_seq_len=int(seq.max()),
+        state_slots=torch.from_numpy(slot_array),
+        state_slots_cpu=slot_array,
+    )
+
+
+@pytest.mark.parametrize("split", [[1], [CHUNK], [CHUNK + 5], [3, 1, 1, 70], [130, 1], [1, 2, 1]])
+def test_the_kernels_match_the_reference_in_pieces(split: list[int]) -> None:
+    """One sequence fed to the kernels in pieces (prefill chunks of odd
+    sizes, decode steps) equals transformers' reference over the whole
+    sequence: the state carries from piece to piece through its slot. Beside
+    it in every step runs a one-token request that starts afresh from a slot
+    full of NaN (a row with no computed tokens must not read its slot)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+    )
+
+    torch.manual_seed(sum(split))
+    total, hk, hv, dk, dv, channels, width = sum(split), 2, 4, 16, 8, 24, 4
+    q, k = torch.randn(total, hk, dk), torch.randn(total, hk, dk)
+    v = torch.randn(total, hv, dv)
+    g = -torch.rand(total, hv) * 2
+    beta = torch.rand(total, hv)
+    x = torch.randn(total, channels)
+    weight = torch.randn(channels, width)
+    want, _ = torch_chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], use_qk_l2norm_in_kernel=True
+    )
+    padded = torch.cat((torch.zeros(channels, width - 1), x.T), dim=1)
+    conv = torch.nn.functional.conv1d(padded[None], weight[:, None, :], groups=channels)
+    want_conv = torch.nn.functional.silu(conv[0].T)
+    states = torch.full((2, hv, dk, dv), float("nan"))
+    conv_states = torch.full((2, channels, width - 1), float("nan"))
+    got, got_conv, done = [], [], 0
+    for piece in split:
+        # Row 0: the decoy (one fresh token, slot 1); row 1: this piece (slot 0).
+        meta = _meta([1, piece], [0, done], slots=[1, 0])
+        sl = slice(done, done + piece)
+
+        def rows(t: torch.Tensor, sl: slice = sl) -> torch.Tensor:
+            return torch.cat((torch.randn(1, *t.shape[1:]), t[sl]))
+
+        o = gated_delta_rule(
+            rows(q), rows(k), rows(v), rows(g).clamp(max=0), rows(beta).abs(), states, meta
+        )
+        c = causal_conv1d(rows(x), weight, conv_states, meta)
+        states[1] = float("nan")  # (the decoy's slot, as another sequence may leave it)
+        conv_states[1] = float("nan")
+        got.append(o[1:])
+        got_conv.append(c[1:])
+        done += piece
+    torch.testing.assert_close(torch.cat(got), want[0], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(torch.cat(got_conv), want_conv, atol=1e-5, rtol=1e-5)
