@@ -18,13 +18,30 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
+    Qwen3NextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
 )
 
 VOCAB_SIZE = 320
+# The hybrid (Qwen3.5 / Qwen3-Next) layers of the tiny models: three linear
+# layers, then attention.
+QWEN3_5_LAYERS: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
 # Four norms a layer (1 + w), GeGLU, a local and a global layer with their
 # own rotary bases (the global one scaled); the window lies beyond the test
 # prompts.
@@ -216,29 +233,54 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
         ),
     ),
     # Qwen3.5: three Gated DeltaNet layers then an attention layer (gated
-    # queries, partial rotary), twice; two value heads per key head.
+    # queries, partial rotary); two value heads per key head.
     "qwen3.5": (
         Qwen3_5TextConfig,
         dict(
             architectures=["Qwen3_5ForCausalLM"],
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
+            **QWEN3_5_LAYERS,
             tie_word_embeddings=True,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.25,
                 "mrope_section": [2, 1, 1],
                 "mrope_interleaved": True,
+            },
+        ),
+    ),
+    # Qwen3.5-MoE: the same layers with eight experts (two a token,
+    # renormalised) and a shared expert in each.
+    "qwen3.5-moe": (
+        Qwen3_5MoeTextConfig,
+        dict(
+            architectures=["Qwen3_5MoeForCausalLM"],
+            **QWEN3_5_LAYERS,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
+    # Qwen3-Next: fused linear-attention projections (three value heads per
+    # key head), a dense first layer, experts without renormalisation.
+    "qwen3-next": (
+        Qwen3NextConfig,
+        dict(
+            architectures=["Qwen3NextForCausalLM"],
+            **(QWEN3_5_LAYERS | dict(linear_num_value_heads=6)),
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            mlp_only_layers=[0],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
             },
         ),
     ),
@@ -314,7 +356,7 @@ def build_tiny_model(path: Path, name: str, **overrides: Any) -> Path:
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0.0, 0.5)
-    if "gemma" in name or "qwen3.5" in name:
+    if "gemma" in name or "qwen3.5" in name or "qwen3-next" in name:
         with torch.no_grad():  # its norms start at 1 + 0: make them matter
             for param_name, param in model.named_parameters():
                 if param_name.endswith("norm.weight"):

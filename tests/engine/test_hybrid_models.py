@@ -20,7 +20,7 @@ from ferrox.layers.gated_delta import CHUNK, causal_conv1d, gated_delta_rule
 from tests import models
 from tests.engine.test_model_correctness import assert_matches_hf, greedy, prompts
 
-HYBRIDS = ["qwen3.5"]
+HYBRIDS = ["qwen3.5", "qwen3.5-moe", "qwen3-next"]
 
 
 @pytest.mark.parametrize(

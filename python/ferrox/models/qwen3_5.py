@@ -16,6 +16,11 @@ scheduler); the last is attention with a paged KV cache:
 - RMSNorms scale by `1 + w` (folded into the weights at load), except the
   linear layers' gated norm; SwiGLU MLPs as Llama's.
 
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`) has in every layer, in place of the
+MLP, a mixture of experts (layers/moe.py: softmax router, top-k weights
+renormalised) plus a shared expert behind a sigmoid gate. Qwen3-Next
+(models/qwen3_next.py) is the same decoder with fused input projections.
+
 Hybrid models run without the prefix cache (a cached prefix holds KV only,
 not the state of the tokens it covers), without speculative decoding (the
 state cannot roll back a rejected draft), on one rank, without CUDA graphs
@@ -34,6 +39,7 @@ from ferrox.common.errors import UnsupportedModelError
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.layers.gated_delta import causal_conv1d, gated_delta_rule, gated_rms_norm
+from ferrox.layers.moe import SparseMoe
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
 from ferrox.models.base import FullAttention, LayerState, LinearAttentionState
@@ -241,6 +247,40 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_norms_plus_one(weights))
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3_5MoeForCausalLM",)
+
+    def mlp_of(self, config: Any, index: int) -> nn.Module:
+        return self.sparse_moe(config, renormalize=True)
+
+    @staticmethod
+    def sparse_moe(config: Any, renormalize: bool) -> SparseMoe:
+        """Routed experts plus the shared expert (when the config has one)."""
+        hidden_act = getattr(config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise UnsupportedModelError(f"{config.model_type} with hidden_act={hidden_act!r}")
+        width = int(config.moe_intermediate_size)
+        moe = SparseMoe(
+            config.hidden_size,
+            int(config.num_experts),
+            int(config.num_experts_per_tok),
+            renormalize,
+            lambda: GatedMlp(config, width, reduce=False),
+        )
+        shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        if shared:
+            moe.add_shared_expert(GatedMlp(config, shared, reduce=False))
+        return moe
+
+    def prepare_fused_decode(self) -> bool:
+        """Block-format experts on the CPU run natively (layers/moe.py); the
+        layers themselves run module by module."""
+        for layer in self.hybrid_layers():
+            if isinstance(layer.mlp, SparseMoe):
+                layer.mlp.prepare_native()
+        return super().prepare_fused_decode()
 
 
 # The norms that scale by 1 + w (the linear layers' gated norm scales by w).

@@ -13,8 +13,9 @@ from ferrox.models.phi3 import Phi3ForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
 from ferrox.models.qwen2_moe import Qwen2MoeForCausalLM
 from ferrox.models.qwen3 import Qwen3ForCausalLM
-from ferrox.models.qwen3_5 import Qwen3_5ForCausalLM
+from ferrox.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ferrox.models.qwen3_moe import Qwen3MoeForCausalLM
+from ferrox.models.qwen3_next import Qwen3NextForCausalLM
 from ferrox.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
@@ -28,6 +29,8 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     Gemma3ForCausalLM,
     GptOssForCausalLM,
     Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
 )
 
 _BY_ARCHITECTURE = {name: cls for cls in MODEL_CLASSES for name in cls.architectures}
