@@ -20,9 +20,9 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
-    Qwen3NextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SmolLM3Config,
 )
 
