@@ -1,9 +1,10 @@
 """Hybrid models (Gated DeltaNet linear attention beside attention layers)
 against transformers on the same weights: greedy tokens equal and logprobs
-close in a mixed batch, with chunked prefill (the state carried across
-chunks), under preemption (the state recomputed), with fewer state slots
-than requests; the state pool comes back whole; what is not supported yet
-is refused clearly."""
+close in a mixed batch, with prefix-cache hits (resumed from state
+snapshots), chunked prefill (the state carried across chunks), under
+preemption (the state recomputed), with fewer state slots than requests;
+the state pool comes back whole; what is not supported yet is refused
+clearly."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ HYBRIDS = ["qwen3.5", "qwen3.5-moe", "qwen3-next"]
     ("label", "options"),
     [
         ("one-batch", dict()),
+        ("prefix-cache", dict(block_size=4)),
+        ("no-prefix-cache", dict(enable_prefix_caching=False)),
         ("chunked-prefill", dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)),
         ("preemption", dict(num_kv_blocks=12, block_size=8, max_model_len=96)),
         ("few-state-slots", dict(max_num_seqs=3, max_num_batched_tokens=64)),
@@ -42,13 +45,21 @@ def test_hybrid_models_match_transformers(
     llm = LLM(str(path), **{"num_kv_blocks": 256, "max_num_seqs": 8, **options})
     outputs = llm.generate(batch, greedy(logprobs=1), use_tqdm=False)
     assert_matches_hf(outputs, hf, batch, check_logprobs=True)
+    if label == "prefix-cache":
+        # Again: now the prompts resume from the snapshots the first run left.
+        again = llm.generate(batch, greedy(logprobs=1), use_tqdm=False)
+        assert_matches_hf(again, hf, batch, check_logprobs=True)
+        assert sum(o.metrics.num_cached_tokens for o in again) > sum(map(len, batch)) // 2
     stats = llm.engine.stats()
     if label == "preemption":
         assert stats.num_preemptions > 0
-    assert stats.num_state_slots == options.get("max_num_seqs", 8)
-    assert stats.num_free_state_slots == stats.num_state_slots
+    slots = options.get("max_num_seqs", 8)
+    assert stats.num_state_slots == slots
+    assert stats.num_free_state_slots == slots
+    caching = options.get("enable_prefix_caching", True)
+    assert stats.num_state_snapshots == (slots if caching else 0)
+    assert 0 < stats.num_cached_state_snapshots <= slots or not caching
     assert stats.num_used_blocks == 0
-    assert stats.prefix_hit_tokens == 0  # (prefix caching is off for hybrids)
     llm.engine.scheduler.check_integrity()
 
 

@@ -171,9 +171,6 @@ class Ready(msgspec.Struct, tag="ready"):
     # adapt, its [in_features, out_features] (common/lora.LoraTargets).
     lora_layers: int = 0
     lora_modules: dict[str, list[int]] | None = None
-    # Whether the engine caches prefixes (off where the model cannot: one
-    # with linear-attention layers).
-    prefix_caching: bool = True
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

@@ -17,7 +17,6 @@ engine process (`engine/core_process.py`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +57,6 @@ from ferrox.executor.executor import Executor
 from ferrox.loader.model_loader import LoadedModel
 from ferrox.runner.model_runner import ModelRunner, RunnerOutput
 from ferrox.runner.sampling_batch import FeatureCounts, SamplingBatch, SamplingBatchBuilder
-
-logger = logging.getLogger("ferrox")
 
 _FINISH_REASONS: dict[int, FinishReason] = {
     FINISH_STOP: "stop",
@@ -108,16 +105,6 @@ class EngineCore:
         self.vocab_size = int(loaded.hf_config.vocab_size)
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self.executor.max_model_len
-        # A cached prefix holds KV only, which cannot restore the recurrent
-        # state of a model with linear-attention layers: such models run
-        # without the prefix cache.
-        self.prefix_caching = config.enable_prefix_caching and not self.runner.num_state_slots
-        if config.enable_prefix_caching and not self.prefix_caching:
-            logger.warning(
-                "prefix caching is off: it is not supported yet for a model with "
-                "linear-attention layers (%s)",
-                type(loaded.model).__name__,
-            )
         self.scheduler = Scheduler(
             block_size=config.block_size,
             num_blocks=self.runner.num_kv_blocks,
@@ -125,13 +112,14 @@ class EngineCore:
             max_num_batched_tokens=config.batched_tokens_limit(self.max_model_len),
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
-            enable_prefix_caching=self.prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             sliding_window=self.runner.sliding_window,
             num_window_blocks=self.runner.num_window_blocks,
             max_adapters=config.max_loras if config.enable_lora else 0,
             num_state_slots=self.runner.num_state_slots,
+            num_state_snapshots=self.runner.num_state_snapshots,
             **(spec.scheduler_options() if spec is not None else {}),
         )
         self.speculator = (
@@ -316,7 +304,7 @@ class EngineCore:
                 seq.grammar = grammar.deep_copy()
         # Siblings start once the first sequence has put the prompt in the
         # prefix cache, so that the prompt is computed once, not n times.
-        defer = self.prefix_caching and len(prompt_ids) >= self.config.block_size
+        defer = self.config.enable_prefix_caching and len(prompt_ids) >= self.config.block_size
         first, rest = (seqs[:1], seqs[1:]) if defer else (seqs, [])
         submitted: list[SequenceState] = []
         try:

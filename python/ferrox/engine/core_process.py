@@ -62,7 +62,6 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                     device=str(torch_device(engine.config)),
                     dtype=str(torch_dtype(engine.config)).removeprefix("torch."),
                     labels=engine.runner.model.labels,
-                    prefix_caching=engine.prefix_caching,
                     **lora_targets(engine),
                 )
             )

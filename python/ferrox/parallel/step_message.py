@@ -71,6 +71,8 @@ class StepPlan:
     adapters: np.ndarray | None = None
     # (models with recurrent state run on one rank: never sent)
     state_slots: np.ndarray | None = None
+    state_restores: np.ndarray | None = None
+    state_saves: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
@@ -140,25 +141,62 @@ class StatePool:
     and the recurrent matrices `[num_slots, heads, k_head_dim, v_head_dim]`,
     float32. A running sequence owns one slot of every layer (the Rust
     scheduler gives it); a row with no computed tokens starts its slot from
-    zero, so a slot needs no clearing when it changes hands."""
+    zero, so a slot needs no clearing when it changes hands.
+
+    With prefix caching, `num_snapshots` more of each: the states the
+    prefix cache keeps (the state after a block boundary of a cached
+    prefix). A step copies snapshots into the slots of its prefix-cache hits
+    before the forward pass (`restore`) and slots into snapshots after it
+    (`save`), as the plan says."""
 
     def __init__(
-        self, states: list[LinearAttentionState], num_slots: int, device: torch.device
+        self,
+        states: list[LinearAttentionState],
+        num_slots: int,
+        device: torch.device,
+        num_snapshots: int = 0,
     ) -> None:
         if num_slots <= 0:
             raise InvalidArgumentError("the state pool needs at least one slot")
         self.num_slots = num_slots
-        self.layers = [
-            (
-                torch.zeros(num_slots, *s.conv_shape, dtype=torch.float32, device=device),
-                torch.zeros(num_slots, *s.recurrent_shape, dtype=torch.float32, device=device),
-            )
-            for s in states
-        ]
+        self.num_snapshots = num_snapshots
+
+        def pool(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [
+                (
+                    torch.zeros(n, *s.conv_shape, dtype=torch.float32, device=device),
+                    torch.zeros(n, *s.recurrent_shape, dtype=torch.float32, device=device),
+                )
+                for s in states
+            ]
+
+        self.layers = pool(num_slots)
+        self.snapshots = pool(num_snapshots)
+
+    def restore(self, pairs: np.ndarray) -> None:
+        """[R, 2] (snapshot, slot): each slot takes its snapshot's state."""
+        if len(pairs):
+            src, dst = _index(pairs[:, 0]), _index(pairs[:, 1])
+            for (conv, rec), (snap_conv, snap_rec) in zip(self.layers, self.snapshots, strict=True):
+                conv[dst.to(conv.device)] = snap_conv[src.to(conv.device)]
+                rec[dst.to(rec.device)] = snap_rec[src.to(rec.device)]
+
+    def save(self, pairs: np.ndarray) -> None:
+        """[W, 2] (slot, snapshot): each snapshot takes its slot's state."""
+        if len(pairs):
+            src, dst = _index(pairs[:, 0]), _index(pairs[:, 1])
+            for (conv, rec), (snap_conv, snap_rec) in zip(self.layers, self.snapshots, strict=True):
+                snap_conv[dst.to(conv.device)] = conv[src.to(conv.device)]
+                snap_rec[dst.to(rec.device)] = rec[src.to(rec.device)]
 
     @property
     def num_bytes(self) -> int:
-        return sum(c.numel() * 4 + r.numel() * 4 for c, r in self.layers)
+        tensors = [t for pair in self.layers + self.snapshots for t in pair]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _index(column: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(column.astype(np.int64))
 
 
 class ModelKV:
@@ -179,6 +217,7 @@ class ModelKV:
         device: torch.device,
         zeroed: bool = True,
         num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
         def pool(layers: list[int], blocks: int) -> KVCache:
             return KVCache(
@@ -203,7 +242,9 @@ class ModelKV:
         if self.window is not None:
             layers |= dict(zip(groups.window_layers, self.window.layers, strict=True))
         self.state = (
-            StatePool(groups.states, num_state_slots, device) if groups.state_layers else None
+            StatePool(groups.states, num_state_slots, device, num_state_snapshots)
+            if groups.state_layers
+            else None
         )
         if self.state is not None:
             layers |= dict(zip(groups.state_layers, self.state.layers, strict=True))

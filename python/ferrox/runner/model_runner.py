@@ -141,8 +141,11 @@ class ModelRunner:
                 "speculative decoding is not supported for a model with linear-attention layers "
                 "(their recurrent state cannot roll back rejected drafts)"
             )
-        # One recurrent-state slot per sequence that may run.
+        # One recurrent-state slot per sequence that may run, and as many
+        # snapshots for the prefix cache.
         self.num_state_slots = config.max_num_seqs if groups.state_layers else 0
+        caching = config.enable_prefix_caching
+        self.num_state_snapshots = self.num_state_slots if caching else 0
         num_blocks, num_window_blocks = self._num_kv_blocks()
         self.kv_cache = ModelKV(
             self.kv_groups,
@@ -153,6 +156,7 @@ class ModelRunner:
             self.device,
             zeroed=not self._reads_written_slots_only(),
             num_state_slots=self.num_state_slots,
+            num_state_snapshots=self.num_state_snapshots,
         )
         if self.draft is not None:
             self.draft.allocate(num_blocks)
@@ -251,7 +255,8 @@ class ModelRunner:
             if cfg.kv_cache_memory_bytes is not None:
                 budget = cfg.kv_cache_memory_bytes
             elif self.device.type == "cuda":
-                budget = self._free_gpu_budget() - self.num_state_slots * groups.state_bytes
+                states = self.num_state_slots + self.num_state_snapshots
+                budget = self._free_gpu_budget() - states * groups.state_bytes
             else:
                 # Sized from the model: a 135M model needs hundreds of
                 # megabytes, not gigabytes, for its default context; a tiny
@@ -482,8 +487,13 @@ class ModelRunner:
             )
             return logits, None
         adapters = self.lora.step(lora_step) if self.lora else contextlib.nullcontext()
+        state = self.kv_cache.state
+        if state is not None and plan.state_restores is not None:
+            state.restore(plan.state_restores)  # prefix-cache hits resume from snapshots
         with adapters:
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
+        if state is not None and plan.state_saves is not None:
+            state.save(plan.state_saves)
         logits_indices = self._tensor(plan.logits_indices, "logits")
         return self.model.compute_logits(hidden[logits_indices]), hidden  # [S, V]
 

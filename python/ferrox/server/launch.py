@@ -356,7 +356,7 @@ def build_server_app(
         ctx.metrics.set_cache_config(
             block_size=info.block_size,
             num_blocks=info.num_kv_blocks,
-            prefix_caching=info.prefix_caching,
+            prefix_caching=config.enable_prefix_caching,
             dtype=info.dtype,
         )
         if on_started is not None:

@@ -103,6 +103,11 @@ pub struct SchedulerConfig {
     /// taken on admission and given back when it finishes, is aborted or is
     /// preempted (its state is then recomputed). 0: the model keeps none.
     pub num_state_slots: usize,
+    /// With recurrent state and prefix caching: the pool of state snapshots
+    /// the prefix cache keeps (a cached prefix resumes such a model only
+    /// where a snapshot of the state after it was taken; see
+    /// `radix_cache_snapshots.rs`). 0: none.
+    pub num_state_snapshots: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -122,6 +127,7 @@ impl Default for SchedulerConfig {
             num_window_blocks: 0,
             max_adapters: 0,
             num_state_slots: 0,
+            num_state_snapshots: 0,
         }
     }
 }
@@ -198,14 +204,19 @@ impl SchedulerConfig {
                     "num_state_slots must fit in 32 bits".into(),
                 ));
             }
-            // A cached prefix holds KV only: it cannot restore the recurrent
-            // state of the tokens it covers, and a draft's rejected
-            // positions would leave their updates in the state.
-            if self.enable_prefix_caching {
+            // KV alone cannot resume the recurrent state of the tokens it
+            // covers: prefix caching needs snapshots of it. A draft's
+            // rejected positions would leave their updates in the state.
+            if self.enable_prefix_caching && self.num_state_snapshots == 0 {
                 return Err(CoreError::InvalidArgument(
-                    "prefix caching is not supported for a model with recurrent state \
-                     (num_state_slots > 0)"
+                    "prefix caching for a model with recurrent state (num_state_slots > 0) \
+                     needs state snapshots (num_state_snapshots > 0)"
                         .into(),
+                ));
+            }
+            if self.num_state_snapshots > 0 && self.sliding_window.is_some() {
+                return Err(CoreError::InvalidArgument(
+                    "state snapshots with a sliding-window pool are not supported".into(),
                 ));
             }
             if self.speculation.is_some() {
@@ -215,6 +226,15 @@ impl SchedulerConfig {
                         .into(),
                 ));
             }
+        }
+        if self.num_state_snapshots > 0
+            && (self.num_state_slots == 0 || !self.enable_prefix_caching)
+        {
+            return Err(CoreError::InvalidArgument(
+                "num_state_snapshots needs recurrent state (num_state_slots > 0) and prefix \
+                 caching"
+                    .into(),
+            ));
         }
         Ok(())
     }

@@ -10,6 +10,7 @@ pub use block_allocator::{BlockAllocator, BlockId, NULL_BLOCK};
 pub use error::{CoreError, Result};
 pub use radix_cache::{
     usable_window_prefix, InsertOutcome, Namespace, NodeHandle, PrefixMatch, RadixCache,
+    SnapshotId, SnapshotMatch,
 };
 pub mod config;
 pub mod plan;

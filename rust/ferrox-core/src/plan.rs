@@ -43,6 +43,12 @@ pub struct BatchPlan {
     /// with no computed tokens starts from a zero state; any other row
     /// continues the state its slot holds.
     pub state_slots: Vec<i32>,
+    /// With state snapshots: (snapshot, state slot) pairs, flat: the slots
+    /// to fill from snapshots before the step (prefix-cache hits), and
+    /// (state slot, snapshot) pairs: the snapshots to write from slots after
+    /// it (each slot then holds the state after a block boundary).
+    pub state_restores: Vec<i32>,
+    pub state_saves: Vec<i32>,
     /// [S] token indices whose logits are sampled.
     pub logits_indices: Vec<i64>,
     /// [S] row of each sampled position.
@@ -120,6 +126,9 @@ pub struct SchedulerStats {
     /// Recurrent-state slots (0 without recurrent state) and those free.
     pub num_state_slots: usize,
     pub num_free_state_slots: usize,
+    /// State snapshots (0 without) and those the prefix cache holds.
+    pub num_state_snapshots: usize,
+    pub num_cached_state_snapshots: usize,
     pub prefix_queried_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub num_preemptions: u64,

@@ -41,6 +41,8 @@ impl Scheduler {
             window_block_table: Vec::new(),
             window_slot_mapping: Vec::new(),
             state_slots: Vec::new(),
+            state_restores: Vec::new(),
+            state_saves: Vec::new(),
             logits_indices: Vec::with_capacity(num_reqs),
             sample_rows: Vec::with_capacity(num_reqs),
             preempted_ids,
@@ -72,10 +74,16 @@ impl Scheduler {
             plan.seq_lens.push(end as i32);
             plan.adapters.push(req.params.adapter);
             if stateful {
-                let state = req
-                    .state_slot
-                    .expect("a running request holds a state slot");
-                plan.state_slots.push(state as i32);
+                let state =
+                    req.state_slot
+                        .expect("a running request holds a state slot") as i32;
+                plan.state_slots.push(state);
+                if let Some(id) = req.restore_from {
+                    plan.state_restores.extend([id as i32, state]);
+                }
+                for &(id, _) in &req.pending_saves {
+                    plan.state_saves.extend([state, id as i32]);
+                }
             }
             plan.input_ids
                 .extend(req.tokens[start..known_end].iter().map(|&t| t as i64));

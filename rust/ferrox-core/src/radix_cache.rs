@@ -25,6 +25,11 @@
 //! reads them; a prefix serves a hit only up to where the window before it
 //! is still held (`split_and_touch_windowed_prefix`).
 //!
+//! A model with recurrent state (linear-attention layers) may keep state
+//! snapshots in the tree: a node then names the snapshot of the state after
+//! its last token (`radix_cache_snapshots.rs`), and a hit for such a model
+//! ends at the deepest node with one.
+//!
 //! Every lookup and insert names a namespace: sequences of different
 //! namespaces never share a node, whatever their tokens (a LoRA adapter's
 //! KV differs from the base model's for the same prompt). Namespace 0 hangs
@@ -38,9 +43,11 @@ use rustc_hash::FxHashMap;
 
 use crate::block_allocator::{BlockAllocator, BlockId, NULL_BLOCK};
 use crate::error::{CoreError, Result};
+use snapshots::SnapshotPool;
+pub use snapshots::{SnapshotId, SnapshotMatch};
 
-type NodeId = u32;
-const ROOT: NodeId = 0;
+pub(crate) type NodeId = u32;
+pub(crate) const ROOT: NodeId = 0;
 
 /// Which sequences may share cached KV: only those of the same namespace.
 pub type Namespace = u64;
@@ -75,6 +82,8 @@ struct Node {
     children: FxHashMap<Vec<u32>, NodeId>,
     lock_ref: u32,
     last_access: u64,
+    /// The recurrent-state snapshot after this node's last token, if any.
+    pub(crate) snapshot: Option<SnapshotId>,
 }
 
 /// The longest cached block-aligned prefix of a query.
@@ -90,13 +99,13 @@ pub struct PrefixMatch {
 }
 
 /// Where a lookup ends: see `RadixCache::walk`.
-struct Walk {
-    node: NodeId,
-    blocks: Vec<BlockId>,
+pub(crate) struct Walk {
+    pub(crate) node: NodeId,
+    pub(crate) blocks: Vec<BlockId>,
     window_blocks: Vec<BlockId>,
-    num_tokens: usize,
+    pub(crate) num_tokens: usize,
     /// A child whose first `n` blocks matched, but not all of them.
-    partial: Option<(NodeId, usize)>,
+    pub(crate) partial: Option<(NodeId, usize)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +136,8 @@ pub struct RadixCache {
     num_evicted_blocks: u64,
     /// The root of each namespace but 0 (whose root is ROOT).
     namespace_roots: FxHashMap<Namespace, NodeId>,
+    /// Recurrent-state snapshots (none: the model keeps no recurrent state).
+    pub(crate) snapshots: SnapshotPool,
 }
 
 /// Number of leading whole blocks on which `a` and `b` agree.
@@ -166,6 +177,7 @@ impl RadixCache {
             num_hit_tokens: 0,
             num_evicted_blocks: 0,
             namespace_roots: FxHashMap::default(),
+            snapshots: SnapshotPool::default(),
         })
     }
 
@@ -285,7 +297,7 @@ impl RadixCache {
     /// Follows `tokens` down the tree without changing it: the deepest node
     /// matched whole, the blocks matched, and a child matched only in part.
     /// A namespace without a root matches nothing (at the root).
-    fn walk(&self, ns: Namespace, tokens: &[u32]) -> Walk {
+    pub(crate) fn walk(&self, ns: Namespace, tokens: &[u32]) -> Walk {
         let bs = self.block_size;
         let mut walk = Walk {
             node: ROOT,
@@ -639,8 +651,9 @@ impl RadixCache {
                 break;
             };
             let want = num_blocks - num_freed;
+            let num_own = self.nodes[leaf as usize].blocks.len();
+            self.drop_snapshot(leaf); // (its last token moves or goes)
             let node = &mut self.nodes[leaf as usize];
-            let num_own = node.blocks.len();
             if num_own > want {
                 let keep = num_own - want;
                 for block in node.blocks.drain(keep..) {
@@ -753,12 +766,12 @@ impl RadixCache {
         Ok(())
     }
 
-    fn tick(&mut self) -> u64 {
+    pub(crate) fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
     }
 
-    fn handle_of(&self, node: NodeId) -> NodeHandle {
+    pub(crate) fn handle_of(&self, node: NodeId) -> NodeHandle {
         NodeHandle::new(node, self.nodes[node as usize].generation)
     }
 
@@ -771,7 +784,7 @@ impl RadixCache {
     }
 
     /// Marks `node` and its ancestors as used now.
-    fn touch(&mut self, node: NodeId) {
+    pub(crate) fn touch(&mut self, node: NodeId) {
         let now = self.tick();
         let n = &mut self.nodes[node as usize];
         if self.evictable_leaves.remove(&(n.last_access, node)) {
@@ -867,6 +880,10 @@ impl RadixCache {
         n.blocks = Vec::new();
         n.window_blocks = Vec::new();
         n.children = FxHashMap::default();
+        debug_assert!(
+            n.snapshot.is_none(),
+            "a removed node's snapshot is dropped first"
+        );
         self.free_slots.push(id);
     }
 
@@ -903,6 +920,7 @@ impl RadixCache {
             children: FxHashMap::default(),
             lock_ref: 0,
             last_access: now,
+            snapshot: None,
         });
         self.nodes[parent as usize]
             .children
@@ -913,7 +931,7 @@ impl RadixCache {
 
     /// Splits `child` after its first `num_blocks` blocks; returns the new
     /// upper node. `child` keeps its id (and so every handle to it).
-    fn split(&mut self, child: NodeId, num_blocks: usize) -> NodeId {
+    pub(crate) fn split(&mut self, child: NodeId, num_blocks: usize) -> NodeId {
         let bs = self.block_size;
         let c = &mut self.nodes[child as usize];
         let upper_key: Vec<u32> = c.key.drain(..num_blocks * bs).collect();
@@ -938,6 +956,7 @@ impl RadixCache {
             children,
             lock_ref,
             last_access,
+            snapshot: None, // (the snapshot stays with the node that ends where it was taken)
         });
         self.nodes[child as usize].parent = upper;
         self.nodes[parent as usize]
@@ -967,6 +986,9 @@ pub fn usable_window_prefix(window_blocks: &[BlockId], window: usize, block_size
 
 #[path = "radix_cache_integrity.rs"]
 mod integrity;
+
+#[path = "radix_cache_snapshots.rs"]
+mod snapshots;
 
 #[cfg(test)]
 #[path = "radix_cache_tests.rs"]

@@ -11,6 +11,7 @@ impl RadixCache {
     /// allocator; evictable + locked == cached; the eviction set holds exactly
     /// the unlocked leaves; a lock on a node covers its ancestors.
     pub fn check_integrity(&self, alloc: &BlockAllocator) -> Result<()> {
+        self.check_snapshot_integrity()?;
         let bs = self.block_size;
         let mut seen = vec![false; self.in_tree.len()];
         let (mut num_blocks, mut num_locked, mut num_reached) = (0usize, 0usize, 0usize);

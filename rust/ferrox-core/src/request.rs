@@ -75,6 +75,15 @@ pub struct Request {
     /// The recurrent-state slot it holds while it runs (a model with
     /// recurrent state; see `SchedulerConfig::num_state_slots`).
     pub state_slot: Option<u32>,
+    /// With state snapshots: the block boundaries (ascending, past the
+    /// computed tokens) after which its state is saved for the prefix
+    /// cache; a prefill chunk ends at the next one.
+    pub snapshot_boundaries: Vec<usize>,
+    /// Of the outstanding step: the snapshots it writes, each with the
+    /// boundary it holds the state after, and the snapshot its state slot
+    /// starts from (a prefix-cache hit).
+    pub pending_saves: Vec<(u32, usize)>,
+    pub restore_from: Option<u32>,
     /// The radix-cache node this request locks (the prefix it shares).
     pub cache_handle: Option<NodeHandle>,
     /// Leading blocks of `block_table` that are the cache's blocks.

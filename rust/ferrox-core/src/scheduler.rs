@@ -106,6 +106,10 @@ impl Scheduler {
             ),
         };
         let free_state_slots = (0..config.num_state_slots as u32).rev().collect();
+        let mut cache = cache;
+        if config.num_state_snapshots > 0 {
+            cache.enable_snapshots(config.num_state_snapshots)?;
+        }
         Ok(Self {
             alloc: BlockAllocator::new(config.num_blocks, config.block_size)?,
             window_alloc,
@@ -159,6 +163,8 @@ impl Scheduler {
             num_cached_window_blocks: window.map_or(0, |w| w.num_cached_only()),
             num_state_slots: self.config.num_state_slots,
             num_free_state_slots: self.free_state_slots.len(),
+            num_state_snapshots: self.cache.num_snapshots(),
+            num_cached_state_snapshots: self.cache.num_cached_snapshots(),
             num_running: self.running.len(),
             num_waiting: self.waiting.len(),
             num_total_blocks: self.alloc.num_blocks(),
@@ -268,6 +274,9 @@ impl Scheduler {
             window_table: Vec::new(),
             window_start: 0,
             state_slot: None,
+            snapshot_boundaries: Vec::new(),
+            pending_saves: Vec::new(),
+            restore_from: None,
             cache_handle: None,
             num_shared_blocks: 0,
             num_prefix_hit_tokens: 0,
@@ -388,7 +397,7 @@ impl Scheduler {
                 if req.status != RequestStatus::Running || (pending == 1) != decode_pass {
                     continue;
                 }
-                let num_tokens = pending.min(budget);
+                let num_tokens = self.up_to_boundary(slot, pending.min(budget));
                 if num_tokens < pending && !self.config.enable_chunked_prefill {
                     continue;
                 }
@@ -420,6 +429,7 @@ impl Scheduler {
                         num_draft,
                     });
                     budget -= num_tokens;
+                    self.plan_snapshot(slot, num_tokens);
                 } else {
                     self.req_mut(slot).draft.clear();
                 }
@@ -445,6 +455,7 @@ impl Scheduler {
         preempted: &mut Vec<u64>,
     ) -> Result<()> {
         let bs = self.config.block_size;
+        let snapshots = self.config.num_state_snapshots > 0;
         let mut leaders = if self.config.enable_prefix_caching {
             self.prefix_leaders()
         } else {
@@ -478,6 +489,7 @@ impl Scheduler {
                 continue;
             }
             let total = req.num_tokens();
+            let (mut restore, mut kv_tokens) = (None, 0);
             let found = if self.config.enable_prefix_caching {
                 let reusable = if req.params.use_prefix_cache {
                     total - 1
@@ -487,6 +499,11 @@ impl Scheduler {
                 let tokens = &req.tokens[..reusable];
                 let ns = adapter as u64;
                 Some(match self.config.sliding_window {
+                    _ if snapshots => {
+                        let m = self.cache.split_and_touch_snapshot_prefix(ns, tokens);
+                        (restore, kv_tokens) = (m.snapshot, m.kv_tokens);
+                        m.hit
+                    }
                     None => self.cache.split_and_touch_prefix(ns, tokens),
                     Some(w) => self.cache.split_and_touch_windowed_prefix(ns, tokens, w),
                 })
@@ -496,7 +513,14 @@ impl Scheduler {
             let (hit_tokens, hit_blocks) = found
                 .as_ref()
                 .map_or((0, 0), |m| (m.num_tokens, m.blocks.len()));
-            if found.is_some() && self.waits_for_shared_prefix(slot, hit_tokens, &leaders) {
+            let waits_for = match found {
+                Some(_) => self.shared_prefix_leader(slot, hit_tokens, &leaders),
+                None => None,
+            };
+            if let Some((leader, boundary)) = waits_for {
+                if snapshots {
+                    self.snapshot_for_follower(leader, boundary, chosen, budget)?;
+                }
                 self.req_mut(slot).num_prefix_wait_steps += 1;
                 continue;
             }
@@ -504,7 +528,15 @@ impl Scheduler {
                 self.cache.lock(m.handle)?;
             }
             let pending = total - hit_tokens;
-            let num_tokens = pending.min(*budget);
+            let boundaries = if snapshots {
+                self.snapshot_boundaries(slot, hit_tokens, kv_tokens)
+            } else {
+                Vec::new()
+            };
+            let num_tokens = match boundaries.first() {
+                Some(&b) => pending.min(*budget).min(b - hit_tokens),
+                None => pending.min(*budget),
+            };
             let fits_budget = num_tokens == pending || self.config.enable_chunked_prefill;
             let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
             let mut has_room = fits_budget && self.has_room_after(need_blocks, found.as_ref());
@@ -543,6 +575,8 @@ impl Scheduler {
             let req = self.req_mut(slot);
             req.status = RequestStatus::Running;
             req.state_slot = state_slot;
+            req.snapshot_boundaries = boundaries;
+            req.restore_from = if hit_tokens > 0 { restore } else { None };
             req.num_computed_tokens = hit_tokens;
             req.num_shared_blocks = hit_blocks;
             if req.num_preemptions == 0 {
@@ -562,8 +596,58 @@ impl Scheduler {
                 num_draft: 0,
             });
             *budget -= num_tokens;
+            self.plan_snapshot(slot, num_tokens);
         }
         Ok(())
+    }
+
+    /// Where a newly admitted request of a model with recurrent state saves
+    /// its state for the prefix cache (chunked prefill only): where the
+    /// cached KV it shares with others ends, if that lies past its hit (the
+    /// point where sequences branch, which later requests may share), and
+    /// its last full block before its last token.
+    fn snapshot_boundaries(&self, slot: usize, hit_tokens: usize, kv_tokens: usize) -> Vec<usize> {
+        let req = self.req(slot);
+        if !self.config.enable_chunked_prefill || !req.params.use_prefix_cache {
+            return Vec::new();
+        }
+        let bs = self.config.block_size;
+        let own = (req.num_tokens() - 1) / bs * bs;
+        let mut boundaries = Vec::with_capacity(2);
+        if kv_tokens > hit_tokens && kv_tokens < own {
+            boundaries.push(kv_tokens);
+        }
+        if own > hit_tokens {
+            boundaries.push(own);
+        }
+        boundaries
+    }
+
+    /// `num_tokens`, cut so that the running request's chunk ends no later
+    /// than its next snapshot boundary.
+    fn up_to_boundary(&self, slot: usize, num_tokens: usize) -> usize {
+        let req = self.req(slot);
+        match req.snapshot_boundaries.first() {
+            Some(&b) if b > req.num_computed_tokens => num_tokens.min(b - req.num_computed_tokens),
+            _ => num_tokens,
+        }
+    }
+
+    /// After choosing `num_tokens` of the request for this step: if they end
+    /// at its next snapshot boundary, the step saves its state there (when a
+    /// snapshot can be had).
+    fn plan_snapshot(&mut self, slot: usize, num_tokens: usize) {
+        let req = self.req(slot);
+        let end = req.num_computed_tokens + num_tokens;
+        if req.snapshot_boundaries.first() != Some(&end) {
+            return;
+        }
+        let id = self.cache.reserve_snapshot();
+        let req = self.req_mut(slot);
+        req.snapshot_boundaries.remove(0);
+        if let Some(id) = id {
+            req.pending_saves.push((id, end));
+        }
     }
 
     /// The distinct adapters (not 0) of the running requests.
@@ -597,30 +681,43 @@ impl Scheduler {
     /// shares full blocks beyond it with the uncomputed prompt of one of
     /// `leaders`: then it waits for that request to compute them (a bounded
     /// number of steps) instead of computing a copy of its own.
+    #[cfg(test)]
     pub(crate) fn waits_for_shared_prefix(
         &self,
         slot: usize,
         hit_tokens: usize,
         leaders: &[usize],
     ) -> bool {
+        self.shared_prefix_leader(slot, hit_tokens, leaders)
+            .is_some()
+    }
+
+    /// The leader `waits_for_shared_prefix` finds, and the block boundary
+    /// where the prefix they share ends.
+    fn shared_prefix_leader(
+        &self,
+        slot: usize,
+        hit_tokens: usize,
+        leaders: &[usize],
+    ) -> Option<(usize, usize)> {
         let req = self.req(slot);
         if !req.params.use_prefix_cache || req.num_prefix_wait_steps >= MAX_PREFIX_WAIT_STEPS {
-            return false;
+            return None;
         }
         let bs = self.config.block_size;
         let own = &req.tokens[..req.num_tokens() - 1];
         let first_new = hit_tokens + bs; // the shared prefix must reach past the cache hit
-        leaders.iter().any(|&other| {
+        leaders.iter().find_map(|&other| {
             let leader = self.req(other);
             if leader.params.adapter != req.params.adapter {
-                return false; // (its blocks are another namespace's)
+                return None; // (its blocks are another namespace's)
             }
             let prompt = &leader.tokens[..leader.num_prompt_tokens];
             if own.len() < first_new || prompt.len() < first_new {
-                return false;
+                return None;
             }
             if own[..first_new] != prompt[..first_new] {
-                return false; // (a slice compare: most prompts differ early)
+                return None; // (a slice compare: most prompts differ early)
             }
             let common = first_new
                 + own[first_new..]
@@ -628,8 +725,45 @@ impl Scheduler {
                     .zip(&prompt[first_new..])
                     .take_while(|(a, b)| a == b)
                     .count();
-            leader.num_computed_tokens < common / bs * bs
+            let boundary = common / bs * bs;
+            (leader.num_computed_tokens < boundary).then_some((other, boundary))
         })
+    }
+
+    /// A model with recurrent state: the leader a waiting request waits for
+    /// also saves its state where their shared prefix ends, so that the
+    /// waiting request's hit can resume there. A chunk of the leader's
+    /// already chosen for this step that reaches past that point is cut
+    /// there (the saves it planned further on wait for a later step).
+    fn snapshot_for_follower(
+        &mut self,
+        leader: usize,
+        boundary: usize,
+        chosen: &mut [Chosen],
+        budget: &mut usize,
+    ) -> Result<()> {
+        let req = self.req_mut(leader);
+        let computed = req.num_computed_tokens;
+        if boundary <= computed || req.snapshot_boundaries.contains(&boundary) {
+            return Ok(());
+        }
+        let planned = std::mem::take(&mut req.pending_saves);
+        for b in planned.iter().map(|&(_, b)| b).chain([boundary]) {
+            let at = req.snapshot_boundaries.partition_point(|&x| x < b);
+            req.snapshot_boundaries.insert(at, b);
+        }
+        for (id, _) in planned {
+            self.cache.release_snapshot(id)?;
+        }
+        if let Some(c) = chosen.iter_mut().find(|c| c.slot == leader) {
+            if computed + c.num_tokens > boundary {
+                *budget += computed + c.num_tokens - boundary;
+                c.num_tokens = boundary - computed;
+            }
+            let num_tokens = c.num_tokens;
+            self.plan_snapshot(leader, num_tokens);
+        }
+        Ok(())
     }
 
     /// The acceptance probability a draft position must reach this step, or

@@ -62,6 +62,11 @@ impl Scheduler {
         if let Some(state) = req.state_slot.take() {
             self.free_state_slots.push(state);
         }
+        req.restore_from = None;
+        req.snapshot_boundaries.clear();
+        for (id, _) in std::mem::take(&mut req.pending_saves) {
+            self.cache.release_snapshot(id)?;
+        }
         Ok(())
     }
 

@@ -171,8 +171,24 @@ impl Scheduler {
     }
 
     /// Every recurrent-state slot is either free or held by exactly one
-    /// running request.
+    /// running request; the snapshots reserved are those the outstanding
+    /// step writes.
     fn check_state_slots(&self) -> Result<()> {
+        let mut pending = 0;
+        for req in self.slots.iter().flatten() {
+            pending += req.pending_saves.len();
+            ensure!(
+                self.outstanding_step.is_some()
+                    || (req.pending_saves.is_empty() && req.restore_from.is_none()),
+                "request {} holds a step's snapshots outside a step",
+                req.id
+            );
+        }
+        ensure!(
+            pending == self.cache.num_reserved_snapshots(),
+            "{pending} snapshots planned, {} reserved",
+            self.cache.num_reserved_snapshots()
+        );
         let n = self.config.num_state_slots;
         let mut holders = vec![0u32; n];
         for &s in &self.free_state_slots {

@@ -46,6 +46,7 @@ struct FakeModel {
     window: Option<usize>,
     block_size: usize,
     states: Vec<Option<u64>>,
+    snapshots: Vec<Option<u64>>,
 }
 
 impl FakeModel {
@@ -60,6 +61,7 @@ impl FakeModel {
             window,
             block_size: cfg.block_size,
             states: vec![None; cfg.num_state_slots],
+            snapshots: vec![None; cfg.num_state_snapshots],
         }
     }
 
@@ -126,6 +128,11 @@ impl FakeModel {
         // The recurrent state after each row's tokens.
         let stateful = !plan.state_slots.is_empty();
         let mut row_states = vec![0u64; plan.num_reqs()];
+        for pair in plan.state_restores.chunks(2) {
+            let (snapshot, slot) = (pair[0] as usize, pair[1] as usize);
+            let saved = self.snapshots[snapshot].expect("a restore from a snapshot never written");
+            self.states[slot] = Some(saved);
+        }
         if stateful {
             for (row, state) in row_states.iter_mut().enumerate() {
                 let slot = plan.state_slots[row] as usize;
@@ -140,6 +147,10 @@ impl FakeModel {
                     .fold(held, |h, &t| Self::fold(h, t as u32));
                 self.states[slot] = Some(*state);
             }
+        }
+        for pair in plan.state_saves.chunks(2) {
+            let (slot, snapshot) = (pair[0] as usize, pair[1] as usize);
+            self.snapshots[snapshot] = self.states[slot];
         }
         let width = plan.block_table_width;
         let mut out = vec![];
@@ -373,7 +384,18 @@ fn config_is_validated() {
         num_state_slots: 4,
         ..config(8, 32)
     };
-    assert!(Scheduler::new(stateful.clone()).is_err()); // prefix caching is on
+    assert!(Scheduler::new(stateful.clone()).is_err()); // prefix caching, no snapshots
+    let with_snapshots = SchedulerConfig {
+        num_state_snapshots: 2,
+        ..stateful.clone()
+    };
+    Scheduler::new(with_snapshots).unwrap();
+    let snapshots_alone = SchedulerConfig {
+        num_state_snapshots: 2,
+        num_state_slots: 0,
+        ..stateful.clone()
+    };
+    assert!(Scheduler::new(snapshots_alone).is_err());
     let stateful = SchedulerConfig {
         enable_prefix_caching: false,
         ..stateful
@@ -1408,6 +1430,130 @@ fn adapters_beyond_max_wait_their_turn_and_never_starve() {
         off.add_request(1, &[1], with_adapter(1)),
         Err(CoreError::RequestRejected { .. })
     ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+    #[test]
+    fn workloads_with_state_snapshots_match_isolated_runs(
+        w in workload(),
+        num_state_snapshots in 1usize..6,
+        tight_pool in any::<bool>(),
+        budget in 8usize..40,
+    ) {
+        // Prefix hits resume from snapshots; outputs equal runs without any
+        // cache, every slot, block and snapshot comes back.
+        let cfg = SchedulerConfig {
+            enable_prefix_caching: true,
+            num_state_snapshots,
+            ..stateful(4, if tight_pool { 10 } else { 128 }, budget)
+        };
+        let stats = check_workload_with(&w, cfg, None);
+        prop_assert_eq!(stats.num_free_state_slots, 4);
+    }
+}
+
+#[test]
+fn a_shared_prefix_resumes_from_its_snapshot_at_the_branch_point() {
+    // A 12-token prefix (3 blocks) and three requests after it, one at a
+    // time. The first saves its state at its own last full block (16); the
+    // second finds the prefix's KV but no state there, recomputes, and saves
+    // one at the branch point (12) and one at its 16; the third resumes from
+    // the one at 12.
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: true,
+        num_state_snapshots: 4,
+        ..stateful(4, 64, 64)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let prefix: Vec<u32> = (1..=12).collect();
+    let mut hits = vec![];
+    for (id, tail) in [
+        [20u32, 21, 22, 23, 24, 25],
+        [30, 31, 32, 33, 34, 35],
+        [40, 41, 42, 43, 44, 45],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let prompt: Vec<u32> = prefix.iter().chain(tail).copied().collect();
+        let p = RequestParams {
+            ignore_eos: true,
+            ..params(3)
+        };
+        sched.add_request(id as u64, &prompt, p.clone()).unwrap();
+        let out = drive(&mut sched, &mut model, |_, _| {})
+            .remove(&(id as u64))
+            .unwrap();
+        assert_eq!(out, run_alone(&prompt, p));
+        hits.push(sched.stats().prefix_hit_tokens);
+    }
+    assert_eq!(hits, vec![0, 0, 12]);
+    // At each prompt's 16th token, and at the branch point (12).
+    assert_eq!(sched.stats().num_cached_state_snapshots, 4);
+    assert_idle(&sched);
+}
+
+#[test]
+fn a_fan_out_of_a_model_with_state_resumes_from_the_leaders_snapshot() {
+    // Four requests arrive together with a 12-token shared prefix and 6
+    // tokens of their own: the first computes the prefix and saves its state
+    // where it ends (the followers wait for that; its own last full block
+    // is at 16), the others resume there.
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: true,
+        num_state_snapshots: 8,
+        ..stateful(4, 64, 64)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let p = RequestParams {
+        ignore_eos: true,
+        ..params(3)
+    };
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (1..=12).chain((0..6).map(|j| 20 + 6 * i + j)).collect())
+        .collect();
+    for (id, prompt) in prompts.iter().enumerate() {
+        sched.add_request(id as u64, prompt, p.clone()).unwrap();
+    }
+    let finished = drive(&mut sched, &mut model, |_, _| {});
+    for (id, prompt) in prompts.iter().enumerate() {
+        assert_eq!(finished[&(id as u64)], run_alone(prompt, p.clone()));
+    }
+    assert_eq!(sched.stats().prefix_hit_tokens, 3 * 12);
+    assert_idle(&sched);
+}
+
+#[test]
+fn snapshots_are_evicted_least_recently_used_and_a_hit_falls_back() {
+    // One snapshot only: each new prompt's save takes it from the last one,
+    // whose hit then finds KV but no state (0 tokens) and recomputes.
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: true,
+        num_state_snapshots: 1,
+        ..stateful(2, 64, 64)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let p = RequestParams {
+        ignore_eos: true,
+        ..params(2)
+    };
+    let a: Vec<u32> = (1..=9).collect();
+    let b: Vec<u32> = (11..=19).collect();
+    for (id, prompt) in [(0u64, &a), (1, &b), (2, &a), (3, &b), (4, &b)] {
+        sched.add_request(id, prompt, p.clone()).unwrap();
+        let out = drive(&mut sched, &mut model, |_, _| {})
+            .remove(&id)
+            .unwrap();
+        assert_eq!(out, run_alone(prompt, p.clone()), "request {id}");
+    }
+    // Only the last request (b again, right after b) found its snapshot.
+    assert_eq!(sched.stats().prefix_hit_tokens, 8);
+    assert_eq!(sched.stats().num_cached_state_snapshots, 1);
+    assert_idle(&sched);
 }
 
 fn stateful(num_state_slots: usize, num_blocks: usize, budget: usize) -> SchedulerConfig {

@@ -77,11 +77,17 @@ impl Scheduler {
                 continue;
             }
             let n = plan.num_scheduled_tokens[row] as usize;
+            self.req_mut(slot).restore_from = None;
             if d == 0 {
-                self.req_mut(slot).num_computed_tokens += n;
-                if n > 1 && self.config.enable_prefix_caching {
+                let req = self.req_mut(slot);
+                req.num_computed_tokens += n;
+                let computed = req.num_computed_tokens;
+                req.snapshot_boundaries.retain(|&b| b > computed);
+                let saves = std::mem::take(&mut self.req_mut(slot).pending_saves);
+                if (n > 1 || !saves.is_empty()) && self.config.enable_prefix_caching {
                     self.share_computed_blocks(slot)?;
                 }
+                self.attach_snapshots(slot, saves)?;
                 self.drop_behind_window(slot)?;
                 if let Some(&token) = samples.first() {
                     self.append(slot, token, &stopped, &mut events)?;
@@ -124,6 +130,21 @@ impl Scheduler {
             }
         }
         Ok(events)
+    }
+
+    /// Hands the snapshots a step wrote for the request to the prefix cache,
+    /// at the boundaries they hold the state after (their blocks are
+    /// cached by now).
+    fn attach_snapshots(&mut self, slot: usize, saves: Vec<(u32, usize)>) -> Result<()> {
+        if saves.is_empty() {
+            return Ok(());
+        }
+        let req = self.slots[slot].as_ref().expect("live slot");
+        let ns = req.params.adapter as u64;
+        for (id, end) in saves {
+            self.cache.attach_snapshot(ns, &req.tokens[..end], id)?;
+        }
+        Ok(())
     }
 
     /// Appends a sampled token to a running request and applies the stop

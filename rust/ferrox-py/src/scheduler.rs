@@ -66,6 +66,13 @@ pub struct PyBatchPlan {
     /// computed tokens starts from a zero state); None without.
     #[pyo3(get)]
     state_slots: Option<Py<PyArray1<i32>>>,
+    /// With state snapshots: [R, 2] (snapshot, state slot) to fill before
+    /// the step, [W, 2] (state slot, snapshot) to write after it; None
+    /// without.
+    #[pyo3(get)]
+    state_restores: Option<Py<PyArray2<i32>>>,
+    #[pyo3(get)]
+    state_saves: Option<Py<PyArray2<i32>>>,
     #[pyo3(get)]
     logits_indices: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -78,8 +85,14 @@ pub struct PyBatchPlan {
 
 impl PyBatchPlan {
     /// `windowed`: the scheduler has a sliding-window pool; `stateful`:
-    /// recurrent-state slots.
-    fn new(py: Python<'_>, mut plan: BatchPlan, windowed: bool, stateful: bool) -> PyResult<Self> {
+    /// recurrent-state slots; `snapshots`: state snapshots.
+    fn new(
+        py: Python<'_>,
+        mut plan: BatchPlan,
+        windowed: bool,
+        stateful: bool,
+        snapshots: bool,
+    ) -> PyResult<Self> {
         let (num_reqs, width) = (plan.num_reqs(), plan.block_table_width);
         let block_table = std::mem::take(&mut plan.block_table)
             .into_pyarray(py)
@@ -98,10 +111,24 @@ impl PyBatchPlan {
                 .into_pyarray(py)
                 .unbind()
         });
+        let pairs = |v: Vec<i32>| -> PyResult<Py<PyArray2<i32>>> {
+            let n = v.len() / 2;
+            Ok(v.into_pyarray(py).reshape([n, 2])?.unbind())
+        };
+        let (state_restores, state_saves) = if snapshots {
+            (
+                Some(pairs(std::mem::take(&mut plan.state_restores))?),
+                Some(pairs(std::mem::take(&mut plan.state_saves))?),
+            )
+        } else {
+            (None, None)
+        };
         Ok(Self {
             window_block_table,
             window_slot_mapping,
             state_slots,
+            state_restores,
+            state_saves,
             step_id: plan.step_id,
             num_reqs,
             num_tokens: plan.num_tokens(),
@@ -176,6 +203,9 @@ pub struct PySchedulerStats {
     /// Recurrent-state slots (0 without recurrent state) and those free.
     num_state_slots: usize,
     num_free_state_slots: usize,
+    /// State snapshots (0 without) and those the prefix cache holds.
+    num_state_snapshots: usize,
+    num_cached_state_snapshots: usize,
     prefix_queried_tokens: u64,
     prefix_hit_tokens: u64,
     num_preemptions: u64,
@@ -203,6 +233,8 @@ impl From<SchedulerStats> for PySchedulerStats {
             num_cached_window_blocks: s.num_cached_window_blocks,
             num_state_slots: s.num_state_slots,
             num_free_state_slots: s.num_free_state_slots,
+            num_state_snapshots: s.num_state_snapshots,
+            num_cached_state_snapshots: s.num_cached_state_snapshots,
             prefix_queried_tokens: s.prefix_queried_tokens,
             prefix_hit_tokens: s.prefix_hit_tokens,
             num_preemptions: s.num_preemptions,
@@ -300,7 +332,7 @@ impl PyScheduler {
         policy = "fcfs", speculative_method = None, num_speculative_tokens = 0,
         prompt_lookup_min = 1, prompt_lookup_max = 4, spec_adaptive = true,
         spec_disable_by_batch_size = None, sliding_window = None, num_window_blocks = 0,
-        max_adapters = 0, num_state_slots = 0
+        max_adapters = 0, num_state_slots = 0, num_state_snapshots = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     /// `speculative_method`: None (off), "ngram" (the scheduler proposes by
@@ -311,7 +343,8 @@ impl PyScheduler {
     /// `max_adapters`: the most distinct LoRA adapters running at once (0:
     /// requests with one are refused). `num_state_slots`: recurrent-state
     /// slots, one per running request (a hybrid model's linear-attention
-    /// layers; 0: none).
+    /// layers; 0: none). `num_state_snapshots`: with recurrent state and
+    /// prefix caching, the state snapshots the prefix cache keeps.
     fn new(
         block_size: usize,
         num_blocks: usize,
@@ -332,6 +365,7 @@ impl PyScheduler {
         num_window_blocks: usize,
         max_adapters: usize,
         num_state_slots: usize,
+        num_state_snapshots: usize,
     ) -> PyResult<Self> {
         let method = match speculative_method {
             None => None,
@@ -367,6 +401,7 @@ impl PyScheduler {
             num_window_blocks,
             max_adapters,
             num_state_slots,
+            num_state_snapshots,
         };
         Ok(Self {
             inner: Scheduler::new(config).or_raise()?,
@@ -425,8 +460,9 @@ impl PyScheduler {
         let inner = &mut self.inner;
         let plan = py.detach(|| inner.schedule()).or_raise()?;
         let config = self.inner.config();
-        let (windowed, stateful) = (config.sliding_window.is_some(), config.num_state_slots > 0);
-        PyBatchPlan::new(py, plan, windowed, stateful)
+        let windowed = config.sliding_window.is_some();
+        let (stateful, snapshots) = (config.num_state_slots > 0, config.num_state_snapshots > 0);
+        PyBatchPlan::new(py, plan, windowed, stateful, snapshots)
     }
 
     /// Applies a step: one sampled token per logits index; `draft_token_ids`,
