@@ -8,6 +8,7 @@ which the tests cannot run (it needs the vendored source).
 
     python benches/converter_roundtrip.py                 # every family below
     python benches/converter_roundtrip.py --family gpt-oss
+    python benches/converter_roundtrip.py --source DIR    # an unpacked vendor/llama.cpp
 
 The converter imports `sentencepiece` for Llama-family vocabularies
 (`pip install sentencepiece`).
@@ -42,7 +43,15 @@ FAMILIES = {
     # (Mistral's window is not in llama.cpp's files: they run as full attention)
     "llama-gqa-tied": {},
     "phi3": {},
+    "qwen3.5": {},
+    "qwen3.5-moe": {},
+    # (llama.cpp's qwen3next graph makes every layer sparse and renormalises)
+    "qwen3-next": {"mlp_only_layers": [], "norm_topk_prob": True},
 }
+# Families whose converter expects a multi-token-prediction head unless told
+# there is none (the tiny models have none).
+WITHOUT_MTP = {"qwen3.5", "qwen3.5-moe", "qwen3-next"}
+TOKENIZER_BY_MODEL_TYPE = {"qwen3.5-moe": "qwen3_5_text"}
 
 
 def roundtrip(family: str, overrides: dict, root: Path, source_dir: Path) -> bool:
@@ -79,15 +88,27 @@ def roundtrip(family: str, overrides: dict, root: Path, source_dir: Path) -> boo
     options = json.loads(settings.read_text())
     options["tokenizer_class"] = "GPT2Tokenizer"  # what the converter looks for
     settings.write_text(json.dumps(options))
+    if family in TOKENIZER_BY_MODEL_TYPE:
+        # transformers picks these model types' own tokenizer class whatever
+        # tokenizer_config says; the converter then does not recognise the
+        # bundled vocabulary: let it load the tokenizer as the dense model's.
+        config_file = hf_dir / "config.json"
+        saved = config_file.read_text()
+        hf_config = json.loads(saved)
+        hf_config["model_type"] = TOKENIZER_BY_MODEL_TYPE[family]
+        config_file.write_text(json.dumps(hf_config))
     env = dict(os.environ, PYTHONPATH=str(source_dir / "gguf-py"))
     converted = subprocess.run(
         [sys.executable, str(source_dir / "convert_hf_to_gguf.py"), str(hf_dir),
-         "--outfile", str(gguf), "--outtype", "f32"],
+         "--outfile", str(gguf), "--outtype", "f32",
+         *(["--no-mtp"] if family in WITHOUT_MTP else [])],
         env=env, capture_output=True, text=True,
     )  # fmt: skip
     if converted.returncode != 0:
         print(f"{family}: the converter failed:\n{converted.stderr[-2000:]}")
         return False
+    if family in TOKENIZER_BY_MODEL_TYPE:
+        config_file.write_text(saved)  # (transformers reads the model as it is)
     hf = models.hf_model(hf_dir)
     llm = LLM(str(gguf), num_kv_blocks=64, block_size=4)
     prompts = [list(range(100, 105)), list(range(300, 340))]
@@ -111,9 +132,14 @@ def roundtrip(family: str, overrides: dict, root: Path, source_dir: Path) -> boo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=sorted(FAMILIES), action="append")
+    parser.add_argument(
+        "--source", type=Path, default=None, help="vendor/llama.cpp of the unpacked sdist"
+    )
     args = parser.parse_args()
-    ensure_server()  # unpacks the vendored llama.cpp source (and builds the peer)
-    source_dir = next((peer_dir() / "src").glob("*/vendor/llama.cpp"))
+    source_dir = args.source
+    if source_dir is None:
+        ensure_server()  # unpacks the vendored llama.cpp source (and builds the peer)
+        source_dir = next((peer_dir() / "src").glob("*/vendor/llama.cpp"))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.family or sorted(FAMILIES):

@@ -55,7 +55,7 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
         return _GGUF_GLOBALS[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
-    parts = _GEMMA3_GGUF_PARTS if arch == "gemma3" else _GGUF_PARTS
+    parts = {"gemma3": _GEMMA3_GGUF_PARTS, "hybrid": _HYBRID_GGUF_PARTS}.get(arch, _GGUF_PARTS)
     return f"blk.{layer}.{parts[module]}.{suffix}"
 
 
@@ -84,6 +84,7 @@ def _write_gguf(
     pre: str = "qwen2",
     rope_freq_base: float = 10000.0,
     extra_metadata: dict[str, int | float | str] | None = None,
+    rotary_dim: int | None = None,
 ) -> None:
     head_dim = getattr(config, "head_dim", None) or (
         config.hidden_size // config.num_attention_heads
@@ -96,7 +97,7 @@ def _write_gguf(
     writer.add_uint32(f"{arch}.attention.head_count", config.num_attention_heads)
     writer.add_uint32(f"{arch}.attention.head_count_kv", config.num_key_value_heads)
     writer.add_uint32(f"{arch}.attention.key_length", head_dim)
-    writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    writer.add_uint32(f"{arch}.rope.dimension_count", rotary_dim or head_dim)
     writer.add_float32(f"{arch}.rope.freq_base", rope_freq_base)
     for key, value in (extra_metadata or {}).items():
         if isinstance(value, str):
@@ -278,3 +279,114 @@ def write_gpt_oss_gguf(path: Path, source: Path, expert_type: Q = Q.F32) -> None
         path, "gpt-oss", config, tensors, types,
         rope_freq_base=float(rope["rope_theta"]), extra_metadata=metadata,
     )  # fmt: skip
+
+
+# The hybrids' (Qwen3.5, Qwen3-Next) tensors as llama.cpp names them.
+_HYBRID_GGUF_PARTS = _GGUF_PARTS | {
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.in_proj_ba": "ssm_ba",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
+
+
+def _tile_value_heads(t: torch.Tensor, dim: int, key_heads: int, head: int) -> torch.Tensor:
+    """Value heads along `dim` from grouped order (value head j of key head
+    g at g * per_key + j) to llama.cpp's tiled one (at j * key_heads + g)."""
+    shape = list(t.shape)
+    split = t.reshape(*shape[:dim], key_heads, -1, head, *shape[dim + 1 :])
+    return split.transpose(dim, dim + 1).reshape(shape)
+
+
+def write_hybrid_gguf(path: Path, source: Path, arch: str) -> None:
+    """A tiny Qwen3.5 (`qwen35`) or Qwen3-Next (`qwen3next`) checkpoint as
+    llama.cpp's converter writes it: 1 + w norms stored as 1 + w (not the
+    linear layers' gated norm), A as -exp(A_log) in `ssm_a`, dt_bias as
+    `ssm_dt.bias`, the convolution squeezed to [channels, kernel];
+    Qwen3.5's value heads tiled in every tensor indexed by them; Qwen3-Next's
+    fused `in_proj_qkvz` split into `attn_qkv` (all q, all k, all v) and
+    `attn_gate`, its `in_proj_ba` kept as `ssm_ba`."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source)
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    tiled = arch == "qwen35" and hk != hv
+    qk = 2 * hk * dk
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, w in load_file(source / "model.safetensors").items():
+        if ".mlp.experts." in name:  # stacked per layer and projection, as llama.cpp does
+            _, _, layer, _, _, e, proj, _ = name.split(".")
+            experts.setdefault(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", {})[
+                int(e)
+            ] = w
+            continue
+        if name.endswith("norm.weight") and ".linear_attn." not in name:
+            w = w + 1
+        if name.endswith(".A_log"):
+            w = -torch.exp(w)
+        if name.endswith(".in_proj_qkvz.weight"):  # (Qwen3-Next)
+            per_key = w.reshape(hk, -1, w.shape[-1])
+            q, k, v, z = per_key.split([dk, dk, hv // hk * dv, hv // hk * dv], dim=1)
+            flat = [t.reshape(-1, w.shape[-1]) for t in (q, k, v, z)]
+            stem = name.removesuffix(".in_proj_qkvz.weight")
+            tensors[_gguf_name(stem + ".in_proj_qkv.weight", "hybrid")] = torch.cat(
+                flat[:3]
+            ).numpy()
+            tensors[_gguf_name(stem + ".in_proj_z.weight", "hybrid")] = flat[3].numpy()
+            continue
+        if tiled and ".linear_attn." in name:
+            if name.endswith(".in_proj_qkv.weight"):
+                w = torch.cat((w[:qk], _tile_value_heads(w[qk:], 0, hk, dv)))
+            elif name.endswith(".in_proj_z.weight"):
+                w = _tile_value_heads(w, 0, hk, dv)
+            elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+                w = _tile_value_heads(w, 0, hk, 1)
+            elif name.endswith(".conv1d.weight"):
+                w = torch.cat((w[:qk], _tile_value_heads(w[qk:], 0, hk, dv)))
+            elif name.endswith(".out_proj.weight"):
+                w = _tile_value_heads(w, 1, hk, dv)
+        if name.endswith(".conv1d.weight"):
+            w = w.squeeze(1)
+        if name.endswith(".A_log"):
+            gguf_name = f"blk.{name.split('.')[2]}.ssm_a"
+        elif name.endswith(".dt_bias"):
+            gguf_name = f"blk.{name.split('.')[2]}.ssm_dt.bias"
+        else:
+            gguf_name = _gguf_name(name, "hybrid")
+        tensors[gguf_name] = w.contiguous().numpy()
+    for gguf_name, by_expert in experts.items():
+        tensors[gguf_name] = torch.stack([by_expert[e] for e in sorted(by_expert)]).numpy()
+    head_dim = config.head_dim
+    rotary = int(head_dim * config.rope_parameters["partial_rotary_factor"])
+    metadata: dict[str, int | float | str] = {
+        "ssm.conv_kernel": config.linear_conv_kernel_dim,
+        "ssm.state_size": dk,
+        "ssm.group_count": hk,
+        "ssm.time_step_rank": hv,
+        "ssm.inner_size": hv * dv,
+        "full_attention_interval": 4,
+    }
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if getattr(config, key, None):
+            gguf_key = {
+                "num_experts": "expert_count",
+                "num_experts_per_tok": "expert_used_count",
+                "moe_intermediate_size": "expert_feed_forward_length",
+            }[key]
+            metadata[gguf_key] = getattr(config, key)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        metadata["expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    _write_gguf(path, arch, config, tensors, extra_metadata=metadata, rotary_dim=rotary)

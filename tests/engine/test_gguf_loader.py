@@ -343,6 +343,29 @@ def test_gemma3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) ->
     _assert_tracks_transformers(llm, hf, prompts)
 
 
+@pytest.mark.parametrize(("family", "arch"), [("qwen3.5", "qwen35"), ("qwen3-next", "qwen3next")])
+def test_hybrid_gguf_in_llama_cpp_layout_matches_transformers(
+    tmp_path: Path, family: str, arch: str
+) -> None:
+    """A Qwen3.5 (value heads tiled) or Qwen3-Next (fused projections split)
+    GGUF as llama.cpp's converter writes it: ferrox's greedy tokens and
+    logprobs equal transformers' on the checkpoint's weights, with prefix
+    hits resumed from state snapshots."""
+    from ferrox import LLM
+    from tests import models
+    from tests.gguf_files import write_hybrid_gguf
+
+    overrides = {"mlp_only_layers": [], "norm_topk_prob": True} if arch == "qwen3next" else {}
+    source = models.build_tiny_model(tmp_path / "hf", family, vocab_size=258, **overrides)
+    path = tmp_path / f"{arch}.gguf"
+    write_hybrid_gguf(path, source, arch)
+    hf = models.hf_model(source)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4)
+    prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40)), [*range(3, 30), 200, 4]]
+    _assert_tracks_transformers(llm, hf, prompts)
+    assert llm.engine.stats().prefix_hit_tokens > 0  # (the third prompt's first 24 tokens)
+
+
 def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -> None:
     """A SmolLM3 GGUF as llama.cpp's converter writes it (Llama's tensors and
     Q/K row order, no NoPE pattern in the metadata: llama.cpp's graph puts

@@ -21,11 +21,22 @@ MLP, a mixture of experts (layers/moe.py: softmax router, top-k weights
 renormalised) plus a shared expert behind a sigmoid gate. Qwen3-Next
 (models/qwen3_next.py) is the same decoder with fused input projections.
 
-Hybrid models run without the prefix cache (a cached prefix holds KV only,
-not the state of the tokens it covers), without speculative decoding (the
-state cannot roll back a rejected draft), on one rank, without CUDA graphs
-and without the CPU's fused decode. Text only: `Qwen3_5ForCausalLM`; the
-vision-language checkpoints (`Qwen3_5ForConditionalGeneration`) are refused.
+Prefix caching resumes such a model from state snapshots
+(docs/architecture.md, "Recurrent state"). Hybrid models run without
+speculative decoding (the state cannot roll back a rejected draft), on one
+rank, without CUDA graphs and without the CPU's fused decode. Text only:
+`Qwen3_5ForCausalLM`; the vision-language checkpoints
+(`Qwen3_5ForConditionalGeneration`) are refused.
+
+GGUF (llama.cpp's `qwen35` / `qwen35moe`, and `qwen3next`): the linear
+layers' tensors are `attn_qkv`, `attn_gate` (z), `ssm_beta`, `ssm_alpha`,
+`ssm_a` (stored as -exp(A_log)), `ssm_dt.bias`, `ssm_conv1d` (squeezed),
+`ssm_norm`, `ssm_out`; the 1 + w norms are stored as 1 + w. llama.cpp's
+converter puts Qwen3.5's value heads in tiled order (value head j of key
+head g at position j * key_heads + g, so that ggml broadcasts the key heads)
+in every tensor indexed by value head; the layer reads that order as it is
+(`GatedDeltaNet.tiled`: key head h % key_heads for value head h) rather
+than permuting the weights back.
 """
 
 from collections.abc import Iterable, Iterator
@@ -34,16 +45,24 @@ from typing import Any, ClassVar, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
-from ferrox.common.errors import UnsupportedModelError
+from ferrox.common.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.layers.gated_delta import causal_conv1d, gated_delta_rule, gated_rms_norm
 from ferrox.layers.moe import SparseMoe
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
-from ferrox.models.base import FullAttention, LayerState, LinearAttentionState
+from ferrox.models.base import (
+    FullAttention,
+    LayerState,
+    LinearAttentionState,
+    gguf_token_fields,
+    gguf_value,
+)
 from ferrox.models.llama import DecoderAttention, GatedMlp, LlamaForCausalLM
+from ferrox.models.qwen3_moe import split_stacked_experts
 from ferrox.parallel import state as distributed
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -106,6 +125,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNorm(self.v_head_dim, config.rms_norm_eps)  # its weight, not 1 + w
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        # Value heads in llama.cpp's tiled order (value head h reads key
+        # head h % key_heads) instead of grouped (h // (value / key heads)).
+        self.tiled = bool(getattr(config, "linear_value_heads_tiled", False))
 
     def state(self) -> LinearAttentionState:
         return LinearAttentionState(
@@ -121,9 +143,14 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x).float())
         a = self.in_proj_a(x).float()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        q = q.reshape(t, self.num_k_heads, self.k_head_dim)
+        k = k.reshape(t, self.num_k_heads, self.k_head_dim)
+        if self.tiled and self.num_v_heads != self.num_k_heads:
+            groups = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat(1, groups, 1), k.repeat(1, groups, 1)  # (then one per value head)
         o = gated_delta_rule(
-            q.reshape(t, self.num_k_heads, self.k_head_dim),
-            k.reshape(t, self.num_k_heads, self.k_head_dim),
+            q,
+            k,
             v.reshape(t, self.num_v_heads, self.v_head_dim),
             g,
             beta,
@@ -175,8 +202,12 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3_5ForCausalLM",)
     supports_lora = False
     supports_cuda_graphs: ClassVar[bool] = False
-    gguf_architecture: ClassVar[str | None] = None
     implements_sliding_window: ClassVar[bool] = False
+    gguf_architecture: ClassVar[str | None] = "qwen35"
+    gguf_config_class: ClassVar[Any] = Qwen3_5TextConfig
+    gguf_rotary_interleaved: ClassVar[bool] = False
+    # Whether llama.cpp's converter tiles the value heads of this family.
+    gguf_tiles_value_heads: ClassVar[bool] = True
 
     def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
         types = list(getattr(config, "layer_types", None) or [])
@@ -248,9 +279,114 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_norms_plus_one(weights))
 
+    # ---- GGUF --------------------------------------------------------------
+
+    @classmethod
+    def config_from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str]) -> Any:
+        arch = cls.gguf_architecture
+        assert arch is not None
+
+        def value(key: str, default: Any = None) -> Any:
+            return gguf_value(metadata, arch, key, default)
+
+        num_layers = int(value("block_count"))
+        recurrent = value("attention.recurrent_layers", [])
+        if recurrent:
+            linear = [bool(r) for r in recurrent][:num_layers]
+        else:
+            interval = int(value("full_attention_interval", 4))
+            linear = [(i + 1) % interval != 0 for i in range(num_layers)]
+        heads = int(value("attention.head_count"))
+        kv_heads = value("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):
+            raise UnsupportedModelError("GGUF files with a per-layer KV head count")
+        head_dim = int(value("attention.key_length"))
+        v_heads = int(value("ssm.time_step_rank"))
+        if value("rope.scaling.type", "none") != "none":
+            raise UnsupportedModelError(f"{arch} GGUF with rope scaling")
+        return cls.gguf_config_class(
+            architectures=[cls.architectures[0]],
+            vocab_size=value("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ()))),
+            hidden_size=int(value("embedding_length")),
+            intermediate_size=int(value("feed_forward_length", 0) or 1),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=head_dim,
+            max_position_embeddings=int(value("context_length")),
+            rms_norm_eps=float(value("attention.layer_norm_rms_epsilon")),
+            layer_types=["linear_attention" if r else "full_attention" for r in linear],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": float(value("rope.freq_base", 10000.0)),
+                "partial_rotary_factor": int(value("rope.dimension_count")) / head_dim,
+            },
+            linear_conv_kernel_dim=int(value("ssm.conv_kernel")),
+            linear_key_head_dim=int(value("ssm.state_size")),
+            linear_num_key_heads=int(value("ssm.group_count")),
+            linear_num_value_heads=v_heads,
+            linear_value_head_dim=int(value("ssm.inner_size")) // v_heads,
+            linear_value_heads_tiled=cls.gguf_tiles_value_heads,
+            **cls._gguf_moe_fields(value),
+            **gguf_token_fields(metadata, tensor_names),
+        )
+
+    @classmethod
+    def _gguf_moe_fields(cls, value: Any) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def gguf_layer_tensors(cls) -> dict[str, str]:
+        return super().gguf_layer_tensors() | _GGUF_HYBRID_TENSORS
+
+    @classmethod
+    def checkpoint_name(cls, gguf_name: str) -> str:
+        # (llama.cpp names A without a suffix, and dt_bias as a bias)
+        if gguf_name.endswith(".ssm_a"):
+            return cls.checkpoint_name(gguf_name + ".weight").removesuffix(".weight")
+        name = super().checkpoint_name(gguf_name)
+        return name.replace(".linear_attn.dt_bias.bias", ".linear_attn.dt_bias")
+
+    @classmethod
+    def checkpoint_tensors(
+        cls, gguf_name: str, weight: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        experts = split_stacked_experts(gguf_name, weight)
+        yield from experts if experts is not None else super().checkpoint_tensors(gguf_name, weight)
+
+    @classmethod
+    def from_gguf_tensor(cls, name: str, weight: torch.Tensor, config: Any) -> torch.Tensor:
+        """llama.cpp stores A as -exp(A_log), the convolution without its
+        channel dimension and the 1 + w norms as 1 + w: back to the
+        checkpoint's tensors."""
+        if name.endswith(".linear_attn.A_log"):
+            if bool((weight >= 0).any()):
+                raise ModelLoadError(f"{name}: llama.cpp's A must be negative")
+            return torch.log(-weight.float())
+        if name.endswith(".linear_attn.conv1d.weight"):
+            return weight.reshape(weight.shape[0], 1, -1)
+        if name.endswith(_PLUS_ONE_NORMS) or name == "model.norm.weight":
+            return weight - 1
+        return weight
+
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3_5MoeForCausalLM",)
+    gguf_architecture: ClassVar[str | None] = "qwen35moe"
+    gguf_config_class: ClassVar[Any] = Qwen3_5MoeTextConfig
+
+    @classmethod
+    def _gguf_moe_fields(cls, value: Any) -> dict[str, Any]:
+        fields = {
+            "num_experts": int(value("expert_count")),
+            "num_experts_per_tok": int(value("expert_used_count")),
+            "moe_intermediate_size": int(value("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(value("expert_shared_feed_forward_length", 0)),
+        }
+        scale = float(value("expert_weights_scale", 0.0))
+        if scale not in (0.0, 1.0):
+            raise UnsupportedModelError(f"{cls.gguf_architecture} GGUF with expert_weights_scale")
+        return fields
 
     def mlp_of(self, config: Any, index: int) -> nn.Module:
         return self.sparse_moe(config, renormalize=True)
@@ -282,6 +418,28 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
                 layer.mlp.prepare_native()
         return super().prepare_fused_decode()
 
+
+# llama.cpp's names of the hybrid layers' tensors (beside Llama's).
+_GGUF_HYBRID_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
 
 # The norms that scale by 1 + w (the linear layers' gated norm scales by w).
 _PLUS_ONE_NORMS = (

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers import Qwen3NextConfig
 
 from ferrox.common.errors import ModelLoadError
 from ferrox.models.llama import GatedMlp
@@ -26,6 +27,21 @@ from ferrox.models.qwen3_moe import sparse_layers
 
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3NextForCausalLM",)
+    # llama.cpp's `qwen3next`: its converter splits `in_proj_qkvz` into
+    # `attn_qkv` and `attn_gate` (value heads in grouped order, as here) and
+    # keeps `in_proj_ba` as `ssm_ba`.
+    gguf_architecture: ClassVar[str | None] = "qwen3next"
+    gguf_config_class: ClassVar[Any] = Qwen3NextConfig
+    gguf_tiles_value_heads: ClassVar[bool] = False
+
+    @classmethod
+    def _gguf_moe_fields(cls, value: Any) -> dict[str, Any]:
+        # llama.cpp's graph makes every layer sparse and renormalises.
+        return super()._gguf_moe_fields(value) | {
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
 
     def mlp_of(self, config: Any, index: int) -> nn.Module:
         if sparse_layers(config)[index]:
@@ -55,7 +71,9 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
                 b, a = rows.split([per_head, per_head], dim=1)
                 yield f"{stem}.linear_attn.in_proj_b.weight", b.reshape(hv, -1)
                 yield f"{stem}.linear_attn.in_proj_a.weight", a.reshape(hv, -1)
-            elif ".linear_attn.in_proj_" in name:
+            elif ".linear_attn.in_proj_" in name and not name.endswith(
+                (".in_proj_qkv.weight", ".in_proj_z.weight")  # (from GGUF: split already)
+            ):
                 raise ModelLoadError(f"unexpected tensor {name!r} in a Qwen3-Next checkpoint")
             else:
                 yield name, tensor
