@@ -5,6 +5,7 @@ peer from).
     python benches/make_bench_gguf.py                  # Qwen3-MoE, ~0.9B total, ~0.2B active
     python benches/make_bench_gguf.py --family gemma3  # Gemma-3-1B's shape
     python benches/make_bench_gguf.py --family gpt-oss # gpt-oss-20b scaled down
+    python benches/make_bench_gguf.py --family qwen3.5 # a Qwen3.5 hybrid, ~0.8B
     python benches/vs_llamacpp.py --model \
         ~/.cache/ferrox/bench-models/qwen3-moe-0.9b-a0.2b.q8_0.gguf
 
@@ -15,7 +16,9 @@ of which 0.2B are active per token. `gemma3` has Gemma-3-1B's shape (hidden
 layers with a 512-token window to one global). `gpt-oss` scales gpt-oss-20b
 down (hidden 1024, 12 layers alternating a 128-token window and full
 attention, 16 query and 4 KV heads of 64 with sinks, 32 experts of width 512,
-4 a token): about 0.74B parameters, 0.2B active. All use the bundled model's
+4 a token): about 0.74B parameters, 0.2B active. `qwen3.5` is the hybrid of
+`benches/hybrid_models.py --shape 0.8b` (hidden 1024, 24 layers: 18 Gated
+DeltaNet and 6 attention). All use the bundled model's
 49152-token BPE vocabulary (llama.cpp's converter only takes a tokenizer it
 knows). The weights are N(0, 0.02), norms one.
 """
@@ -49,7 +52,18 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    if args.family == "gpt-oss":
+    if args.family == "qwen3.5":
+        from transformers import Qwen3_5TextConfig
+
+        from hybrid_models import SHAPES
+
+        config = Qwen3_5TextConfig(
+            architectures=["Qwen3_5ForCausalLM"],
+            linear_conv_kernel_dim=4,
+            **SHAPES["0.8b"],
+            **common,
+        )
+    elif args.family == "gpt-oss":
         config = GptOssConfig(
             hidden_size=1024,
             intermediate_size=512,
@@ -119,7 +133,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--family", choices=("qwen3-moe", "gemma3", "gpt-oss"), default="qwen3-moe")
+    families = ("qwen3-moe", "gemma3", "gpt-oss", "qwen3.5")
+    parser.add_argument("--family", choices=families, default="qwen3-moe")
     parser.add_argument("--hidden", type=int, default=1024, help="(qwen3-moe's shape)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)
@@ -137,6 +152,7 @@ def main() -> None:
         "qwen3-moe": "qwen3-moe-0.9b-a0.2b",
         "gemma3": "gemma3-1b-shape",
         "gpt-oss": "gpt-oss-0.7b-a0.2b",
+        "qwen3.5": "qwen3.5-0.8b-shape",
     }[args.family]
     out = args.out or cache_dir() / "bench-models" / f"{name}.{args.outtype}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +163,8 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=str(source / "gguf-py"))
         subprocess.run(
             [sys.executable, str(source / "convert_hf_to_gguf.py"), tmp,
-             "--outfile", str(out), "--outtype", args.outtype],
+             "--outfile", str(out), "--outtype", args.outtype,
+             *(["--no-mtp"] if args.family == "qwen3.5" else [])],
             check=True, env=env,
         )  # fmt: skip
     print(f"wrote {out}")

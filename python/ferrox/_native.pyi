@@ -23,6 +23,7 @@ __all__ = [
     "add_rms_norm_cpu",
     "apply_token_bitmask_cpu",
     "dequantize_rows_cpu",
+    "gated_delta_decode_cpu",
     "paged_attention_cpu",
     "quant_matmul_cpu",
     "quant_matmul_kernel_cpu",
@@ -300,6 +301,18 @@ def rotary_in_place_cpu(
     positions: npt.NDArray[np.int64],
     cos: npt.NDArray[np.float32],
     sin: npt.NDArray[np.float32],
+    num_threads: int,
+) -> None: ...
+def gated_delta_decode_cpu(
+    states: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.int64],
+    fresh: npt.NDArray[np.bool_],
+    q: npt.NDArray[np.float32],
+    k: npt.NDArray[np.float32],
+    v: npt.NDArray[np.float32],
+    g: npt.NDArray[np.float32],
+    beta: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
     num_threads: int,
 ) -> None: ...
 def add_rms_norm_cpu(

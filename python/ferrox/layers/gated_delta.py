@@ -27,10 +27,13 @@ chunked prefill and decode continue it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ferrox._native import gated_delta_decode_cpu
 from ferrox.layers.attention.base import AttentionMetadata
+from ferrox.layers.native import kernel_threads, on_cpu_fp32
 
 # Tokens per block of the chunked form.
 CHUNK = 64
@@ -115,14 +118,31 @@ def gated_delta_rule(
     starts, ends, fresh = _row_bounds(meta)
     out = torch.empty_like(v)
     nd = meta.num_decodes
-    if nd:
-        state = _held(states, slots[:nd], fresh[:nd])  # [B, H, Dk, Dv]
-        state = state * g[:nd].exp()[:, :, None, None]
-        kt = k[:nd]
-        remembered = torch.einsum("bhkv,bhk->bhv", state, kt)
-        delta = (v[:nd] - remembered) * beta[:nd, :, None]
-        state = state + kt[:, :, :, None] * delta[:, :, None, :]
-        out[:nd] = torch.einsum("bhkv,bhk->bhv", state, q[:nd])
+    if nd and on_cpu_fp32(states, q, k, v, g, beta):
+        # The native step, in place on the pool (ferrox_cpu::gated_delta).
+        rows = out[:nd]
+        gated_delta_decode_cpu(
+            states.numpy(),
+            meta.state_slots_cpu[:nd].astype(np.int64),
+            np.array(fresh[:nd], dtype=np.bool_),
+            q[:nd].contiguous().numpy(),
+            k[:nd].contiguous().numpy(),
+            v[:nd].contiguous().numpy(),
+            g[:nd].contiguous().numpy(),
+            beta[:nd].contiguous().numpy(),
+            rows.numpy(),
+            kernel_threads(),
+        )
+    elif nd:
+        state = _held(states, slots[:nd], fresh[:nd])  # [B, H, Dk, Dv], a copy
+        heads, dk, dv = state.shape[1:]
+        state.mul_(g[:nd].exp()[:, :, None, None])
+        flat = state.view(nd * heads, dk, dv)  # one matrix per (row, head)
+        kt = k[:nd].reshape(nd * heads, 1, dk)
+        remembered = torch.bmm(kt, flat)  # [B H, 1, Dv]: S^T k
+        delta = (v[:nd].reshape(nd * heads, 1, dv) - remembered) * beta[:nd].reshape(-1, 1, 1)
+        flat.baddbmm_(kt.transpose(1, 2), delta)  # S += k delta^T
+        out[:nd] = torch.bmm(q[:nd].reshape(nd * heads, 1, dk), flat).view(nd, heads, dv)
         states[slots[:nd]] = state
     for row in range(nd, meta.num_reqs):
         s, e, slot = starts[row], ends[row], slot_list[row]

@@ -4,6 +4,7 @@
 pub mod decoder_layer;
 pub mod elementwise;
 pub mod f32_matmul;
+pub mod gated_delta;
 pub mod kv_element;
 pub mod lora;
 pub mod moe;
@@ -24,6 +25,7 @@ pub use decoder_layer::{
 };
 pub use elementwise::{add_rms_norm, rotary_in_place};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};
+pub use gated_delta::{gated_delta_decode, GatedDeltaDecode};
 pub use kv_element::{f32_to_f16, KvElement, F16};
 pub use lora::LoraLayer;
 pub use moe::{moe_experts, route, ExpertWeights, MoeActivation, MoeArgs, Router};

@@ -1,9 +1,11 @@
 //! CPU kernels over numpy views of torch tensors.
 
 use ferrox_cpu::{
-    add_rms_norm, apply_token_bitmask, dequantize_rows, paged_attention, quant_matmul,
-    rotary_in_place, KvElement, PagedAttentionArgs, QuantFormat, QuantKernel, QuantMatmulArgs, F16,
+    add_rms_norm, apply_token_bitmask, dequantize_rows, gated_delta_decode, paged_attention,
+    quant_matmul, rotary_in_place, GatedDeltaDecode, KvElement, PagedAttentionArgs, QuantFormat,
+    QuantKernel, QuantMatmulArgs, F16,
 };
+use numpy::PyReadwriteArray4;
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
     PyReadwriteArray2, PyReadwriteArrayDyn, PyUntypedArrayMethods,
@@ -356,5 +358,48 @@ pub fn dequantize_rows_cpu(
         .as_slice_mut()
         .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
     py.detach(|| dequantize_rows(w, fmt, k, &rows, out, num_threads))
+        .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// The gated delta rule's decode step for every row, in place on the state
+/// pool `states` ([S, H, Dk, Dv] float32): row b (one token) continues the
+/// state of slot `slots[b]` (zero where `fresh[b]`); q, k [B, H, Dk], v and
+/// out [B, H, Dv], g (log decay) and beta [B, H].
+#[pyfunction]
+#[pyo3(signature = (states, slots, fresh, q, k, v, g, beta, out, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_decode_cpu(
+    py: Python<'_>,
+    mut states: PyReadwriteArray4<'_, f32>,
+    slots: PyReadonlyArray1<'_, i64>,
+    fresh: PyReadonlyArray1<'_, bool>,
+    q: PyReadonlyArrayDyn<'_, f32>,
+    k: PyReadonlyArrayDyn<'_, f32>,
+    v: PyReadonlyArrayDyn<'_, f32>,
+    g: PyReadonlyArrayDyn<'_, f32>,
+    beta: PyReadonlyArrayDyn<'_, f32>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [_, num_heads, k_dim, v_dim] = dims::<4>(states.shape(), "states")?;
+    let args = GatedDeltaDecode {
+        q: contiguous(q.as_slice())?,
+        k: contiguous(k.as_slice())?,
+        v: contiguous(v.as_slice())?,
+        g: contiguous(g.as_slice())?,
+        beta: contiguous(beta.as_slice())?,
+        slots: contiguous(slots.as_slice())?,
+        fresh: contiguous(fresh.as_slice())?,
+        num_heads,
+        k_dim,
+        v_dim,
+    };
+    let states = states
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("states must be C-contiguous".into()))?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    py.detach(|| gated_delta_decode(&args, states, out, num_threads))
         .map_err(|e| invalid_argument(e.to_string()))
 }

@@ -31,6 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FINISH_ABORT", FinishReason::Abort as u8)?;
     m.add_function(wrap_pyfunction!(kernels::paged_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rotary_in_place_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gated_delta_decode_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::add_rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_matmul_cpu, m)?)?;
