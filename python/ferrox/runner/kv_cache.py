@@ -141,7 +141,8 @@ class StatePool:
     and the recurrent matrices `[num_slots, heads, k_head_dim, v_head_dim]`,
     float32. A running sequence owns one slot of every layer (the Rust
     scheduler gives it); a row with no computed tokens starts its slot from
-    zero, so a slot needs no clearing when it changes hands.
+    zero, so a slot needs no clearing when it changes hands (and the pool is
+    allocated uninitialised: its pages cost memory once written).
 
     With prefix caching, `num_snapshots` more of each: the states the
     prefix cache keeps (the state after a block boundary of a cached
@@ -164,8 +165,8 @@ class StatePool:
         def pool(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             return [
                 (
-                    torch.zeros(n, *s.conv_shape, dtype=torch.float32, device=device),
-                    torch.zeros(n, *s.recurrent_shape, dtype=torch.float32, device=device),
+                    torch.empty(n, *s.conv_shape, dtype=torch.float32, device=device),
+                    torch.empty(n, *s.recurrent_shape, dtype=torch.float32, device=device),
                 )
                 for s in states
             ]

@@ -50,6 +50,11 @@ MAX_BOOKKEEPING_BLOCKS = 1 << 22
 MAX_DRAFT_TOKENS = 16
 # Pinned staging buffers start at this many elements and grow as steps need.
 MIN_STAGING_ELEMENTS = 1024
+# On the CPU, a hybrid model's recurrent-state slots take at most this much
+# memory (and its snapshots as much again): max_num_seqs slots unless fewer
+# fit, admission then waiting for a free one. The pool's pages are mapped as
+# slots are first written.
+CPU_STATE_POOL_BYTES = 1 << 30
 
 
 @dataclass
@@ -141,9 +146,21 @@ class ModelRunner:
                 "speculative decoding is not supported for a model with linear-attention layers "
                 "(their recurrent state cannot roll back rejected drafts)"
             )
-        # One recurrent-state slot per sequence that may run, and as many
-        # snapshots for the prefix cache.
+        # One recurrent-state slot per sequence that may run (on the CPU
+        # within CPU_STATE_POOL_BYTES), and as many snapshots for the prefix
+        # cache.
         self.num_state_slots = config.max_num_seqs if groups.state_layers else 0
+        if groups.state_layers and self.device.type == "cpu":
+            fit = max(1, CPU_STATE_POOL_BYTES // groups.state_bytes)
+            self.num_state_slots = min(self.num_state_slots, fit)
+        if groups.state_layers:
+            logger.info(
+                "recurrent state: %d slots of %.1f MiB (one sequence's state in all %d "
+                "linear-attention layers)",
+                self.num_state_slots,
+                groups.state_bytes / 2**20,
+                len(groups.state_layers),
+            )
         caching = config.enable_prefix_caching
         self.num_state_snapshots = self.num_state_slots if caching else 0
         num_blocks, num_window_blocks = self._num_kv_blocks()

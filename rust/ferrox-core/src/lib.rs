@@ -19,6 +19,7 @@ pub mod request;
 pub mod scheduler;
 mod scheduler_blocks;
 mod scheduler_integrity;
+mod scheduler_snapshots;
 mod scheduler_update;
 pub mod speculation;
 
