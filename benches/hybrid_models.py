@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -146,7 +147,16 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    figures: dict[str, Any] = {"cpu": cpu_description(), "shape": args.shape}
+    figures: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip(),
+        "cpu": cpu_description(),
+        "shape": args.shape,
+    }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "qwen3.5", args.shape)
         max_len = args.prefix_tokens + 64
