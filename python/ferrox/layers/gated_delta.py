@@ -123,7 +123,7 @@ def gated_delta_rule(
         rows = out[:nd]
         gated_delta_decode_cpu(
             states.numpy(),
-            meta.state_slots_cpu[:nd].astype(np.int64),
+            np.array(slot_list[:nd], dtype=np.int64),
             np.array(fresh[:nd], dtype=np.bool_),
             q[:nd].contiguous().numpy(),
             k[:nd].contiguous().numpy(),
