@@ -27,6 +27,8 @@ chunked prefill and decode continue it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -39,20 +41,44 @@ from ferrox.layers.native import kernel_threads, on_cpu_fp32
 CHUNK = 64
 
 
-def _row_bounds(meta: AttentionMetadata) -> tuple[list[int], list[int], list[bool]]:
-    """Each row's (first token, end, starts from zero)."""
-    qsl = meta.query_start_loc_cpu
-    starts = [int(v) for v in qsl[:-1]]
-    ends = [int(v) for v in qsl[1:]]
-    fresh = [int(c) == 0 for c in meta.num_computed_cpu]
-    return starts, ends, fresh
+@dataclass(frozen=True)
+class _Rows:
+    """A step's rows as the linear-attention layers read them: each row's
+    first token, end, whether it starts from zero, and its slot (host
+    lists, and arrays for the native step's decode rows); the slots on the
+    device."""
+
+    starts: list[int]
+    ends: list[int]
+    fresh: list[bool]
+    slot_list: list[int]
+    slots: torch.Tensor
+    decode_slots: np.ndarray
+    decode_fresh: np.ndarray
 
 
-def _slots(meta: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
+def _rows(meta: AttentionMetadata) -> _Rows:
+    """The step's `_Rows`, derived once and kept on the metadata (every
+    linear layer of the step reads the same)."""
+    if isinstance(meta._state_rows, _Rows):
+        return meta._state_rows
     assert meta.state_slots is not None and meta.state_slots_cpu is not None, (
         "a linear-attention layer needs the rows' state slots"
     )
-    return meta.state_slots, [int(s) for s in meta.state_slots_cpu]
+    qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
+    fresh = [int(c) == 0 for c in meta.num_computed_cpu]
+    slot_list = [int(s) for s in meta.state_slots_cpu]
+    rows = _Rows(
+        [int(v) for v in qsl[:-1]],
+        [int(v) for v in qsl[1:]],
+        fresh,
+        slot_list,
+        meta.state_slots,
+        np.array(slot_list[:nd], dtype=np.int64),
+        np.array(fresh[:nd], dtype=np.bool_),
+    )
+    meta._state_rows = rows
+    return rows
 
 
 def _held(states: torch.Tensor, slots: torch.Tensor, fresh: list[bool]) -> torch.Tensor:
@@ -74,8 +100,8 @@ def causal_conv1d(
     """The depthwise causal convolution of each row's tokens after the
     inputs its slot holds, then SiLU; each slot keeps its row's last K - 1
     inputs."""
-    slots, slot_list = _slots(meta)
-    starts, ends, fresh = _row_bounds(meta)
+    r = _rows(meta)
+    slots, slot_list, starts, ends, fresh = r.slots, r.slot_list, r.starts, r.ends, r.fresh
     out = torch.empty_like(x, dtype=torch.float32)
     nd = meta.num_decodes
     x32 = x.float()
@@ -114,8 +140,8 @@ def gated_delta_rule(
     q = _l2norm(q.float()).repeat_interleave(groups, dim=1) * q.shape[-1] ** -0.5
     k = _l2norm(k.float()).repeat_interleave(groups, dim=1)
     v, g, beta = v.float(), g.float(), beta.float()
-    slots, slot_list = _slots(meta)
-    starts, ends, fresh = _row_bounds(meta)
+    r = _rows(meta)
+    slots, slot_list, starts, ends, fresh = r.slots, r.slot_list, r.starts, r.ends, r.fresh
     out = torch.empty_like(v)
     nd = meta.num_decodes
     if nd and on_cpu_fp32(states, q, k, v, g, beta):
@@ -123,8 +149,8 @@ def gated_delta_rule(
         rows = out[:nd]
         gated_delta_decode_cpu(
             states.numpy(),
-            np.array(slot_list[:nd], dtype=np.int64),
-            np.array(fresh[:nd], dtype=np.bool_),
+            r.decode_slots,
+            r.decode_fresh,
             q[:nd].contiguous().numpy(),
             k[:nd].contiguous().numpy(),
             v[:nd].contiguous().numpy(),

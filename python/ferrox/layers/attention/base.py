@@ -58,6 +58,9 @@ class AttentionMetadata:
     # starts its slot from zero.
     state_slots: torch.Tensor | None = None
     state_slots_cpu: np.ndarray | None = None
+    # What the linear-attention layers derive from the above, once a step
+    # (layers/gated_delta.py).
+    _state_rows: object = field(default=None, repr=False)
     _row_split: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
