@@ -637,21 +637,9 @@ impl Scheduler {
     /// Whether the waiting request in `slot`, whose cache hit is `hit_tokens`,
     /// shares full blocks beyond it with the uncomputed prompt of one of
     /// `leaders`: then it waits for that request to compute them (a bounded
-    /// number of steps) instead of computing a copy of its own.
-    #[cfg(test)]
-    pub(crate) fn waits_for_shared_prefix(
-        &self,
-        slot: usize,
-        hit_tokens: usize,
-        leaders: &[usize],
-    ) -> bool {
-        self.shared_prefix_leader(slot, hit_tokens, leaders)
-            .is_some()
-    }
-
-    /// The leader `waits_for_shared_prefix` finds, and the block boundary
-    /// where the prefix they share ends.
-    fn shared_prefix_leader(
+    /// number of steps) instead of computing a copy of its own. Returns that
+    /// leader and the block boundary where the prefix they share ends.
+    pub(crate) fn shared_prefix_leader(
         &self,
         slot: usize,
         hit_tokens: usize,

@@ -630,9 +630,9 @@ fn a_follower_waits_out_a_chunked_prefix_then_hits_it() {
     sched.add_request(2, &follower, params(2)).unwrap();
     let slot = sched.index[&2];
     let leaders = sched.prefix_leaders();
-    assert!(sched.waits_for_shared_prefix(slot, 0, &leaders));
+    assert!(sched.shared_prefix_leader(slot, 0, &leaders).is_some());
     sched.req_mut(slot).num_prefix_wait_steps = MAX_PREFIX_WAIT_STEPS;
-    assert!(!sched.waits_for_shared_prefix(slot, 0, &leaders));
+    assert!(sched.shared_prefix_leader(slot, 0, &leaders).is_none());
 }
 
 #[test]
