@@ -16,8 +16,12 @@ lint:
 	$(PYTHON) -m mypy python/ferrox
 	lint-imports
 
+# The CPU kernels again under each narrower instruction-set cap, so that a
+# machine with AVX-512 also tests the AVX2 and portable code it would not pick.
 test-rust:
 	cargo test --workspace
+	FERROX_CPU_ISA=avx2 cargo test -p ferrox-cpu
+	FERROX_CPU_ISA=portable cargo test -p ferrox-cpu
 
 # pytest exits 5 when it collects no test; that is not a failure of the code.
 # -X faulthandler: a crash, even at interpreter exit, prints every thread's stack.

@@ -34,11 +34,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from baseline import ROOT, build_baseline, current_commit, remove_baseline  # isort: skip
+
 NUM_REQUESTS = 256
 OUTPUT_LEN = 150
 PROMPT_LEN = 32
@@ -136,25 +136,6 @@ def measure(model: Path) -> dict[str, float]:
     }
 
 
-def build_baseline(ref: str, folder: Path) -> Path:
-    """A worktree of `ref` with its native module built in place; returns its python/."""
-    subprocess.run(["git", "worktree", "add", "--detach", str(folder), ref], cwd=ROOT, check=True)
-    # A target folder of its own keeps the current tree's build untouched.
-    env = dict(os.environ, CARGO_TARGET_DIR=str(ROOT / "target" / "baseline"))
-    wheels = folder / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "maturin", "build", "--release", "-o", str(wheels)],
-        cwd=folder,
-        env=env,
-        check=True,
-    )
-    with zipfile.ZipFile(next(wheels.glob("*.whl"))) as wheel:
-        member = next(n for n in wheel.namelist() if n.startswith("ferrox/_native"))
-        target = folder / "python" / "ferrox" / Path(member).name
-        target.write_bytes(wheel.read(member))
-    return folder / "python"
-
-
 def run_child(python_path: Path, model: Path) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(python_path))
     out = subprocess.run(
@@ -196,21 +177,14 @@ def main() -> int:
                 "command": " ".join(["python", *sys.argv]),
                 "date": time.strftime("%Y-%m-%d"),
                 "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                "current": subprocess.run(
-                    ["git", "rev-parse", "--short", "HEAD"],
-                    cwd=ROOT,
-                    capture_output=True,
-                    text=True,
-                ).stdout.strip(),
+                "current": current_commit(),
                 "baseline": args.baseline,
                 "runs": runs,
             }
             Path(args.json).write_text(json.dumps(record, indent=2))
     finally:
         if args.baseline:
-            subprocess.run(
-                ["git", "worktree", "remove", "--force", str(work / "baseline")], cwd=ROOT
-            )
+            remove_baseline(work / "baseline")
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -6,6 +6,8 @@ import os
 import platform
 from typing import Any
 
+from ferrox._native import cpu_isa
+
 
 def cpu_description() -> dict[str, Any]:
     """The CPU's architecture, core count and vector extensions (AVX2,
@@ -23,4 +25,6 @@ def cpu_description() -> dict[str, Any]:
         "avx2": "avx2" in flags,
         "avx512f": "avx512f" in flags,
         "avx512_vnni": "avx512_vnni" in flags,
+        # what ferrox's kernels use: the CPU's widest, or FERROX_CPU_ISA's cap
+        "ferrox_isa": cpu_isa(),
     }

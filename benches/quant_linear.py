@@ -40,6 +40,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--only", default=None, help="only the layers whose name holds this")
+    parser.add_argument(
+        "--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     threshold = quant_linear.DEQUANTIZE_ABOVE_ROWS
@@ -52,7 +55,7 @@ def main() -> None:
             dense = nn.Linear(k, n, bias=False)
             layer = QuantLinear.from_linear(dense, fmt)
             packed = PackedLinear(dense)
-            for m in ROWS:
+            for m in [int(v) for v in args.rows.split(",")]:
                 x = torch.randn(m, k)
                 timings: dict[str, list[float]] = {"kernel": [], "dequant": [], "fp32": []}
                 for _ in range(args.repeats):

@@ -354,7 +354,7 @@ def main() -> None:
     result["responsiveness"] = {"current": responsiveness_runs(args, "current", None)}
     if args.baseline:
         sys.path.insert(0, str(Path(__file__).parent))
-        from host_overhead import ROOT, build_baseline
+        from baseline import build_baseline, remove_baseline
 
         work = Path(tempfile.mkdtemp(prefix="ferrox-soak-"))
         try:
@@ -363,9 +363,7 @@ def main() -> None:
                 args, args.baseline, python_path
             )
         finally:
-            subprocess.run(
-                ["git", "worktree", "remove", "--force", str(work / "baseline")], cwd=ROOT
-            )
+            remove_baseline(work / "baseline")
             shutil.rmtree(work, ignore_errors=True)
     report(result)
     if args.json:

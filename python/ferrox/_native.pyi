@@ -22,6 +22,7 @@ __all__ = [
     "__version__",
     "add_rms_norm_cpu",
     "apply_token_bitmask_cpu",
+    "cpu_isa",
     "dequantize_rows_cpu",
     "gated_delta_decode_cpu",
     "paged_attention_cpu",
@@ -337,6 +338,7 @@ def quant_matmul_cpu(
     num_threads: int,
 ) -> None: ...
 def quant_matmul_kernel_cpu(fmt: str, rows: int) -> str: ...
+def cpu_isa() -> str: ...
 def dequantize_rows_cpu(
     out: npt.NDArray[np.float32],
     w: npt.NDArray[np.uint8],

@@ -14,3 +14,25 @@ __version__ = "0.1.0"
 # effect when ferrox is imported before torch; an explicit setting wins.
 OPENMP_SPIN_LIMITED = "torch" not in sys.modules or "GOMP_SPINCOUNT" in os.environ
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
+# FERROX_CPU_ISA caps the instruction sets of ferrox's CPU kernels (read by
+# `ferrox_cpu::isa`) and, unless they are set, of torch's own: its vectorised
+# ops (ATEN_CPU_CAPABILITY) and oneDNN's GEMMs (ONEDNN_MAX_CPU_ISA), so that
+# a machine with AVX-512 runs every kernel as one without it would. Like the
+# OpenMP setting, torch's part only holds when ferrox is imported first.
+_ISA_CAPS: dict[str, tuple[str, str] | None] = {
+    "portable": ("default", "SSE41"),
+    "avx2": ("avx2", "AVX2"),
+    "avx512": None,
+    "native": None,
+}
+CPU_ISA = os.environ.get("FERROX_CPU_ISA", "native").strip().lower() or "native"
+if CPU_ISA not in _ISA_CAPS:
+    raise ValueError(
+        f"FERROX_CPU_ISA={os.environ['FERROX_CPU_ISA']!r} names no instruction-set level; "
+        f"expected one of {', '.join(sorted(_ISA_CAPS))}"
+    )
+_torch_caps = _ISA_CAPS[CPU_ISA]
+if _torch_caps is not None:
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", _torch_caps[0])
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _torch_caps[1])

@@ -9,6 +9,7 @@
 //! GMAC/s it reaches; `QuantKernel::for_rows` picks by these figures.
 //!
 //! cargo bench -p ferrox-cpu --bench quant_matmul [-- --threads 2 --repeats 7]
+//!     [--rows 1,16,256] [--only gate_up]
 
 use std::time::Instant;
 
@@ -25,12 +26,14 @@ const SHAPES: [(&str, usize, usize, QuantFormat); 5] = [
 ];
 const ROWS: [usize; 8] = [1, 2, 3, 4, 8, 16, 32, 64];
 
-fn arg(name: &str, default: usize) -> usize {
+fn option(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map_or(default, |v| v.parse().expect("a number"))
+    let at = args.iter().position(|a| a == name)?;
+    args.get(at + 1).cloned()
+}
+
+fn arg(name: &str, default: usize) -> usize {
+    option(name).map_or(default, |v| v.parse().expect("a number"))
 }
 
 /// Pseudo-random bytes of valid blocks: small positive float16 scales,
@@ -81,9 +84,18 @@ fn main() {
         print!("{:>26}", format!("{kernel:?}"));
     }
     println!("{:>9}{:>10}", "speedup", "GMAC/s");
+    let rows: Vec<usize> = option("--rows").map_or(ROWS.to_vec(), |list| {
+        list.split(',')
+            .map(|v| v.parse().expect("a number"))
+            .collect()
+    });
+    let only = option("--only").unwrap_or_default();
     for (name, k, n, fmt) in SHAPES {
+        if !name.contains(&only) {
+            continue;
+        }
         let w = weights(fmt, n, k);
-        for m in ROWS {
+        for &m in &rows {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 250.0)
                 .collect();

@@ -70,8 +70,8 @@ const PANEL: usize = 16;
 /// The kernel for `m` rows and the column width its ranges come in.
 fn select_kernel(m: usize) -> (Kernel, usize) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        if m >= PANEL_MIN_ROWS && std::is_x86_feature_detected!("avx512f") {
+    if crate::isa::avx2() {
+        if m >= PANEL_MIN_ROWS && crate::isa::avx512() {
             return (columns_avx512, PANEL);
         }
         return (columns_avx2, 4);

@@ -123,7 +123,7 @@ struct Pair<'a> {
 
 fn step(s: &mut [f32], p: &Pair<'_>, o: &mut [f32], scratch: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if crate::isa::avx2() {
         // SAFETY: the features were detected.
         unsafe { step_avx2(s, p, o, scratch) };
         return;

@@ -5,6 +5,7 @@ pub mod decoder_layer;
 pub mod elementwise;
 pub mod f32_matmul;
 pub mod gated_delta;
+pub mod isa;
 pub mod kv_element;
 pub mod lora;
 pub mod moe;

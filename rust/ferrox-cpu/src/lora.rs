@@ -199,10 +199,10 @@ type Expand = unsafe fn(&mut [f32], &[f32], &[f32]);
 fn expand_kernel() -> Expand {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if crate::isa::avx512() {
             return expand_avx512;
         }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if crate::isa::avx2() {
             return expand_avx2;
         }
     }
@@ -253,7 +253,7 @@ fn halves(w: &[f32]) -> Vec<u16> {
 /// float16 bits to float32, eight at a time with F16C where the CPU has it.
 fn widen(src: &[u16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c") {
+    if crate::isa::avx2() {
         // SAFETY: the CPU has AVX2 and F16C.
         unsafe { widen_f16c(src, dst) };
         return;

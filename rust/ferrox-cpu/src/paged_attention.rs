@@ -163,10 +163,7 @@ impl Loops {
         let mut all = vec![Loops::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c")
-            {
+            if crate::isa::avx2() {
                 all.push(Loops::Avx2);
                 if avx512::supported() {
                     all.push(Loops::Avx512);

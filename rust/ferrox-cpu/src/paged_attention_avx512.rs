@@ -346,8 +346,5 @@ impl VectorOps for Avx512 {
 
 /// Whether the CPU runs these loops (with the AVX2 ones they fall back to).
 pub fn supported() -> bool {
-    std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("fma")
-        && std::is_x86_feature_detected!("f16c")
+    crate::isa::avx512()
 }

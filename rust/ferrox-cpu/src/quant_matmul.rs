@@ -194,14 +194,7 @@ pub fn dequantize_rows(
 }
 
 fn vector_kernels() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    crate::isa::avx2()
 }
 
 pub(crate) fn check_k(fmt: QuantFormat, k: usize) -> Result<usize, QuantShapeError> {

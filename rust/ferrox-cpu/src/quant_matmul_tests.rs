@@ -248,3 +248,19 @@ fn small_rounding_matches_round_ties_even() {
         }
     }
 }
+
+#[test]
+fn isa_levels_parse_and_cap_the_kernels() {
+    use crate::isa::{self, Isa};
+    assert_eq!(Isa::parse("AVX2"), Some(Isa::Avx2));
+    assert_eq!(Isa::parse(" portable "), Some(Isa::Portable));
+    assert_eq!(Isa::parse("native"), Some(Isa::Avx512));
+    assert_eq!(Isa::parse("sse9"), None);
+    // Whatever the cap this process runs under, no kernel above it runs.
+    let level = isa::effective();
+    assert!(level <= isa::cap());
+    assert_eq!(QuantKernel::Panels.supported(), level >= Isa::Avx2);
+    if level < Isa::Avx512 {
+        assert!(!QuantKernel::WidePanels.supported());
+    }
+}

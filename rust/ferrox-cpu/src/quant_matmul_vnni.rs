@@ -167,16 +167,12 @@ pub unsafe fn columns(
 
 /// Whether the CPU runs this kernel.
 pub fn supported() -> bool {
-    std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512bw")
-        && std::is_x86_feature_detected!("avx512vnni")
-        && std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("f16c")
+    crate::isa::avx512_vnni()
 }
 
 /// Whether the CPU runs `quantize_activations`.
 pub fn quantize_supported() -> bool {
-    std::is_x86_feature_detected!("avx512f")
+    crate::isa::avx512()
 }
 
 /// `quant_matmul::quantize_activations` a block (two vectors) at a time:

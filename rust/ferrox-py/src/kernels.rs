@@ -335,6 +335,17 @@ pub fn quant_matmul_kernel_cpu(fmt: &str, rows: usize) -> PyResult<&'static str>
     })
 }
 
+/// The widest instruction-set level ferrox's CPU kernels use here: what the
+/// CPU has, capped by `FERROX_CPU_ISA` ("portable", "avx2" or "avx512").
+#[pyfunction]
+pub fn cpu_isa() -> &'static str {
+    match ferrox_cpu::isa::effective() {
+        ferrox_cpu::isa::Isa::Portable => "portable",
+        ferrox_cpu::isa::Isa::Avx2 => "avx2",
+        ferrox_cpu::isa::Isa::Avx512 => "avx512",
+    }
+}
+
 /// Rows `rows` of a block-format weight (`w`: [N, row bytes] uint8) as
 /// float32 into `out` ([len(rows), K]).
 #[pyfunction]

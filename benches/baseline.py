@@ -1,0 +1,42 @@
+"""The code at another git revision, built beside the current tree, for
+benchmarks that run both side by side (`--baseline REF`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_baseline(ref: str, folder: Path) -> Path:
+    """A worktree of `ref` with its native module built in place; returns its
+    python/ (for PYTHONPATH)."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(folder), ref], cwd=ROOT, check=True)
+    # A target folder of its own keeps the current tree's build untouched.
+    env = dict(os.environ, CARGO_TARGET_DIR=str(ROOT / "target" / "baseline"))
+    wheels = folder / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "maturin", "build", "--release", "-o", str(wheels)],
+        cwd=folder,
+        env=env,
+        check=True,
+    )
+    with zipfile.ZipFile(next(wheels.glob("*.whl"))) as wheel:
+        member = next(n for n in wheel.namelist() if n.startswith("ferrox/_native"))
+        target = folder / "python" / "ferrox" / Path(member).name
+        target.write_bytes(wheel.read(member))
+    return folder / "python"
+
+
+def remove_baseline(folder: Path) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT)
+
+
+def current_commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()

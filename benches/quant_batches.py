@@ -1,0 +1,144 @@
+"""The bundled quantized model where batches are large, the current code
+against a git revision's (`--baseline REF`), under each instruction-set cap
+(`FERROX_CPU_ISA`: the CPU's own, and `avx2` to run as a CPU without
+AVX-512 would), every version and cap in its own process, interleaved:
+
+  offline   64 requests of 64-256 random prompt tokens, 128 greedy tokens
+            each (EOS ignored), one `LLM.generate`: output tok/s
+  single    one 256-token prompt, 128 greedy tokens: tok/s
+
+Also checks batch invariance: the first offline request's tokens, run
+alone, must equal its tokens in the batch.
+
+    python benches/quant_batches.py [--baseline REF] [--isa native,avx2] [--repeats 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from baseline import ROOT, build_baseline, current_commit, remove_baseline  # isort: skip
+from machine import cpu_description  # isort: skip
+
+NUM_REQUESTS = 64
+OUTPUT_LEN = 128
+
+
+def measure() -> dict[str, object]:
+    import numpy as np
+
+    import ferrox  # noqa: F401  # isort: skip  (before torch)
+    from ferrox import LLM, SamplingParams
+    from ferrox._native import cpu_isa
+
+    rng = np.random.default_rng(0)
+    prompts = [
+        rng.integers(100, 49000, size=int(rng.integers(64, 257))).tolist()
+        for _ in range(NUM_REQUESTS)
+    ]
+    llm = LLM(max_num_seqs=NUM_REQUESTS)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    offline_s = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.reset_prefix_cache()
+    single = [1, *range(1000, 1255)]
+    start = time.perf_counter()
+    llm.generate([single], params, use_tqdm=False)
+    single_s = time.perf_counter() - start
+    llm.reset_prefix_cache()
+    alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    return {
+        "isa": cpu_isa(),
+        "offline_tok_s": produced / offline_s,
+        "single_tok_s": OUTPUT_LEN / single_s,
+        "alone_equals_batch": list(alone) == list(outs[0].outputs[0].token_ids),
+    }
+
+
+def run_child(python_path: Path, isa: str) -> dict[str, object]:
+    env = dict(os.environ, PYTHONPATH=f"{python_path}{os.pathsep}{Path(__file__).parent}")
+    env.pop("FERROX_CPU_ISA", None)
+    if isa != "native":
+        env["FERROX_CPU_ISA"] = isa
+    out = subprocess.run(
+        [sys.executable, __file__, "--child"], env=env, capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"the run with {python_path} ({isa}) failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list[float], unit: str = "") -> str:
+    return f"{statistics.median(values):.1f}{unit} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", default=None, help="git revision to compare against")
+    parser.add_argument("--isa", default="native,avx2", help="FERROX_CPU_ISA caps to run under")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure()))
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="ferrox-quant-batches-"))
+    try:
+        versions = {"current": ROOT / "python"}
+        if args.baseline:
+            versions = {"baseline": build_baseline(args.baseline, work / "baseline"), **versions}
+        caps = args.isa.split(",")
+        runs: dict[str, dict[str, list[dict[str, object]]]] = {
+            cap: {name: [] for name in versions} for cap in caps
+        }
+        for r in range(args.repeats):
+            for cap in caps:
+                for name, path in versions.items():
+                    result = run_child(path, cap)
+                    runs[cap][name].append(result)
+                    print(f"run {r + 1} {cap:>6} {name:>8}: {result}", flush=True)
+        print(f"\n{'cap':>6} {'version':>8} {'offline tok/s':>24} {'single tok/s':>24} invariant")
+        for cap in caps:
+            for name, results in runs[cap].items():
+                offline = [float(x["offline_tok_s"]) for x in results]  # type: ignore[arg-type]
+                single = [float(x["single_tok_s"]) for x in results]  # type: ignore[arg-type]
+                same = all(x["alone_equals_batch"] for x in results)
+                print(f"{cap:>6} {name:>8} {spread(offline):>24} {spread(single):>24} {same}")
+            if args.baseline:
+                for key in ("offline_tok_s", "single_tok_s"):
+                    pairs = zip(runs[cap]["current"], runs[cap]["baseline"], strict=True)
+                    ratios = [float(c[key]) / float(b[key]) for c, b in pairs]  # type: ignore[arg-type]
+                    print(f"{cap:>6} current/baseline {key}: {spread(ratios, 'x')}")
+        if args.json:
+            record = {
+                "command": " ".join(["python", *sys.argv]),
+                "date": time.strftime("%Y-%m-%d"),
+                "commit": current_commit(),
+                "baseline": args.baseline,
+                "cpu": cpu_description(),
+                "runs": runs,
+            }
+            Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    finally:
+        if args.baseline:
+            remove_baseline(work / "baseline")
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""FERROX_CPU_ISA: a cap on the instruction sets of the CPU kernels (and of
+torch's), checked at import."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+PROBE = (
+    "import os, ferrox\n"
+    "from ferrox._native import cpu_isa, quant_matmul_kernel_cpu\n"
+    "print(cpu_isa(), quant_matmul_kernel_cpu('q4_1', 64), os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+)
+
+
+def probe(value: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("FERROX_CPU_ISA", "ONEDNN_MAX_CPU_ISA")}
+    if value is not None:
+        env["FERROX_CPU_ISA"] = value
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True)
+
+
+def test_a_cap_narrows_the_kernels_and_torchs() -> None:
+    native = probe(None)
+    assert native.returncode == 0, native.stderr
+    widest, _, onednn = native.stdout.split()
+    assert onednn == "None"  # uncapped: torch is left alone
+    portable = probe("portable").stdout.split()
+    assert portable == ["portable", "pairs", "SSE41"]
+    if widest != "portable":  # a CPU with AVX2
+        assert probe("AVX2").stdout.split() == ["avx2", "panels", "AVX2"]
+    # A cap above what the CPU has changes nothing.
+    assert probe("avx512").stdout.split()[:2] == native.stdout.split()[:2]
+
+
+def test_an_unknown_level_is_refused_at_import() -> None:
+    bad = probe("avx1024")
+    assert bad.returncode != 0
+    assert "FERROX_CPU_ISA='avx1024' names no instruction-set level" in bad.stderr
