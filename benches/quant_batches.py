@@ -81,8 +81,9 @@ def run_child(python_path: Path, isa: str) -> dict[str, object]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def spread(values: list[float], unit: str = "") -> str:
-    return f"{statistics.median(values):.1f}{unit} ({min(values):.1f}-{max(values):.1f})"
+def spread(values: list[float], unit: str = "", digits: int = 1) -> str:
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def main() -> int:
@@ -122,7 +123,7 @@ def main() -> int:
                 for key in ("offline_tok_s", "single_tok_s"):
                     pairs = zip(runs[cap]["current"], runs[cap]["baseline"], strict=True)
                     ratios = [float(c[key]) / float(b[key]) for c, b in pairs]  # type: ignore[arg-type]
-                    print(f"{cap:>6} current/baseline {key}: {spread(ratios, 'x')}")
+                    print(f"{cap:>6} current/baseline {key}: {spread(ratios, 'x', 2)}")
         if args.json:
             record = {
                 "command": " ".join(["python", *sys.argv]),

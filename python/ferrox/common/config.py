@@ -98,6 +98,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # One numeric path for every step (layers/cpu_decoder.py): a request's
+    # tokens and logprobs do not depend on the batch, chunking or prefix
+    # hits. CPU, block-format weights; prefill costs more (docs/performance.md).
+    batch_invariant: bool = False
 
     @property
     def max_admitted_requests(self) -> int | None:
@@ -214,6 +218,16 @@ class EngineConfig:
                     "with tensor_parallel_size > 1 give device 'cuda' or 'auto': "
                     "rank r runs on GPU r"
                 )
+        if self.batch_invariant is not False and self.batch_invariant is not True:
+            raise InvalidArgumentError(
+                f"batch_invariant must be true or false, got {self.batch_invariant!r}"
+            )
+        if self.batch_invariant and (tp > 1 or self.enable_lora):
+            raise InvalidArgumentError(
+                "batch_invariant does not run with "
+                + ("tensor_parallel_size > 1" if tp > 1 else "LoRA adapters")
+                + " yet: their steps take other numeric paths"
+            )
         if self.enable_lora:
             check_lora_options(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
             if self.speculative_config is not None:

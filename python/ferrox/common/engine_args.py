@@ -42,6 +42,9 @@ HELP = {
     "scheduling_policy": "fcfs | priority (lower `priority` values first)",
     "attention_backend": "auto | cpu | torch | triton | flash-attn",
     "enforce_eager": "never capture CUDA graphs",
+    "batch_invariant": "one numeric path for every step on the CPU: a request's tokens and "
+    "logprobs are the same whatever else runs, chunked or with a prefix hit (block-format "
+    "weights; long prompts prefill slower)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
     '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; optional '

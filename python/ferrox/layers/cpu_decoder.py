@@ -12,16 +12,26 @@ Qwen3's per-head q/k norms run inside the call too. A mixture-of-experts
 layer (layers/moe.py) runs its attention half in that call and its experts
 in a second native one (`CpuMoeExperts`), where its experts are in block
 formats. Other steps (prefill, large batches) take the module-by-module path.
+
+With `batch_invariant` every step takes the native path, prefill included:
+each row then goes through the same kernels in the same order whatever the
+batch (the block matmul rounds a row alike in any call, the paged attention
+reads a query's keys from the cache in block order, rounded as cached), so a
+request's tokens and logprobs do not depend on what runs beside it, on
+chunking or on prefix hits. The price is prefill, whose attention reads the
+cache once per query token instead of one matrix multiply per chunk.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 import torch
 
 from ferrox._native import CpuDecoderLayer
+from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers import quant_linear
 from ferrox.layers.attention.base import AttentionMetadata, KvCache
 from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBackend
@@ -92,6 +102,32 @@ class FusedCpuDecode:
             identity = (np.ones_like(cos), np.zeros_like(sin))
             self.tables.append((cos, sin) if layer.self_attn.use_rope else identity)
         self.num_threads = kernel_threads()
+        self.every_step = False  # `batch_invariant`: prefill too
+
+    def make_batch_invariant(self, model: Any) -> None:
+        """Every step through the native layers, and the LM head's block kernel
+        at every row count; refused where a step would still take a path that
+        rounds by batch (float weights: the float GEMMs block by row count;
+        an MoE router's float GEMM)."""
+        layers: list[DecoderLayer] = model.decoder_layers()
+        linears = [model.lm_head]
+        for layer in layers:
+            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj] if _dense_mlp(layer) else []
+        if any(moe is not None for moe in self.moes) or not all(_dense_mlp(x) for x in layers):
+            raise InvalidArgumentError(
+                "batch_invariant does not run mixture-of-experts models yet (the router's "
+                "float GEMM rounds by batch size)"
+            )
+        if not all(isinstance(linear, QuantLinear) for linear in linears):
+            raise InvalidArgumentError(
+                "batch_invariant needs block-format weights on the CPU (a GGUF file, or "
+                "quantization='q8_0' / 'q4_1'): float GEMMs round differently by batch size"
+            )
+        for linear in linears:
+            assert isinstance(linear, QuantLinear)
+            linear.dequantize_above = sys.maxsize
+        self.every_step = True
 
     @staticmethod
     def supports(layers: list[DecoderLayer]) -> bool:
@@ -166,7 +202,7 @@ class FusedCpuDecode:
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Rows of few query tokens, and few enough tokens that the module
         path would run the block kernel too (not dequantize and GEMM)."""
-        return (
+        return self.every_step or (
             meta.max_query_len <= SHORT_QUERY_LEN
             and num_tokens <= quant_linear.DEQUANTIZE_ABOVE_ROWS
         )

@@ -6,9 +6,11 @@ scale, 1.06 bytes a weight), the layout the native kernel reads
 (`ferrox_cpu::quant_matmul`). A decode step multiplies a few rows by every
 weight once, so reading a quarter of float32's bytes is most of the win.
 
-Large batches (prefill) on CPUs without a fast integer kernel dequantize
-the weight once per call into a float32 scratch and use the float matmul:
-there the arithmetic dominates (`DEQUANTIZE_ABOVE_ROWS`).
+Large batches (prefill) on CPUs without AVX2 dequantize the weight once per
+call into a float32 scratch and use the float matmul: the portable integer
+kernel is slower there (`DEQUANTIZE_ABOVE_ROWS`). With AVX2 or AVX-512
+VNNI every row count runs the one integer kernel, so that a row's result
+does not depend on the size of its batch.
 
 On a GPU the blocks are split once at load (`split_for_triton`) and every
 call runs the Triton dequantize-GEMM (`triton_kernels/quant_matmul.py`) in the
@@ -39,11 +41,11 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 # buffer and runs a float GEMM; weights larger than the chunk (an LM head) go
 # through it a slice of rows at a time, so that the scratch stays in cache.
 # Where the crossover lies depends on the integer kernel the CPU runs
-# (benches/quant_linear.py): AVX-512 VNNI's beats the float GEMM at every row
-# count measured (1 to 256), AVX2's eight-column panels up to about 128 rows,
-# the pair kernel (no AVX2: portable code) up to about 32.
-_CROSSOVER = {"wide_panels": sys.maxsize, "panels": 128}
-DEQUANTIZE_ABOVE_ROWS = _CROSSOVER.get(quant_matmul_kernel_cpu("q4_1", 64), 32)
+# (benches/quant_linear.py): AVX-512 VNNI's and AVX2's panel kernels beat the
+# float GEMM at every row count measured (1 to 2048; AVX2's by 1.6-2x from
+# 256 rows up, against oneDNN's AVX2 GEMM), the pair kernel (no AVX2:
+# portable code) up to about 32.
+DEQUANTIZE_ABOVE_ROWS = 32 if quant_matmul_kernel_cpu("q4_1", 64) == "pairs" else sys.maxsize
 DEQUANTIZE_CHUNK_ELEMENTS = 2 << 20
 
 _scratch = torch.empty(0)
@@ -138,6 +140,9 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._views: tuple[np.ndarray, np.ndarray | None] | None = None
         self._split: SplitBlocks | None = None
+        # This layer's own DEQUANTIZE_ABOVE_ROWS (None: the module's);
+        # `batch_invariant` sets no limit, one kernel for every row count.
+        self.dequantize_above: int | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> QuantLinear:
@@ -166,7 +171,8 @@ class QuantLinear(nn.Module):
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
         rows = x2.shape[0]
-        if rows > DEQUANTIZE_ABOVE_ROWS:
+        limit = DEQUANTIZE_ABOVE_ROWS if self.dequantize_above is None else self.dequantize_above
+        if rows > limit:
             out = self._dequantized_matmul(x2)
         else:
             # The weight and bias never change after loading: their numpy

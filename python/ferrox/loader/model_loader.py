@@ -140,6 +140,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if torch_device(config).type == "cpu" and torch_dtype(config) == torch.float32:
         pack_linear_layers(model)  # weights in oneDNN's layout (see cpu_linear.py)
     model.prepare_fused_decode()
+    if config.batch_invariant:
+        fused = getattr(model, "fused_decode", None)
+        if fused is None:
+            raise InvalidArgumentError(
+                f"batch_invariant runs on the CPU in float32 with block-format weights, on "
+                f"the families whose layers run natively; {type(model).__name__} here "
+                f"({torch_device(config).type}, {torch_dtype(config)}) does not"
+            )
+        fused.make_batch_invariant(model)
     return LoadedModel(
         hf_config=hf_config,
         model=model,

@@ -259,15 +259,18 @@ impl QuantKernel {
         matches!(self, Self::Pairs)
     }
 
-    /// The fastest kernel this CPU has for `m` activation rows, by
-    /// `rust/ferrox-cpu/benches/quant_matmul.rs`: the panels cost an interleaving of the
-    /// weight per call, which one Q4_1 row does not repay on AVX2 (its pair
-    /// kernel ties at two rows); Q8_0's pair kernel widens every block
-    /// twice, and the wide panels win from one row.
+    /// The kernel for `m` activation rows: the widest this CPU has, the
+    /// same for every row count and format, so that a row's result never
+    /// depends on how many rows share its call (the kernels round
+    /// differently). By `rust/ferrox-cpu/benches/quant_matmul.rs`, the
+    /// panels' interleaving of the weight per call repays itself from one
+    /// row: AVX2 panels against the pair kernel, 1.04-1.28x at one row and
+    /// 1.3-1.95x at two or three, on every shape of the bundled model.
     pub fn for_rows(fmt: QuantFormat, m: usize) -> Self {
+        let _ = (fmt, m);
         if Self::WidePanels.supported() {
             Self::WidePanels
-        } else if Self::Panels.supported() && (fmt == QuantFormat::Q8_0 || m >= 3) {
+        } else if Self::Panels.supported() {
             Self::Panels
         } else {
             Self::Pairs

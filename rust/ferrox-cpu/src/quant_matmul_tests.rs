@@ -149,6 +149,49 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Batch invariance: every row of an M-row call equals, bit for bit,
+    /// that row computed alone and computed among other rows in another
+    /// order, under each kernel this CPU has and under the default choice
+    /// (which must not depend on the row count), whatever the threads.
+    #[test]
+    fn a_row_is_the_same_in_any_batch((m, k, n, x, seed, with_bias, threads) in case()) {
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+            let w = weight_bytes(fmt, n, k, &seed);
+            let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
+            let bias = with_bias.then_some(bias.as_slice());
+            let args = QuantMatmulArgs { x: &x, w: &w, bias, m, k, n, fmt, num_threads: threads };
+            let reversed: Vec<f32> = (0..m).rev().flat_map(|i| x[i * k..(i + 1) * k].to_vec()).collect();
+            let kernels: Vec<Option<QuantKernel>> = std::iter::once(None)
+                .chain(QuantKernel::ALL.into_iter().filter(|k| k.supported()).map(Some))
+                .collect();
+            for kernel in kernels {
+                let call = |args: &QuantMatmulArgs| {
+                    let mut out = vec![f32::NAN; args.m * args.n];
+                    match kernel {
+                        Some(kernel) => quant_matmul_with(args, &mut out, kernel).unwrap(),
+                        None => quant_matmul(args, &mut out).unwrap(),
+                    }
+                    out
+                };
+                let batch = call(&args);
+                let flipped = call(&QuantMatmulArgs { x: &reversed, ..args });
+                for i in 0..m {
+                    let alone = call(&QuantMatmulArgs { x: &x[i * k..(i + 1) * k], m: 1, ..args });
+                    let row = &batch[i * n..(i + 1) * n];
+                    let other = &flipped[(m - 1 - i) * n..(m - i) * n];
+                    prop_assert!(row.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{kernel:?} {fmt:?} m={m} k={k} n={n} row {i}: batch {row:?} alone {alone:?}");
+                    prop_assert!(row.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{kernel:?} {fmt:?} m={m} k={k} n={n} row {i}: order changed it");
+                }
+            }
+        }
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
     /// The vector dequantizer gives the portable one's values, for any rows

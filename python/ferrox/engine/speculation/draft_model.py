@@ -15,7 +15,12 @@ def load_draft_model(config: EngineConfig, vocab_size: int) -> LoadedModel:
     spec = config.speculation
     assert spec is not None and spec.model is not None
     draft_config = dataclasses.replace(
-        config, model=spec.model, load_format=spec.load_format, tokenizer=None
+        config,
+        model=spec.model,
+        load_format=spec.load_format,
+        tokenizer=None,
+        # (the draft only proposes: the target's tokens decide the output)
+        batch_invariant=False,
     )
     draft = load_model(draft_config)
     draft_vocab = int(draft.hf_config.vocab_size)
