@@ -13,14 +13,18 @@ def cpu_description() -> dict[str, Any]:
     """The CPU's architecture, core count and vector extensions (AVX2,
     AVX-512, VNNI), read from /proc/cpuinfo where there is one."""
     flags: set[str] = set()
+    model = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     break
     return {
         "machine": platform.processor() or platform.machine(),
+        "model": model,
         "cores": os.cpu_count(),
         "avx2": "avx2" in flags,
         "avx512f": "avx512f" in flags,

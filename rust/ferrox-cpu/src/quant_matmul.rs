@@ -264,8 +264,8 @@ impl QuantKernel {
     /// depends on how many rows share its call (the kernels round
     /// differently). By `rust/ferrox-cpu/benches/quant_matmul.rs`, the
     /// panels' interleaving of the weight per call repays itself from one
-    /// row: AVX2 panels against the pair kernel, 1.04-1.28x at one row and
-    /// 1.3-1.95x at two or three, on every shape of the bundled model.
+    /// row: AVX2 panels against the pair kernel, 1.11-1.34x at one row and
+    /// 1.26-1.86x at two or three, on every shape of the bundled model.
     pub fn for_rows(fmt: QuantFormat, m: usize) -> Self {
         let _ = (fmt, m);
         if Self::WidePanels.supported() {
