@@ -13,19 +13,16 @@ option off and on, two engines in one process, alternating:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import ferrox  # noqa: F401  # isort: skip  (before torch)
 import numpy as np
 
 from ferrox import LLM, SamplingParams
 
-from baseline import current_commit  # isort: skip
-from machine import cpu_description  # isort: skip
+from machine import write_record  # isort: skip
 
 PREFILL_LENGTHS = (256, 1024, 2048)
 
@@ -81,14 +78,7 @@ def main() -> int:
         print(f"{key:<18}{cell(off):>24}{cell(on):>24}{cell(ratios):>22}")
     print("(prefill: seconds, higher on/off is slower; tok/s: lower on/off is slower)")
     if args.json:
-        record = {
-            "command": " ".join(["python", *sys.argv]),
-            "date": time.strftime("%Y-%m-%d"),
-            "commit": current_commit(),
-            "cpu": cpu_description(),
-            "runs": runs,
-        }
-        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+        write_record(args.json, runs=runs)
     return 0
 
 

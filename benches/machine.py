@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from ferrox._native import cpu_isa
+
+
+def write_record(path: str | Path, **figures: Any) -> None:
+    """A result file: the command, date, commit and CPU, then `figures`."""
+    from baseline import current_commit
+
+    record = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": current_commit(),
+        "cpu": cpu_description(),
+        **figures,
+    }
+    Path(path).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def cpu_description() -> dict[str, Any]:

@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from baseline import ROOT, build_baseline, current_commit, remove_baseline  # isort: skip
-from machine import cpu_description  # isort: skip
+from baseline import ROOT, build_baseline, remove_baseline  # isort: skip
+from machine import write_record  # isort: skip
 
 NUM_REQUESTS = 64
 OUTPUT_LEN = 128
@@ -125,15 +125,7 @@ def main() -> int:
                     ratios = [float(c[key]) / float(b[key]) for c, b in pairs]  # type: ignore[arg-type]
                     print(f"{cap:>6} current/baseline {key}: {spread(ratios, 'x', 2)}")
         if args.json:
-            record = {
-                "command": " ".join(["python", *sys.argv]),
-                "date": time.strftime("%Y-%m-%d"),
-                "commit": current_commit(),
-                "baseline": args.baseline,
-                "cpu": cpu_description(),
-                "runs": runs,
-            }
-            Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+            write_record(args.json, baseline=args.baseline, runs=runs)
     finally:
         if args.baseline:
             remove_baseline(work / "baseline")

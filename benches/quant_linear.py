@@ -10,9 +10,6 @@ shapes, for 1 to 128 rows. Where the kernel stops winning is
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
 from pathlib import Path
 
 import ferrox  # noqa: F401  # isort: skip  (before torch: ferrox tunes OpenMP)
@@ -24,9 +21,8 @@ from ferrox.layers import quant_linear
 from ferrox.layers.cpu_linear import PackedLinear
 from ferrox.layers.quant_linear import QuantLinear
 
-from baseline import current_commit  # isort: skip
 from cpu_linear import time_call  # isort: skip
-from machine import cpu_description  # isort: skip
+from machine import write_record  # isort: skip
 
 # SmolLM2-135M's layers in its GGUF formats (the LM head is the Q8_0 embedding).
 SHAPES = {
@@ -77,14 +73,7 @@ def main() -> None:
                 )
     print(f"\nDEQUANTIZE_ABOVE_ROWS = {threshold}")
     if args.json:
-        record = {
-            "command": " ".join(["python", *sys.argv]),
-            "date": time.strftime("%Y-%m-%d"),
-            "commit": current_commit(),
-            "cpu": cpu_description(),
-            "microseconds": result,
-        }
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        write_record(args.json, microseconds=result)
 
 
 if __name__ == "__main__":
