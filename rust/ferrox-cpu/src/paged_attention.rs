@@ -242,16 +242,28 @@ fn paged_attention_on<T: KvElement>(
     Ok(())
 }
 
-struct Scratch {
-    scores: Vec<f32>, // [H, BS]
-    acc: Vec<f32>,    // [H, D]
-    max: Vec<f32>,    // [H]
-    sum: Vec<f32>,    // [H]
-    /// This block's largest score and the running sums' correction, per head.
+/// Query tokens of one row that visit the row's blocks together: each block
+/// is read (and a float16 one widened) once for all of them, while every
+/// query still meets its keys in the same chunks and order as alone, so its
+/// result is the same bits whatever the tile.
+const QUERY_TILE: usize = 8;
+
+/// One query token's online-softmax state, per head.
+struct QueryState {
+    acc: Vec<f32>, // [H, D]
+    max: Vec<f32>, // [H]
+    sum: Vec<f32>, // [H]
+    /// This block's largest score and the running sums' correction.
     block_max: Vec<f32>,
     correction: Vec<f32>,
-    /// A float16 cache's block widened once for every query head that
-    /// reads it: [BS, Hkv, D] keys, then values (empty for float32).
+}
+
+struct Scratch {
+    scores: Vec<f32>, // [H, BS]
+    states: Vec<QueryState>,
+    /// A float16 cache's block widened once for every query head (and
+    /// query token) that reads it: [BS, Hkv, D] keys, then values (empty
+    /// for float32).
     keys: Vec<f32>,
     values: Vec<f32>,
 }
@@ -264,13 +276,16 @@ impl Scratch {
         } else {
             0
         };
-        Self {
-            scores: vec![0.0; h * args.block_size],
+        let state = || QueryState {
             acc: vec![0.0; h * args.head_dim],
             max: vec![0.0; h],
             sum: vec![0.0; h],
             block_max: vec![0.0; h],
             correction: vec![0.0; h],
+        };
+        Self {
+            scores: vec![0.0; h * args.block_size],
+            states: (0..QUERY_TILE).map(|_| state()).collect(),
             keys: vec![0.0; block],
             values: vec![0.0; block],
         }
@@ -527,7 +542,8 @@ fn fast_exp(x: f32) -> f32 {
 
 /// One row (request): every query token, every head. The row's blocks are
 /// visited in order, all KV heads of a block together, so memory is read
-/// sequentially; query heads sharing a KV head reuse its keys from cache.
+/// sequentially; query heads sharing a KV head reuse its keys from cache,
+/// and up to `QUERY_TILE` query tokens share each block.
 #[inline(always)]
 fn run_row_impl<V: VectorOps, T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
@@ -548,50 +564,90 @@ fn run_row_impl<V: VectorOps, T: KvElement>(
     let q_len = args.query_start_loc[row + 1] as usize - q_start;
     let seq_len = args.seq_lens[row] as usize;
     let ctx = seq_len - q_len;
-    for i in 0..q_len {
-        let t = q_start + i;
-        let num_keys = ctx + i + 1;
-        match args.sinks {
-            // A sink is a key of score `sink` whose value is zero.
-            Some(sinks) => {
-                s.max.copy_from_slice(sinks);
-                s.sum.fill(1.0);
+    // Query i sees keys [first_key(i), ctx + i + 1).
+    let first_key = |i: usize| match args.window {
+        0 => 0,
+        w => (ctx + i + 1).saturating_sub(w),
+    };
+    let mut tile_start = 0;
+    while tile_start < q_len {
+        let tile = (q_len - tile_start).min(QUERY_TILE);
+        for state in &mut s.states[..tile] {
+            match args.sinks {
+                // A sink is a key of score `sink` whose value is zero.
+                Some(sinks) => {
+                    state.max.copy_from_slice(sinks);
+                    state.sum.fill(1.0);
+                }
+                None => {
+                    state.max.fill(f32::NEG_INFINITY);
+                    state.sum.fill(0.0);
+                }
             }
-            None => {
-                s.max.fill(f32::NEG_INFINITY);
-                s.sum.fill(0.0);
-            }
+            state.acc.fill(0.0);
         }
-        s.acc.fill(0.0);
-        let q_row = &args.q[t * h * d..(t + 1) * h * d];
-        let mut start = match args.window {
-            0 => 0,
-            w => num_keys.saturating_sub(w),
-        };
-        while start < num_keys {
-            // (a window may start inside a block: the rest of that block)
-            let offset = start % bs;
-            let n = (bs - offset).min(num_keys - start);
-            let first = (table[start / bs] as usize * bs + offset) * hkv * d;
+        let first_block = first_key(tile_start) / bs;
+        let end_key = ctx + tile_start + tile; // the tile's last query's keys end here
+        let blocks = end_key.div_ceil(bs);
+        for (block, &physical) in table.iter().enumerate().take(blocks).skip(first_block) {
+            let block_keys = block * bs..((block + 1) * bs).min(end_key);
+            let at = physical as usize * bs * hkv * d;
             if T::HALF {
-                // Widened once here, not once per query head of the group.
-                let len = n * hkv * d;
-                V::widen(&args.k_cache[first..first + len], &mut s.keys[..len]);
-                V::widen(&args.v_cache[first..first + len], &mut s.values[..len]);
-                let (keys, values) = (std::mem::take(&mut s.keys), std::mem::take(&mut s.values));
-                attend_block::<V, f32>(&keys, &values, 0, n, q_row, group, args, s);
-                (s.keys, s.values) = (keys, values);
-            } else {
-                attend_block::<V, T>(args.k_cache, args.v_cache, first, n, q_row, group, args, s);
+                // Widened once here for every query and query head.
+                let lo = block_keys.start.max(first_key(tile_start)) - block * bs;
+                let len = block_keys.len() * hkv * d;
+                let skip = lo * hkv * d;
+                V::widen(&args.k_cache[at + skip..at + len], &mut s.keys[skip..len]);
+                V::widen(&args.v_cache[at + skip..at + len], &mut s.values[skip..len]);
             }
-            start += n;
+            for i in tile_start..tile_start + tile {
+                // This query's chunk of the block, as it would be alone.
+                let lo = block_keys.start.max(first_key(i));
+                let hi = block_keys.end.min(ctx + i + 1);
+                if lo >= hi {
+                    continue;
+                }
+                let (n, offset) = (hi - lo, (lo - block * bs) * hkv * d);
+                let q_row = &args.q[(q_start + i) * h * d..(q_start + i + 1) * h * d];
+                let state = &mut s.states[i - tile_start];
+                if T::HALF {
+                    let (keys, values) = (&s.keys[..], &s.values[..]);
+                    attend_block::<V, f32>(
+                        keys,
+                        values,
+                        offset,
+                        n,
+                        q_row,
+                        group,
+                        args,
+                        &mut s.scores,
+                        state,
+                    );
+                } else {
+                    let (keys, values) = (args.k_cache, args.v_cache);
+                    attend_block::<V, T>(
+                        keys,
+                        values,
+                        at + offset,
+                        n,
+                        q_row,
+                        group,
+                        args,
+                        &mut s.scores,
+                        state,
+                    );
+                }
+            }
         }
-        for head in 0..h {
-            let inv = 1.0 / s.sum[head];
-            let acc = &mut s.acc[head * d..(head + 1) * d];
-            acc.iter_mut().for_each(|a| *a *= inv);
-            emit(t, head, acc);
+        for (i, state) in s.states[..tile].iter_mut().enumerate() {
+            for head in 0..h {
+                let inv = 1.0 / state.sum[head];
+                let acc = &mut state.acc[head * d..(head + 1) * d];
+                acc.iter_mut().for_each(|a| *a *= inv);
+                emit(q_start + tile_start + i, head, acc);
+            }
         }
+        tile_start += tile;
     }
 }
 
@@ -607,13 +663,14 @@ fn attend_block<V: VectorOps, E: KvElement>(
     q_row: &[f32],
     group: usize,
     args: &PagedAttentionArgs<'_, impl KvElement>,
-    s: &mut Scratch,
+    scores: &mut [f32],
+    s: &mut QueryState,
 ) {
     let (hkv, d, bs) = (args.num_kv_heads, args.head_dim, args.block_size);
     for kv_head in 0..hkv {
         let base = first + kv_head * d;
         let heads = kv_head * group..(kv_head + 1) * group;
-        let scores = &mut s.scores[heads.start * bs..heads.end * bs];
+        let scores = &mut scores[heads.start * bs..heads.end * bs];
         let q = &q_row[heads.start * d..heads.end * d];
         let block_max = &mut s.block_max[heads.clone()];
         V::scores_group(
