@@ -53,6 +53,14 @@ def test_datasets_have_the_requested_shapes(model_dir: Path) -> None:
     assert all(10 <= s.turns[0].output_len <= 50 for s in batch)
     assert parse("--dataset-name", "chat").endpoint == "chat"
     assert parse("--dataset-name", "agent").max_concurrency == 4
+    fan = parse("--dataset-name", "fan-out", "--num-prompts", "4", "--fan-out-prefix-len", "50")
+    assert fan.request_rate == [float("inf")]  # all at once
+    prompts = [s.turns[0].user for s in datasets.build_sessions(fan, tok)]
+    assert len(prompts) == 4 and all(len(s.turns) == 1 for s in datasets.build_sessions(fan, tok))
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    shared = next((i for i in range(min(map(len, ids))) if len({x[i] for x in ids}) > 1), 0)
+    assert shared >= 45  # one prefix, then tasks of their own
+    assert len(set(prompts)) == 4
 
 
 def test_bench_serve_reports_and_plots(

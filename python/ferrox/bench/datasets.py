@@ -11,6 +11,10 @@ history). Single-request workloads have one-turn sessions.
                  conversations that resend the history; 50-300 output tokens
 - agent:         ~8,000-token contexts that grow by a tool result per step
                  and are resent each step
+- fan-out:       an agent fanning out sub-tasks: every request shares one
+                 1,000-token prefix with a 32-token task of its own, all
+                 arriving at once; 64 output tokens (the prefix follows
+                 --seed: a new seed, or a fresh server, finds it uncached)
 - batch:         unique 1,000-2,000-token inputs, 10-50 output tokens
 - sharegpt:      first user turns of a ShareGPT JSON file (--dataset-path), each
                  asking for as many tokens as the recorded reply had; as vLLM,
@@ -30,7 +34,7 @@ import numpy as np
 
 from ferrox.common.errors import InvalidArgumentError
 
-DATASETS = ("random", "shared-prefix", "chat", "agent", "batch", "sharegpt")
+DATASETS = ("random", "shared-prefix", "chat", "agent", "fan-out", "batch", "sharegpt")
 
 
 @dataclass
@@ -113,6 +117,9 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--agent-step-len", type=int, default=250, help="tokens each step adds")
     g.add_argument("--agent-num-steps", type=int, default=8)
     g.add_argument("--agent-output-len", type=int, default=64)
+    g.add_argument("--fan-out-prefix-len", type=int, default=1000, help="the shared prefix")
+    g.add_argument("--fan-out-task-len", type=int, default=32, help="tokens of each sub-task")
+    g.add_argument("--fan-out-output-len", type=int, default=64)
     g.add_argument("--batch-input-len-min", type=int, default=1000)
     g.add_argument("--batch-input-len-max", type=int, default=2000)
     g.add_argument("--batch-output-len-min", type=int, default=10)
@@ -182,6 +189,12 @@ def build_sessions(args: argparse.Namespace, tokenizer: Any) -> list[Session]:
             ]
             sessions.append(Session([first, *rest]))
         return sessions
+    if name == "fan-out":
+        prefix = s.text(args.fan_out_prefix_len)
+        return [
+            Session([Turn(prefix + s.text(args.fan_out_task_len), args.fan_out_output_len)])
+            for _ in range(n)
+        ]
     return [  # batch
         Session(
             [
@@ -229,5 +242,6 @@ PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     # Preset -> defaults applied when the user did not set them.
     "chat": {"endpoint": "chat", "request_rate": [2.0]},
     "agent": {"endpoint": "chat", "max_concurrency": 4},
+    "fan-out": {"request_rate": [float("inf")]},
     "batch": {"request_rate": [float("inf")]},
 }

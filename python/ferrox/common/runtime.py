@@ -7,6 +7,8 @@ OpenMP setting below is in place before any ferrox module imports torch.
 import os
 import sys
 
+from ferrox.common.errors import InvalidArgumentError
+
 __version__ = "0.1.0"
 
 # GNU OpenMP workers otherwise spin for a long while after each torch op and
@@ -28,7 +30,7 @@ _ISA_CAPS: dict[str, tuple[str, str] | None] = {
 }
 CPU_ISA = os.environ.get("FERROX_CPU_ISA", "native").strip().lower() or "native"
 if CPU_ISA not in _ISA_CAPS:
-    raise ValueError(
+    raise InvalidArgumentError(
         f"FERROX_CPU_ISA={os.environ['FERROX_CPU_ISA']!r} names no instruction-set level; "
         f"expected one of {', '.join(sorted(_ISA_CAPS))}"
     )

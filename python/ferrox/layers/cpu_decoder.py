@@ -18,8 +18,9 @@ each row then goes through the same kernels in the same order whatever the
 batch (the block matmul rounds a row alike in any call, the paged attention
 reads a query's keys from the cache in block order, rounded as cached), so a
 request's tokens and logprobs do not depend on what runs beside it, on
-chunking or on prefix hits. The price is prefill, whose attention reads the
-cache once per query token instead of one matrix multiply per chunk.
+chunking or on prefix hits. The price is prefill, whose attention runs the
+paged kernel's per-query dot products instead of one matrix multiply per
+chunk.
 """
 
 from __future__ import annotations
