@@ -10,7 +10,7 @@ import sys
 PROBE = (
     "import os, ferrox\n"
     "from ferrox._native import cpu_isa, quant_matmul_kernel_cpu\n"
-    "print(cpu_isa(), quant_matmul_kernel_cpu('q4_1', 64), os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+    "print(cpu_isa(), quant_matmul_kernel_cpu(), os.environ.get('ONEDNN_MAX_CPU_ISA'))"
 )
 
 

@@ -45,7 +45,7 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 # float GEMM at every row count measured (1 to 2048; AVX2's by 1.6-2x from
 # 256 rows up, against oneDNN's AVX2 GEMM), the pair kernel (no AVX2:
 # portable code) up to about 32.
-DEQUANTIZE_ABOVE_ROWS = 32 if quant_matmul_kernel_cpu("q4_1", 64) == "pairs" else sys.maxsize
+DEQUANTIZE_ABOVE_ROWS = 32 if quant_matmul_kernel_cpu() == "pairs" else sys.maxsize
 DEQUANTIZE_CHUNK_ELEMENTS = 2 << 20
 
 _scratch = torch.empty(0)

@@ -6,7 +6,7 @@
 //! kernel threads. Alternates them in one process and prints, per shape and
 //! row count, the median microseconds per call of each (min-max over the
 //! repeats), the best one's speed-up over the pair kernel and the integer
-//! GMAC/s it reaches; `QuantKernel::for_rows` picks by these figures.
+//! GMAC/s it reaches; `QuantKernel::best` was chosen by these figures.
 //!
 //! cargo bench -p ferrox-cpu --bench quant_matmul [-- --threads 2 --repeats 7]
 //!     [--rows 1,16,256] [--only gate_up]

@@ -181,14 +181,6 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
     if groups.is_empty() {
         return Ok(());
     }
-    // Every kernel this picks runs on this CPU (`for_rows` picks supported ones).
-    let kernels = |fmt: QuantFormat| -> Vec<QuantKernel> {
-        groups
-            .iter()
-            .map(|g| QuantKernel::for_rows(fmt, g.tokens.len()))
-            .collect()
-    };
-
     // gate/up for every active expert, then the gate's activation times up.
     let inputs: Vec<Vec<f32>> = groups
         .iter()
@@ -203,7 +195,6 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
     let gate_up = project(
         &groups,
         &inputs,
-        &kernels(args.gate_up_fmt),
         |g| {
             let e = &args.experts[g.expert];
             (e.gate_up, e.gate_up_bias)
@@ -238,7 +229,6 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
     let down = project(
         &groups,
         &activated,
-        &kernels(args.down_fmt),
         |g| {
             let e = &args.experts[g.expert];
             (e.down, e.down_bias)
@@ -271,7 +261,6 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
 fn project<'a>(
     groups: &[Group],
     inputs: &[Vec<f32>],
-    kernels: &[QuantKernel],
     weight: impl Fn(&Group) -> (&'a [u8], Option<&'a [f32]>),
     fmt: QuantFormat,
     k: usize,
@@ -304,9 +293,11 @@ fn project<'a>(
     let total = groups.len() * n;
     let target = (4 * threads.max(1)).max(groups.len());
     let mut parts: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, kernel) in kernels.iter().enumerate() {
-        let unit = kernel.column_unit();
-        let per = total.div_ceil(target).div_ceil(unit).max(1) * unit;
+    // (the one kernel for every row count, on this CPU)
+    let kernel = QuantKernel::best();
+    let unit = kernel.column_unit();
+    let per = total.div_ceil(target).div_ceil(unit).max(1) * unit;
+    for i in 0..groups.len() {
         let mut start = 0;
         while start < n {
             let end = (start + per).min(n);
@@ -318,8 +309,8 @@ fn project<'a>(
         let (i, start, end) = parts[p];
         // SAFETY: part p writes columns start..end of group i's output
         // ([rows, n], allocated above), no other part the same; the kernel
-        // runs on this CPU (`for_rows`); the weight's size was checked.
-        unsafe { run_columns(kernels[i], &args[i], &acts[i], start, end, ptrs[i]) };
+        // runs on this CPU (`best`); the weight's size was checked.
+        unsafe { run_columns(kernel, &args[i], &acts[i], start, end, ptrs[i]) };
     };
     if threads > 1 {
         run_parts(parts.len(), &job);

@@ -165,7 +165,7 @@ pub fn dequantize_rows(
     if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
         return Err(QuantShapeError(format!("row {bad} out of range (N={n})")));
     }
-    let vector = vector_kernels();
+    let vector = crate::isa::avx2();
     let one_row = |r: usize, dst: &mut [f32]| {
         let row = &w[r * row_bytes..(r + 1) * row_bytes];
         #[cfg(target_arch = "x86_64")]
@@ -191,10 +191,6 @@ pub fn dequantize_rows(
         }
     });
     Ok(())
-}
-
-fn vector_kernels() -> bool {
-    crate::isa::avx2()
 }
 
 pub(crate) fn check_k(fmt: QuantFormat, k: usize) -> Result<usize, QuantShapeError> {
@@ -251,23 +247,22 @@ impl QuantKernel {
         {
             match self {
                 Self::Pairs => true,
-                Self::Panels => vector_kernels(),
-                Self::WidePanels => vector_kernels() && crate::quant_matmul_vnni::supported(),
+                Self::Panels => crate::isa::avx2(),
+                Self::WidePanels => crate::isa::avx2() && crate::quant_matmul_vnni::supported(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         matches!(self, Self::Pairs)
     }
 
-    /// The kernel for `m` activation rows: the widest this CPU has, the
-    /// same for every row count and format, so that a row's result never
+    /// The kernel every call runs: the widest this CPU has, the same for
+    /// every row count and format, so that a row's result never
     /// depends on how many rows share its call (the kernels round
     /// differently). By `rust/ferrox-cpu/benches/quant_matmul.rs`, the
     /// panels' interleaving of the weight per call repays itself from one
     /// row: AVX2 panels against the pair kernel, 1.11-1.34x at one row and
     /// 1.26-1.86x at two or three, on every shape of the bundled model.
-    pub fn for_rows(fmt: QuantFormat, m: usize) -> Self {
-        let _ = (fmt, m);
+    pub fn best() -> Self {
         if Self::WidePanels.supported() {
             Self::WidePanels
         } else if Self::Panels.supported() {
@@ -280,7 +275,7 @@ impl QuantKernel {
     /// (the kernel for any columns, the panel kernel and its width)
     fn functions(self) -> (Kernel, Option<(Kernel, usize)>) {
         #[cfg(target_arch = "x86_64")]
-        if vector_kernels() {
+        if crate::isa::avx2() {
             let pairs: Kernel = crate::quant_matmul_avx2::columns;
             let panels: Option<(Kernel, usize)> = match self {
                 Self::Pairs => None,
@@ -298,7 +293,7 @@ impl QuantKernel {
 
 /// out[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias).
 pub fn quant_matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) -> Result<(), QuantShapeError> {
-    quant_matmul_with(args, out, QuantKernel::for_rows(args.fmt, args.m))
+    quant_matmul_with(args, out, QuantKernel::best())
 }
 
 /// `quant_matmul` with the given kernel (for tests and benchmarks that set

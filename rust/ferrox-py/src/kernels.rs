@@ -324,15 +324,15 @@ pub fn quant_matmul_cpu(
         .map_err(|e| invalid_argument(e.to_string()))
 }
 
-/// Which kernel `quant_matmul_cpu` runs on this CPU for `rows` activation
-/// rows: "pairs", "panels" (AVX2) or "wide_panels" (AVX-512 VNNI).
+/// Which kernel `quant_matmul_cpu` runs on this CPU (for every row count):
+/// "pairs", "panels" (AVX2) or "wide_panels" (AVX-512 VNNI).
 #[pyfunction]
-pub fn quant_matmul_kernel_cpu(fmt: &str, rows: usize) -> PyResult<&'static str> {
-    Ok(match QuantKernel::for_rows(quant_format(fmt)?, rows) {
+pub fn quant_matmul_kernel_cpu() -> &'static str {
+    match QuantKernel::best() {
         QuantKernel::Pairs => "pairs",
         QuantKernel::Panels => "panels",
         QuantKernel::WidePanels => "wide_panels",
-    })
+    }
 }
 
 /// The widest instruction-set level ferrox's CPU kernels use here: what the
