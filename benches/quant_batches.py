@@ -70,7 +70,9 @@ def measure() -> dict[str, object]:
 
 def run_child(python_path: Path, isa: str) -> dict[str, object]:
     env = dict(os.environ, PYTHONPATH=f"{python_path}{os.pathsep}{Path(__file__).parent}")
-    env.pop("FERROX_CPU_ISA", None)
+    # (torch's caps too: ferrox sets them from FERROX_CPU_ISA in each child)
+    for name in ("FERROX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        env.pop(name, None)
     if isa != "native":
         env["FERROX_CPU_ISA"] = isa
     out = subprocess.run(
