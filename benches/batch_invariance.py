@@ -7,7 +7,11 @@ option off and on, two engines in one process, alternating:
             each (EOS ignored): output tok/s
   single    a 256-token prompt, 128 greedy tokens: tok/s
 
-    python benches/batch_invariance.py [--repeats 2] [--json FILE]
+and first, what the option buys: a 300-token prompt's 24 greedy tokens
+alone, then with 200 of its tokens cached, then in 64-token steps: whether
+the tokens stay the same and the largest change of a logprob.
+
+    python benches/batch_invariance.py [--repeats 2] [--drift-only] [--json FILE]
 """
 
 from __future__ import annotations
@@ -49,11 +53,50 @@ def measure(llm: LLM, rng_seed: int = 0) -> dict[str, float]:
     return found
 
 
+def drift(mode: str) -> dict[str, float]:
+    """Largest |logprob change| (and whether tokens changed) against the
+    prompt alone, with a prefix hit and with 64-token steps."""
+    rng = np.random.default_rng(1)
+    prompt = [1, *rng.integers(100, 49000, size=300).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+    def greedy(llm: LLM) -> tuple[list[int], list[float]]:
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        ids = list(out.token_ids)
+        return ids, [d[t].logprob for d, t in zip(out.logprobs or [], ids, strict=True)]
+
+    invariant = mode == "on"
+    llm = LLM(max_num_seqs=8, batch_invariant=invariant)
+    alone = greedy(llm)
+    llm.reset_prefix_cache()
+    llm.generate([prompt[:200]], SamplingParams(max_tokens=1), use_tqdm=False)
+    found = {"prefix hit": greedy(llm)}
+    del llm
+    chunked = LLM(max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False,
+                  batch_invariant=invariant)  # fmt: skip
+    found["64-token steps"] = greedy(chunked)
+    result: dict[str, float] = {}
+    for name, (ids, logprobs) in found.items():
+        result[f"{name}: tokens changed"] = float(ids != alone[0])
+        result[f"{name}: max |d logprob|"] = max(
+            abs(a - b) for a, b in zip(logprobs, alone[1], strict=True)
+        )
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--drift-only", action="store_true", help="only what the option buys")
     args = parser.parse_args()
+    drifts = {mode: drift(mode) for mode in ("off", "on")}
+    for mode, found in drifts.items():
+        print(f"batch_invariant {mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in found.items()))
+    if args.drift_only:
+        if args.json:
+            write_record(args.json, drift=drifts)
+        return 0
     engines = {
         mode: LLM(max_num_seqs=64, enable_prefix_caching=False, batch_invariant=mode == "on")
         for mode in ("off", "on")
@@ -78,7 +121,7 @@ def main() -> int:
         print(f"{key:<18}{cell(off):>24}{cell(on):>24}{cell(ratios):>22}")
     print("(prefill: seconds, higher on/off is slower; tok/s: lower on/off is slower)")
     if args.json:
-        write_record(args.json, runs=runs)
+        write_record(args.json, drift=drifts, runs=runs)
     return 0
 
 
