@@ -463,3 +463,98 @@ def hf_merged(base: Path, adapter: Path) -> torch.nn.Module:
     from peft import PeftModel
 
     return PeftModel.from_pretrained(hf_model(base), adapter).merge_and_unload().eval()
+
+
+# The tiny Qwen2.5-VL: its image tokens, a chat template that writes an
+# image part as Qwen's placeholder, and an image processor whose patches are
+# few (images of up to 112 x 112 pixels: at most 16 merged patches each).
+VL_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
+VL_IMAGE_TOKEN = "<|image_pad|>"
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_vl_model(path: Path) -> Path:
+    """A random-weight Qwen2.5-VL (two decoder layers, two vision blocks:
+    one windowed, one over the whole image), saved with its processor."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer = train_tokenizer()
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [*VL_SPECIAL_TOKENS, VL_IMAGE_TOKEN]}
+    )
+    image_token_id = tokenizer.convert_tokens_to_ids(VL_IMAGE_TOKEN)
+    start_id = tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    text = dict(
+        vocab_size=VOCAB_SIZE + 8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image_token_id,
+        vision_start_token_id=start_id,
+        tie_word_embeddings=False,
+        initializer_range=0.25,
+    )
+    config.text_config.initializer_range = 0.25
+    torch.manual_seed(7)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # make the biases and the norms matter
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight") or "ln_q" in name:
+                param.normal_(0.0, 0.3 if "bias" in name else 1.0)
+            elif "visual" in name and param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
+    processor.save_pretrained(path)
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_image(seed: int, size: tuple[int, int] = (84, 112)) -> Any:
+    """A deterministic RGB image (PIL) of `size` (width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    base = rng.integers(0, 256, (h // 7 + 1, w // 7 + 1, 3), dtype=np.uint8)
+    return Image.fromarray(np.kron(base, np.ones((7, 7, 1), dtype=np.uint8))[:h, :w])

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError, error_class
 from ferrox.common.lora import LoRARequest
+from ferrox.common.multimodal import ImageInput
 from ferrox.common.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -27,6 +28,13 @@ from ferrox.common.outputs import (
 from ferrox.common.pooling_params import PoolingParams, cosine, score_pairs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.engine.core import EngineCore
+from ferrox.frontend.media import (
+    ImageProcessor,
+    MediaLimits,
+    chat_images,
+    multimodal_prompt,
+    pil_images,
+)
 from ferrox.frontend.output_processor import OutputProcessor
 from ferrox.model_files.tokenizer import speaks_harmony
 
@@ -48,6 +56,8 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._counter = itertools.count()
+        self._image_processor: ImageProcessor | None = None  # loaded on the first image
+        self.media_limits = MediaLimits()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -72,16 +82,50 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completes each prompt (a string, a list of token ids, or a dict with
-        `prompt` or `prompt_token_ids`); returns outputs in input order.
-        `lora_request`: the LoRA adapter of every prompt, or one per prompt
-        (None: the base model); the engine needs `enable_lora=True`."""
+        `prompt` or `prompt_token_ids`, and for a vision-language model
+        `multi_modal_data={"image": PIL image or list of them}` with a text
+        prompt holding one image placeholder per image); returns outputs in
+        input order. `lora_request`: the LoRA adapter of every prompt, or one
+        per prompt (None: the base model); the engine needs `enable_lora=True`."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
         adapters = _as_lora_list(lora_request, len(items))
-        requests = [self._tokenize(p) for p in items]
+        prepared = [self._prepare(p) for p in items]
+        requests = [(text, ids) for text, ids, _ in prepared]
         for (_text, ids), sp in zip(requests, params, strict=True):
             self.engine.validate(ids, sp)
-        return self._run(requests, params, use_tqdm, adapters)
+        images = [imgs for _, _, imgs in prepared]
+        return self._run(requests, params, use_tqdm, adapters, images)
+
+    def _prepare(
+        self, prompt: PromptInput
+    ) -> tuple[str | None, list[int], list[ImageInput] | None]:
+        """A prompt's text and token ids, and its images (placeholders
+        expanded) when it has `multi_modal_data`."""
+        text, ids = self._tokenize(prompt)
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return text, ids, None
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise InvalidArgumentError(
+                "multi_modal_data takes images only: {'image': a PIL image or a list of them}"
+            )
+        if "prompt_token_ids" in prompt:
+            raise InvalidArgumentError(
+                "multi_modal_data needs a text prompt (with one image placeholder per image), "
+                "not prompt_token_ids"
+            )
+        model: Any = self.engine.runner.model
+        if not getattr(model, "supports_images", False):
+            raise InvalidArgumentError(
+                f"this model ({type(model).__name__}) takes no images: its prompts are text only"
+            )
+        images = pil_images(data.get("image"), "multi_modal_data['image']")
+        if self._image_processor is None:
+            self._image_processor = ImageProcessor(Path(self.engine.loaded.source), in_process=True)
+        processed = self._image_processor.process(images)
+        ids, inputs = multimodal_prompt(ids, model.image_token_id, processed)
+        return text, ids, inputs
 
     def embed(
         self,
@@ -227,8 +271,9 @@ class LLM:
         for conversation in conversations:
             if not conversation or not all(isinstance(m, dict) for m in conversation):
                 raise InvalidArgumentError("each conversation must be a non-empty list of dicts")
+            turns, images = chat_images(cast(list[Message], list(conversation)), self.media_limits)
             text = tokenizer.apply_chat_template(
-                list(conversation),
+                turns,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -236,7 +281,10 @@ class LLM:
                 tools=tools,
                 **(chat_template_kwargs or {}),
             )
-            prompts.append({"prompt": text, "add_special_tokens": False})
+            prompt: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _require_tokenizer(self) -> Any:
@@ -270,6 +318,7 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         adapters: list[LoRARequest | None] | None = None,
+        images: list[list[ImageInput] | None] | None = None,
     ) -> list[RequestOutput]:
         ids = [f"gen-{next(self._counter)}" for _ in requests]
         order = {rid: i for i, rid in enumerate(ids)}
@@ -278,7 +327,9 @@ class LLM:
         engine = self.engine
         start, generated = time.perf_counter(), engine.num_generated_tokens
         try:
-            for out in self.stream_outputs(ids, requests, params, lora_requests=adapters):
+            for out in self.stream_outputs(
+                ids, requests, params, lora_requests=adapters, images=images
+            ):
                 results[order[out.request_id]] = out
                 bar.update(1)
                 elapsed = time.perf_counter() - start
@@ -298,17 +349,19 @@ class LLM:
         *,
         stream: bool = False,
         lora_requests: list[LoRARequest | None] | None = None,
+        images: list[list[ImageInput] | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """Runs requests to the end through the one output path; yields each
         finished request's output, or (`stream`) each step's delta of each."""
         engine, processor = self.engine, self.output_processor
         adapters = lora_requests or [None] * len(requests)
+        request_images = images or [None] * len(requests)
         for (_, prompt_ids), sp in zip(requests, params, strict=True):
             engine.validate(prompt_ids, sp)  # every request, before any work
         # The engine holds at most max_num_seqs + max_queued_requests of them
         # at once; the rest are added as others finish.
         bound = engine.config.max_admitted_requests
-        pending = iter(zip(request_ids, requests, params, adapters, strict=True))
+        pending = iter(zip(request_ids, requests, params, adapters, request_images, strict=True))
         added: list[str] = []
 
         def feed() -> None:
@@ -316,7 +369,7 @@ class LLM:
                 item = next(pending, None)
                 if item is None:
                     return
-                rid, (text, prompt_ids), sp, lora = item
+                rid, (text, prompt_ids), sp, lora, imgs = item
                 state = processor.add_request(rid, text, prompt_ids, sp, stream=stream)
                 added.append(rid)
                 engine.add_request(
@@ -326,6 +379,7 @@ class LLM:
                     final_only=state.final_only,
                     validated=True,
                     lora_request=lora,
+                    images=imgs,
                 )
 
         try:

@@ -102,6 +102,12 @@ class EngineConfig:
     # tokens and logprobs do not depend on the batch, chunking or prefix
     # hits. CPU, block-format weights; prefill costs more (docs/performance.md).
     batch_invariant: bool = False
+    # Images a prompt may hold (vLLM's limit_mm_per_prompt): {"image": n},
+    # or its JSON text; None: no limit.
+    limit_mm_per_prompt: dict[str, int] | str | None = None
+    # Encoder outputs (image placeholder embeddings, in tokens) kept by
+    # image hash for later chunks, preempted requests and repeated images.
+    mm_encoder_cache_tokens: int = 16384
 
     @property
     def max_admitted_requests(self) -> int | None:
@@ -126,6 +132,7 @@ class EngineConfig:
             config,
             speculative_config=SpeculativeConfig.parse(config.speculative_config),
             hf_overrides=parse_overrides(config.hf_overrides),
+            limit_mm_per_prompt=parse_mm_limits(config.limit_mm_per_prompt),
         )
         config.validate()
         return config
@@ -237,6 +244,11 @@ class EngineConfig:
                 )
         if self.max_logprobs < 0:
             raise InvalidArgumentError("max_logprobs must be >= 0")
+        cache = self.mm_encoder_cache_tokens
+        if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:
+            raise InvalidArgumentError(
+                f"mm_encoder_cache_tokens must be an integer >= 0, got {cache!r}"
+            )
         if not isinstance(self.seed, int):
             raise InvalidArgumentError(f"seed must be an integer, got {self.seed!r}")
 
@@ -251,6 +263,32 @@ class EngineConfig:
             return self.max_num_batched_tokens
         limit = max(8192, self.max_num_seqs)
         return limit if self.enable_chunked_prefill else max(limit, max_model_len)
+
+
+def parse_mm_limits(value: dict[str, int] | str | None) -> dict[str, int] | None:
+    """limit_mm_per_prompt as a dict (from its JSON text), checked: only
+    images are taken, at most a non-negative count of them."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidArgumentError(f"limit_mm_per_prompt is not valid JSON: {e}") from e
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(
+            f'limit_mm_per_prompt must be an object such as {{"image": 4}}, got {value!r}'
+        )
+    for key, count in value.items():
+        if key != "image":
+            raise InvalidArgumentError(
+                f"limit_mm_per_prompt: ferrox takes images only, not {key!r}"
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise InvalidArgumentError(
+                f"limit_mm_per_prompt: the image limit must be an integer >= 0, got {count!r}"
+            )
+    return dict(value)
 
 
 def parse_overrides(value: dict[str, Any] | str | None) -> dict[str, Any] | None:

@@ -64,6 +64,10 @@ HELP = {
     "max_lora_rank": "largest LoRA rank an adapter may have",
     "max_cpu_loras": "loaded LoRA adapters kept when no request uses them, least recently used "
     "dropped first (default: --max-loras)",
+    "limit_mm_per_prompt": 'images a prompt may hold, as JSON: {"image": 4} (default: no '
+    "limit; a vision-language model only)",
+    "mm_encoder_cache_tokens": "image encoder outputs kept by image hash, in placeholder "
+    "tokens, for a prompt's later chunks, preempted requests and repeated images",
     "profiler_dir": "enable the torch profiler (LLM.start_profile / stop_profile, the server's "
     "POST /start_profile and /stop_profile); traces are written to this folder",
 }
@@ -86,8 +90,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         flags = (flag, "-tp") if f.name == "tensor_parallel_size" else (flag,)
-        # speculative_config, hf_overrides: JSON text, parsed by EngineConfig.create.
-        json_text = f.name in ("speculative_config", "hf_overrides")
+        # JSON text, parsed by EngineConfig.create.
+        json_text = f.name in ("speculative_config", "hf_overrides", "limit_mm_per_prompt")
         kind = str if json_text else _base_type(f.type)
         help_text = f"{HELP.get(f.name, '')} (default: {f.default})"
         if kind is bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from ferrox.common.lora import LoRARequest
+from ferrox.common.multimodal import ImageInput
 from ferrox.common.sampling_params import SamplingParams
 
 # The engine sends a message at least this often, busy or idle, so that the
@@ -25,6 +26,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     priority: int = 0
     lora: LoRARequest | None = None  # the LoRA adapter it runs under
+    images: list[ImageInput] | None = None  # its processed images (placeholders in the prompt)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -171,6 +173,8 @@ class Ready(msgspec.Struct, tag="ready"):
     # adapt, its [in_features, out_features] (common/lora.LoraTargets).
     lora_layers: int = 0
     lora_modules: dict[str, list[int]] | None = None
+    # A vision-language model's image placeholder token; None: text only.
+    image_token_id: int | None = None
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

@@ -41,6 +41,7 @@ from ferrox.common.errors import (
     ModelLoadError,
 )
 from ferrox.common.lora import LoRARequest
+from ferrox.common.multimodal import PLACEHOLDER_BASE, ImageInput
 from ferrox.common.outputs import FinishReason
 from ferrox.common.protocol import SequenceDelta
 from ferrox.common.sampling_params import SamplingParams, check_priority
@@ -48,6 +49,7 @@ from ferrox.common.speculative_config import SpeculativeConfig
 from ferrox.common.structured_outputs import check_grammar
 from ferrox.engine.faults import StepFaults, StepResult
 from ferrox.engine.lora import AdapterRegistry
+from ferrox.engine.multimodal import prepare_images, scheduler_prompt, step_images
 from ferrox.engine.profiler import EngineProfiler
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, prompt_logprobs_of
 from ferrox.engine.sequence import EngineRequest, SequenceState, append_sampled, delta_of, now
@@ -105,13 +107,22 @@ class EngineCore:
         self.vocab_size = int(loaded.hf_config.vocab_size)
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self.executor.max_model_len
+        # A model with images: the scheduler's token ids include the images'
+        # placeholder ids (common/multimodal.py), above every vocabulary;
+        # `validate` checks the prompt's real ids against the vocabulary.
+        self._serves_images = bool(getattr(loaded.model, "supports_images", False))
+        if self._serves_images and spec is not None:
+            raise InvalidArgumentError(
+                "speculative decoding is not supported with a vision-language model"
+            )
+        scheduler_vocab = PLACEHOLDER_BASE * 2 - 1 if self._serves_images else self.vocab_size
         self.scheduler = Scheduler(
             block_size=config.block_size,
             num_blocks=self.runner.num_kv_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.batched_tokens_limit(self.max_model_len),
             max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
+            vocab_size=scheduler_vocab,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
@@ -236,17 +247,24 @@ class EngineCore:
         final_only: bool = False,
         validated: bool = False,
         lora_request: LoRARequest | None = None,
+        images: Sequence[ImageInput] | None = None,
     ) -> None:
         """`final_only`: the caller wants each sequence's tokens once, when it
         finishes (no stop strings, no streaming): no delta before that.
         `validated`: the caller has run `validate` on this prompt and params.
         `lora_request`: the LoRA adapter the request runs under (None: the
-        base model)."""
+        base model). `images`: the prompt's processed images, whose
+        placeholder tokens it holds (common/multimodal.py)."""
         if request_id in self._requests or request_id in self._compiling:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_token_ids]
         if not validated:  # (a grammar is checked where it compiles, off the step)
             self.validate(prompt_ids, params, grammar=False)
+        held = None
+        if images:
+            limits = self.config.limit_mm_per_prompt
+            limit = limits.get("image") if isinstance(limits, dict) else None
+            held = prepare_images(self.runner.model, prompt_ids, images, params, limit)
         priority = check_priority(priority)
         adapter = self._acquire_adapter(lora_request)
         try:
@@ -258,10 +276,12 @@ class EngineCore:
                 if grammar is None:
                     pending = self.grammar.compile_later(params.structured_outputs)
                     self._compiling[request_id] = _Compiling(
-                        prompt_ids, params, priority, final_only, pending, adapter
+                        prompt_ids, params, priority, final_only, pending, adapter, held
                     )
                     return
-            self._admit(request_id, prompt_ids, params, priority, final_only, grammar, adapter)
+            self._admit(
+                request_id, prompt_ids, params, priority, final_only, grammar, adapter, held
+            )
         except BaseException:
             self._release_adapter(adapter)
             raise
@@ -290,11 +310,14 @@ class EngineCore:
         final_only: bool,
         grammar: Any,
         adapter: int = 0,
+        images: Any = None,
     ) -> None:
         """The request's sequences reach the scheduler (each completion
         copies the compiled grammar). On success the request holds its
         adapter's use (given back by `_forget`)."""
-        req = EngineRequest(request_id, prompt_ids, params, final_only=final_only, adapter=adapter)
+        req = EngineRequest(
+            request_id, prompt_ids, params, final_only=final_only, adapter=adapter, images=images
+        )
         if params.prompt_logprobs is not None:
             req.num_prompt_logprobs = 1
             self._num_prompt_logprob_requests += 1
@@ -342,7 +365,7 @@ class EngineCore:
         max_tokens = params.max_tokens or self.max_model_len - len(seq.prompt_token_ids)
         self.scheduler.add_request(
             seq.seq_id,
-            np.asarray(seq.prompt_token_ids, dtype=np.int64),
+            scheduler_prompt(seq.prompt_token_ids, seq.request.images),
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
             eos_token_ids=self.eos_token_ids,
@@ -470,7 +493,8 @@ class EngineCore:
             prompt_logprob_rows(plan, self._seqs) if self._num_prompt_logprob_requests else []
         )
         pool_rows = self._pool_rows(live) if "pooling" in self._features else None
-        out = self.executor.execute(plan, batch, prompt_rows, pool_rows)
+        images = step_images(plan, self._seqs) if self._serves_images else None
+        out = self.executor.execute(plan, batch, prompt_rows, pool_rows, images)
         self.faults.stage = "applying"
         if pool_rows:
             _keep_pooled(live, pool_rows, out)
@@ -553,6 +577,7 @@ class EngineCore:
                     waiting.final_only,
                     grammar,
                     waiting.adapter,
+                    waiting.images,
                 )
             except Exception as exc:
                 if self.executor.is_fatal(exc):
@@ -703,6 +728,7 @@ class _Compiling:
     final_only: bool
     grammar: PendingGrammar
     adapter: int = 0  # its LoRA adapter's internal id, held while it waits
+    images: Any = None  # its RequestImages
 
 
 def _keep_pooled(live: list[SequenceState | None], rows: list[int], out: RunnerOutput) -> None:

@@ -62,6 +62,7 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                     device=str(torch_device(engine.config)),
                     dtype=str(torch_dtype(engine.config)).removeprefix("torch."),
                     labels=engine.runner.model.labels,
+                    image_token_id=getattr(engine.runner.model, "image_token_id", None),
                     **lora_targets(engine),
                 )
             )
@@ -175,6 +176,7 @@ class EngineLoop:
                     msg.params,
                     priority=msg.priority,
                     lora_request=msg.lora,
+                    images=msg.images,
                 )
             except FerroxError as e:
                 self.failed.append(p.RequestFailed(msg.request_id, type(e).__name__, str(e)))

@@ -65,6 +65,8 @@ class EngineRequest:
     first_scheduled_time: float | None = None
     final_only: bool = False  # deltas only when a sequence finishes
     adapter: int = 0  # the LoRA adapter's internal id (engine/lora.py); 0: none
+    # Its images (engine/multimodal.py's RequestImages); None: text only.
+    images: Any = None
 
     @property
     def is_finished(self) -> bool:

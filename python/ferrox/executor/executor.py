@@ -15,6 +15,7 @@ import torch
 from ferrox._native import BatchPlan
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import EngineDeadError, IntegrityError, InvalidArgumentError
+from ferrox.common.multimodal import StepImages
 from ferrox.executor.tensor_parallel import TensorParallelWorkers
 from ferrox.loader.model_loader import LoadedModel, load_model, resolve_max_model_len
 from ferrox.parallel.device import torch_device
@@ -60,13 +61,15 @@ class Executor:
         sampling: SamplingBatch,
         prompt_logprob_rows: list[tuple[int, int, int]] | None = None,
         pool_rows: list[int] | None = None,
+        images: StepImages | None = None,
     ) -> RunnerOutput:
         """Runs one step on every rank; rank 0 samples and pools (see
-        ModelRunner.execute)."""
+        ModelRunner.execute). `images`: the step's image inputs (a
+        vision-language model runs on one rank)."""
         try:
             if self._workers is not None:
                 send_step(plan, prompt_logprob_rows)
-            return self.runner.execute(plan, sampling, prompt_logprob_rows, pool_rows)
+            return self.runner.execute(plan, sampling, prompt_logprob_rows, pool_rows, images)
         except RuntimeError as exc:
             if self._workers is not None:
                 self._workers.raise_if_lost(exc)

@@ -42,6 +42,7 @@ from ferrox.common.errors import (
     ServerBusyError,
 )
 from ferrox.common.lora import LoRARequest
+from ferrox.common.multimodal import ImageInput
 from ferrox.common.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrox.client")
@@ -219,6 +220,7 @@ class AsyncEngineClient:
         *,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        images: list[ImageInput] | None = None,
     ) -> RequestStream:
         if self.is_dead:
             raise EngineDeadError(self.dead_message or "the engine process is not running")
@@ -232,6 +234,7 @@ class AsyncEngineClient:
             params=params,
             priority=priority,
             lora=lora_request,
+            images=images,
         )
         self._send(message)
         return stream

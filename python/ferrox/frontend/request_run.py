@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from ferrox.common import protocol as p
 from ferrox.common.errors import EngineDeadError, RequestTimeoutError, error_class
 from ferrox.common.lora import LoRARequest
+from ferrox.common.multimodal import ImageInput
 from ferrox.common.outputs import PositionLogprobs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.frontend.engine_client import AsyncEngineClient, RequestStream, StreamItem
@@ -65,6 +66,7 @@ class RequestRun:
         deadline: float | None = None,
         failover: Callable[[list[int]], AsyncEngineClient] | None = None,
         lora_request: LoRARequest | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         """`stream`: the caller reads each update's text (else only the final
         text). `deadline`: the `time.monotonic()` by which the request must
@@ -79,6 +81,7 @@ class RequestRun:
         )
         self.priority = priority
         self.lora_request = lora_request
+        self.images = images  # the prompt's processed images
         self.log_token_ids = log_token_ids
         self.log_request = log_request
         self.max_log_len = max_log_len
@@ -163,6 +166,7 @@ class RequestRun:
             self.params,
             priority=self.priority,
             lora_request=self.lora_request,
+            images=self.images,
         )
 
     async def _next(self, stream: RequestStream) -> tuple[StreamItem, float]:

@@ -192,3 +192,36 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     cos, sin = cos.to(dtype), sin.to(dtype)
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D / 2] each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (the Qwen VL families): three position streams
+    (temporal, height, width), each rotating its own section of a head's
+    frequencies (`sections`, which sum to head_dim / 2). Positions [3, T]
+    for a step with image tokens; [T] where the three streams agree (text:
+    then this is plain RoPE, and the native rotary kernel runs)."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, params: dict[str, Any], sections: list[int]
+    ) -> None:
+        super().__init__(head_dim, max_position, params)
+        if len(sections) != 3 or sum(sections) != head_dim // 2:
+            raise UnsupportedModelError(
+                f"mrope_section {sections} must be three sections summing to head_dim / 2 "
+                f"({head_dim // 2})"
+            )
+        self.sections = [int(s) for s in sections]
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        if positions.dim() == 1:
+            super().rotate_(positions, x, num_heads)
+            return
+        parts_cos, parts_sin, start = [], [], 0
+        for axis, width in enumerate(self.sections):
+            at = positions[axis]
+            parts_cos.append(self.cos_cache[at, start : start + width])
+            parts_sin.append(self.sin_cache[at, start : start + width])
+            start += width
+        cos = torch.cat(parts_cos, dim=-1).unsqueeze(1)  # [T, 1, D / 2]
+        sin = torch.cat(parts_sin, dim=-1).unsqueeze(1)
+        x[:, :num_heads] = _rotate(x[:, :num_heads], cos, sin)

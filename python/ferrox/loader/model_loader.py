@@ -98,6 +98,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         state = gguf.state_dict
     else:
         hf_config = _read_config(path)
+        hf_config = resolve_model_class(hf_config).language_config(hf_config)
         _apply_overrides(hf_config, config.hf_overrides)
         if (
             fmt == "safetensors"

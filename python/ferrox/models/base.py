@@ -132,6 +132,10 @@ class CausalLM(nn.Module):
     score_from_tokens: list[str] | None = None
     # Whether LoRA adapters run on this family (`lora_targets`, `lora_sites`).
     supports_lora: ClassVar[bool] = False
+    # Whether prompts may hold images (a vision-language family: it has
+    # `image_token_id`, `image_tokens`, `check_image`, `encode_images` and,
+    # for M-RoPE, `mrope_positions`; docs/architecture.md, "Images").
+    supports_images: ClassVar[bool] = False
 
     def forward(
         self,
@@ -139,8 +143,17 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[KvCache],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden] (a family with images)
     ) -> torch.Tensor:  # [T, hidden]
         raise NotImplementedError
+
+    @classmethod
+    def language_config(cls, config: Any) -> Any:
+        """The config the engine reads (sizes, context, special tokens) and
+        the model is built from: the checkpoint's own, or, for a family that
+        nests its decoder's (a vision-language one's `text_config`), that
+        one, carrying what the family needs of the rest."""
+        return config
 
     def derive_score_head(self, token_ids: list[int]) -> None:
         """Fills the classifier head from the LM-head rows of `token_ids`

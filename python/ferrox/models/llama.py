@@ -202,6 +202,9 @@ class LlamaForCausalLM(CausalLM):
     gguf_config_class: ClassVar[Any] = LlamaConfig
     gguf_rotary_interleaved: ClassVar[bool] = True
     implements_sliding_window: ClassVar[bool] = True
+    # Parameters (name prefixes) a subclass's `load_weights` fills itself,
+    # outside this loader's checks (a vision tower).
+    own_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
         super().__init__()
@@ -369,10 +372,12 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,  # [T]
         kv_caches: list[KvCache],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: in place of the lookup
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed(input_ids)
-        if self.fused_decode is not None and self.fused_decode.applies(x.shape[0], meta):
-            x, stream = self.fused_decode.run(x, positions, kv_caches, meta)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        fused = self.fused_decode
+        if fused is not None and positions.dim() == 1 and fused.applies(x.shape[0], meta):
+            x, stream = fused.run(x, positions, kv_caches, meta)
             return self.norm.add_forward(stream, x)[0]
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
@@ -425,7 +430,11 @@ class LlamaForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face-named tensors into the (merged) parameters."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        params = {
+            key: param
+            for key, param in self.named_parameters(remove_duplicate=False)
+            if not key.startswith(self.own_modules)
+        }
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from ferrox.common.config import (
 )
 from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.common.lora import read_adapter
+from ferrox.common.multimodal import StepImages
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
 from ferrox.layers.lora import LoraModel, LoraStep
@@ -32,6 +34,7 @@ from ferrox.parallel.device import torch_device, torch_dtype
 from ferrox.parallel.step_message import StepPlan
 from ferrox.runner.cuda_graph import DecodeGraphs
 from ferrox.runner.draft import DraftRunner
+from ferrox.runner.encoder_cache import EncoderCache
 from ferrox.runner.kv_cache import ModelKV, bytes_per_block, kv_groups
 from ferrox.runner.sampler import Sampler
 from ferrox.runner.sampling_batch import SamplingBatch
@@ -178,6 +181,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.allocate(num_blocks)
         self.sampler = Sampler()
+        self.encoder_cache = EncoderCache(config.mm_encoder_cache_tokens)
         self._staging: dict[str, torch.Tensor] = {}
         self.lora = self._attach_lora() if config.enable_lora else None
         self.graphs: DecodeGraphs | None = None
@@ -453,13 +457,18 @@ class ModelRunner:
         sampling: SamplingBatch,
         prompt_logprob_rows: list[tuple[int, int, int]] | None = None,
         pool_rows: list[int] | None = None,
+        images: StepImages | None = None,
     ) -> RunnerOutput:
         """Runs one step. `prompt_logprob_rows` lists (row, num_top, next
         token) for prefill chunks whose prompt logprobs are wanted: each of
         their positions gets logits; `next token` is the prompt token after
         the chunk (-1 when the chunk ends the prompt). `pool_rows`: sample
-        rows (embedding requests) whose final hidden state is returned."""
-        logits, hidden = self._forward(plan, prompt_logprob_rows, eager=bool(pool_rows))
+        rows (embedding requests) whose final hidden state is returned.
+        `images`: the rotary positions of a step with image rows and the
+        encoder rows its placeholder tokens take."""
+        logits, hidden = self._forward(
+            plan, prompt_logprob_rows, eager=bool(pool_rows), images=images
+        )
         pooled = None
         if pool_rows:
             assert hidden is not None
@@ -486,16 +495,24 @@ class ModelRunner:
         plan: BatchPlan | StepPlan,
         prompt_logprob_rows: list[tuple[int, int, int]] | None,
         eager: bool = False,
+        images: StepImages | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled rows' logits [S, V], and the hidden states [T, hidden]
         (None from a CUDA graph; `eager`: never from one)."""
         meta = self.build_metadata(plan)
         input_ids = self._tensor(plan.input_ids, "ids")
-        positions = self._tensor(plan.positions, "positions")
+        step_positions = plan.positions if images is None else images.positions
+        positions = self._tensor(step_positions, "positions")
+        embeds = self._image_embeddings(input_ids, images) if images and images.pieces else None
         lora_step = None
         if self.lora is not None and plan.adapters is not None:
             lora_step = LoraStep.of(plan.adapters, plan.query_start_loc)
-        fits = not eager and lora_step is None and self._graph_fits(meta, prompt_logprob_rows)
+        fits = (
+            not eager
+            and lora_step is None
+            and embeds is None
+            and self._graph_fits(meta, prompt_logprob_rows)
+        )
         graphs = self.graphs if fits else None
         if graphs is not None:
             # A decode-only step samples every row, in order.
@@ -508,11 +525,28 @@ class ModelRunner:
         if state is not None and plan.state_restores is not None:
             state.restore(plan.state_restores)  # prefix-cache hits resume from snapshots
         with adapters:
-            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
+            layers = self.kv_cache.layers
+            if embeds is None:
+                hidden = self.model(input_ids, positions, layers, meta)  # [T, hidden]
+            else:
+                hidden = self.model(input_ids, positions, layers, meta, inputs_embeds=embeds)
         if state is not None and plan.state_saves is not None:
             state.save(plan.state_saves)
         logits_indices = self._tensor(plan.logits_indices, "logits")
         return self.model.compute_logits(hidden[logits_indices]), hidden  # [S, V]
+
+    def _image_embeddings(self, input_ids: torch.Tensor, images: StepImages) -> torch.Tensor:
+        """The step's input embeddings [T, hidden]: the token lookup, with
+        each image piece's encoder rows in its placeholders' place (whose
+        ids, the scheduler's hash ids, are outside the vocabulary)."""
+        model: Any = self.model
+        text = torch.where(input_ids < self.vocab_size, input_ids, 0)
+        x = model.embed(text)
+        found = self.encoder_cache.features(model, images.pieces, self.device)
+        for piece in images.pieces:
+            rows = found[piece.image.hash][piece.start : piece.start + piece.count]
+            x[piece.dst : piece.dst + piece.count] = rows.to(x.dtype)
+        return x
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan, prompt_logprob_rows: list[tuple[int, int, int]]) -> None:

@@ -381,7 +381,7 @@ class AnthropicServing:
                 return missing
             chat = chat_request(req)
             tool_plan(chat, self.ctx.tool_parser, self.ctx.disable_additional_properties)
-            prompt = await self.serving.chat_prompt_async(chat)
+            prompt = (await self.serving.chat_prompt_async(chat)).ids
             return _json(ap.CountTokensResponse(input_tokens=len(prompt)))
         except Exception as e:
             return anthropic_exception_response(e)
@@ -400,7 +400,7 @@ class AnthropicServing:
         tools = tool_plan(chat, self.ctx.tool_parser, self.ctx.disable_additional_properties)
         self.ctx.admit(1)
         admitted.append(1)
-        prompt = await self.serving.chat_prompt_async(chat)
+        prompt = (await self.serving.chat_prompt_async(chat)).ids
         try:
             run = self.serving.new_run(ap.message_id(), prompt, chat, tools)
         except BadRequest as e:

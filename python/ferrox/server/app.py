@@ -127,7 +127,7 @@ def build_app(
             if (missing := serving.check_model(req.model)) is not None:
                 return missing
             if req.messages is not None:
-                tokens = await serving.chat_prompt_async(req)
+                tokens = (await serving.chat_prompt_async(req)).ids
             else:
                 text = req.prompt or ""
                 encode = ctx.tokenizer.encode

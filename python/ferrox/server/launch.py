@@ -26,6 +26,7 @@ from ferrox.common.lora import LoraTargets
 from ferrox.common.protocol import Ready
 from ferrox.frontend.async_llm import AsyncLLM
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S
+from ferrox.frontend.media import ImageProcessor, MediaLimits
 from ferrox.frontend.replicas import ROUTING_POLICIES
 from ferrox.model_files.hub import is_hub_id
 from ferrox.server.app import CorsOptions, build_app
@@ -201,6 +202,32 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests carry their own chat template (refused by default)",
     )
+    media = MediaLimits()  # the one definition of the defaults
+    group.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        help="host names image_url parts may be fetched from over http(s) (default: none; "
+        "data URLs are always accepted)",
+    )
+    group.add_argument(
+        "--max-image-bytes",
+        type=non_negative_int,
+        default=media.max_bytes,
+        help="largest encoded image a request may carry or have fetched",
+    )
+    group.add_argument(
+        "--max-image-pixels",
+        type=non_negative_int,
+        default=media.max_pixels,
+        help="most pixels (width x height) an image may have, checked before decoding it",
+    )
+    group.add_argument(
+        "--media-fetch-timeout",
+        type=positive_float,
+        default=media.fetch_timeout_s,
+        help="seconds an image fetch from an allowed domain may take",
+    )
     group.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -339,6 +366,12 @@ def build_server_app(
         disable_additional_properties=disable_additional_properties_option(args),
         max_stored_responses=args.max_stored_responses,
         adapters=adapters,
+        media_limits=MediaLimits(
+            max_bytes=args.max_image_bytes,
+            max_pixels=args.max_image_pixels,
+            fetch_timeout_s=args.media_fetch_timeout,
+            allowed_domains=tuple(d.lower() for d in args.allowed_media_domains),
+        ),
     )
 
     @contextlib.asynccontextmanager
@@ -347,6 +380,10 @@ def build_server_app(
         ctx.max_model_len = info.max_model_len
         ctx.vocab_size = info.vocab_size
         ctx.labels = info.labels
+        if info.image_token_id is not None:
+            # The model's image processor, in a child process (it needs torch).
+            ctx.images = ImageProcessor(Path(info.model), in_process=False)
+            ctx.image_token_id = info.image_token_id
         if info.lora_modules is not None:
             shapes = {name: (s[0], s[1]) for name, s in info.lora_modules.items()}
             adapters.targets = LoraTargets(info.lora_layers, shapes)
@@ -365,6 +402,8 @@ def build_server_app(
             yield
         finally:
             await engine.shutdown()
+            if ctx.images is not None:
+                ctx.images.close()
 
     app = build_app(
         ctx,

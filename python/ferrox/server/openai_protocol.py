@@ -149,11 +149,20 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     suffix: str | None = None
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str
+    # OpenAI's resolution hint; the model's image processor decides the size.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+    """One part of a message's content: ``{"type": "text", "text": ...}``, or
+    for a vision-language model ``{"type": "image_url", "image_url": {"url":
+    ...}}`` (a data URL, or http(s) from --allowed-media-domains)."""
 
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]

@@ -298,6 +298,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def _message_dict(index: int, message: ChatMessageParam) -> dict[str, Any]:
     content = message.content
+    text: str | list[dict[str, Any]]
     if content is None:
         if message.role != "assistant":
             raise BadRequest(
@@ -308,6 +309,8 @@ def _message_dict(index: int, message: ChatMessageParam) -> dict[str, Any]:
         text = ""
     elif isinstance(content, str):
         text = content
+    elif any(part.type == "image_url" for part in content):
+        text = [_part_dict(index, part) for part in content]  # (frontend/media.py)
     else:
         text = "\n".join(_part_text(index, part) for part in content)
     role = "system" if message.role == "developer" else message.role
@@ -351,11 +354,22 @@ def _arguments(arguments: str | dict[str, Any]) -> Any:
     return parsed if isinstance(parsed, dict) else arguments
 
 
+def _part_dict(index: int, part: ContentPart) -> dict[str, Any]:
+    """A text or image part as chat_images (frontend/media.py) reads it."""
+    if part.type == "image_url":
+        if part.image_url is None:
+            raise BadRequest(
+                f"messages[{index}] has an 'image_url' part without image_url", param="messages"
+            )
+        return {"type": "image_url", "image_url": {"url": part.image_url.url}}
+    return {"type": "text", "text": _part_text(index, part)}
+
+
 def _part_text(index: int, part: ContentPart) -> str:
     if part.type != "text":
         raise BadRequest(
-            f"messages[{index}] has a content part of type {part.type!r}; only 'text' parts "
-            "are supported (this server serves text-only models)",
+            f"messages[{index}] has a content part of type {part.type!r}; only 'text' and "
+            "'image_url' parts are supported",
             param="messages",
         )
     if part.text is None:

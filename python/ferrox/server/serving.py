@@ -26,10 +26,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ferrox.common.errors import ServerBusyError
+from ferrox.common.errors import InvalidArgumentError, ServerBusyError
+from ferrox.common.multimodal import ImageInput
 from ferrox.common.outputs import PositionLogprobs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.frontend.engine_client import AsyncEngineClient
+from ferrox.frontend.media import ImageProcessor, MediaLimits, chat_images, multimodal_prompt
 from ferrox.frontend.output_processor import SequenceUpdate
 from ferrox.frontend.replicas import ReplicaPool
 from ferrox.frontend.request_run import RequestRun, merge, run_to_end
@@ -92,6 +94,11 @@ class ServingContext:
     labels: list[str] | None = None
     # LoRA adapters, served under their names as models (server/lora_adapters.py).
     adapters: ServerAdapters = field(default_factory=ServerAdapters)
+    # A vision-language model's image processor and placeholder token (None:
+    # the model is text only), and what an image may be.
+    images: ImageProcessor | None = None
+    image_token_id: int | None = None
+    media_limits: MediaLimits = field(default_factory=MediaLimits)
     draining: bool = False
     in_flight: int = 0
     executor: ThreadPoolExecutor = field(
@@ -209,6 +216,7 @@ class OpenAIServing:
         request: Any,
         tools: ToolPlan | None = None,
         params: SamplingParams | None = None,
+        images: list[ImageInput] | None = None,
     ) -> RequestRun:
         """A run of the request's prompt; `params` (else the request's own
         sampling fields) say how."""
@@ -246,6 +254,7 @@ class OpenAIServing:
             max_log_len=self.ctx.max_log_len,
             stream=bool(getattr(request, "stream", False)),
             deadline=None if timeout is None else time.monotonic() + timeout,
+            images=images,
         )
 
     async def run_all(self, http: Request, runs: list[RequestRun]) -> None:
@@ -445,8 +454,9 @@ class OpenAIServing:
 
     async def chat_prompt_async(
         self, req: op.ChatCompletionRequest | op.TokenizeRequest
-    ) -> list[int]:
-        """chat_prompt, off the event loop for large inputs, within a time bound."""
+    ) -> ChatPrompt:
+        """chat_prompt, off the event loop for large inputs and for images,
+        within a time bound."""
         size = sum(_message_size(m) for m in req.messages or [])
         if getattr(req, "chat_template", None) is None and size < OFFLOAD_CHARS:
             return self.chat_prompt(req)
@@ -461,7 +471,9 @@ class OpenAIServing:
                 param="messages",
             ) from None
 
-    def chat_prompt(self, req: op.ChatCompletionRequest | op.TokenizeRequest) -> list[int]:
+    def chat_prompt(self, req: op.ChatCompletionRequest | op.TokenizeRequest) -> ChatPrompt:
+        """The conversation's prompt ids and, for a vision-language model,
+        its processed images (their placeholders expanded in the ids)."""
         template = getattr(req, "chat_template", None)
         if template is not None and not self.ctx.trust_request_chat_template:
             raise op.BadRequest(
@@ -469,7 +481,7 @@ class OpenAIServing:
                 "with --trust-request-chat-template",
                 param="chat_template",
             )
-        messages = chat_messages(req)
+        messages, images = self._chat_images(chat_messages(req))
         continue_final = getattr(req, "continue_final_message", False)
         if continue_final and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):
             raise op.BadRequest(
@@ -503,7 +515,31 @@ class OpenAIServing:
         special = getattr(req, "add_special_tokens", False) and isinstance(
             req, op.ChatCompletionRequest
         )
-        return list(self.ctx.tokenizer.encode(text, add_special_tokens=special))
+        ids = list(self.ctx.tokenizer.encode(text, add_special_tokens=special))
+        if not images:
+            return ChatPrompt(ids)
+        assert self.ctx.images is not None and self.ctx.image_token_id is not None
+        try:
+            processed = self.ctx.images.process(images)
+            return ChatPrompt(*multimodal_prompt(ids, self.ctx.image_token_id, processed))
+        except InvalidArgumentError as e:
+            raise op.BadRequest(str(e), param="messages") from e
+
+    def _chat_images(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The messages as the chat template takes them, and their images
+        (loaded, checked and decoded)."""
+        try:
+            messages, images = chat_images(messages, self.ctx.media_limits)
+        except InvalidArgumentError as e:
+            raise op.BadRequest(str(e), param="messages") from e
+        if images and self.ctx.images is None:
+            raise op.BadRequest(
+                "this server's model takes no images (it is not a vision-language model)",
+                param="messages",
+            )
+        return messages, images
 
     async def _chat(self, http: Request, body: bytes, admitted: list[int]) -> Response:
         req = self.decode(body, op.ChatCompletionRequest)
@@ -512,8 +548,8 @@ class OpenAIServing:
         tools = tool_plan(req, self.ctx.tool_parser, self.ctx.disable_additional_properties)
         self.ctx.admit(1)
         admitted.append(1)
-        prompt_ids = await self.chat_prompt_async(req)
-        run = self.new_run(op.random_id("chatcmpl"), prompt_ids, req, tools)
+        prompt = await self.chat_prompt_async(req)
+        run = self.new_run(op.random_id("chatcmpl"), prompt.ids, req, tools, images=prompt.images)
         if req.stream:
             return self.stream(self._chat_chunks(req, run, tools), [run], admitted.pop())
         await self.run_all(http, [run])
@@ -635,11 +671,23 @@ class _AdmittedStream(StreamingResponse):
                     await close()
 
 
+@dataclass
+class ChatPrompt:
+    """A rendered conversation: its token ids and its images."""
+
+    ids: list[int]
+    images: list[ImageInput] | None = None
+
+
 def _message_size(message: op.ChatMessageParam) -> int:
     content = message.content
     if isinstance(content, str):
         return len(content)
-    return sum(len(part.text or "") for part in content or [])
+    # An image part always goes off the event loop (decoding, the processor).
+    return sum(
+        len(part.text or "") + OFFLOAD_CHARS * (part.image_url is not None)
+        for part in content or []
+    )
 
 
 async def _wait_disconnect(http: Request) -> None:

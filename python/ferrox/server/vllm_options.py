@@ -21,7 +21,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--swap-space": "ferrox recomputes preempted requests instead of swapping",
     "--revision": "hub models resolve to their default revision",
     "--tokenizer-mode": "ferrox uses the model's fast tokenizer",
-    "--limit-mm-per-prompt": "ferrox serves text-only models",
     "--download-dir": "hub models go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE)",
     "--max-seq-len-to-capture": "CUDA graphs cover decode batches up to --max-num-seqs",
     "--compilation-config": "ferrox does not use torch.compile",

@@ -1,0 +1,246 @@
+"""Images in prompts (Qwen2.5-VL) against transformers on the same weights:
+greedy tokens equal and logprobs close with one and with several images,
+in a batch, chunked across the image tokens and under preemption; the
+prefix cache serves the same image behind the same text and never another
+image behind the same placeholders; the encoder runs once per image while
+its output is cached; bad inputs are refused and leave nothing behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ferrox import LLM, SamplingParams
+from ferrox.common.errors import InvalidArgumentError
+from ferrox.common.multimodal import image_spans
+from tests import models
+
+MAX_TOKENS = 8
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+# (prompt text, images): one image, two of different sizes, text around them.
+CASES: list[tuple[str, list[Any]]] = [
+    (chat(IMAGE + "The quick brown fox"), [models.test_image(0)]),
+    (
+        chat("Pack my box" + IMAGE + " with" + IMAGE + " five"),
+        [models.test_image(1, (112, 56)), models.test_image(2)],
+    ),
+    (chat(IMAGE + "def add(a, b):"), [models.test_image(3, (56, 56))]),
+]
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.build_tiny_vl_model(tmp_path_factory.mktemp("qwen2.5-vl") / "model")
+
+
+@pytest.fixture(scope="module")
+def hf_vl(vl_model: Path) -> Any:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_model, dtype=torch.float32).eval()
+
+
+def hf_inputs(
+    path: Path, text: str, images: list[Any]
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """transformers' own inputs: the tokenizer's ids with each placeholder
+    repeated for its image (as the model's processor does), and the image
+    processor's rows and grids."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    processed = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+    pad = tokenizer.convert_tokens_to_ids(models.VL_IMAGE_TOKEN)
+    grids = processed["image_grid_thw"].tolist()
+    ids: list[int] = []
+    for t in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        ids += [pad] * (int(np.prod(grids.pop(0))) // 4) if t == pad else [t]
+    return ids, dict(processed)
+
+
+@torch.inference_mode()
+def hf_greedy_vl(
+    model: Any, path: Path, text: str, images: list[Any]
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs, each step a whole forward pass."""
+    ids, processed = hf_inputs(path, text, images)
+    pad = model.config.image_token_id
+    seq = torch.tensor([ids])
+    tokens, logprobs = [], []
+    for _ in range(MAX_TOKENS):
+        out = model(input_ids=seq, mm_token_type_ids=(seq == pad).int(), **processed)
+        step = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        tok = int(step.argmax())
+        tokens.append(tok)
+        logprobs.append(float(step[tok]))
+        seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
+    return tokens, logprobs
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def request(text: str, images: list[Any]) -> dict[str, Any]:
+    return {"prompt": text, "add_special_tokens": False, "multi_modal_data": {"image": images}}
+
+
+def assert_matches(outputs: list[Any], expected: list[tuple[list[int], list[float]]]) -> None:
+    for out, (tokens, logprobs) in zip(outputs, expected, strict=True):
+        seq = out.outputs[0]
+        assert seq.token_ids == tokens
+        got = [lp[t].logprob for lp, t in zip(seq.logprobs, seq.token_ids, strict=True)]
+        np.testing.assert_allclose(got, logprobs, atol=2e-3, rtol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def expected(vl_model: Path, hf_vl: Any) -> list[tuple[list[int], list[float]]]:
+    return [hf_greedy_vl(hf_vl, vl_model, text, images) for text, images in CASES]
+
+
+@pytest.mark.parametrize(
+    ("label", "options"),
+    [
+        ("one-batch", dict()),
+        # 16-token steps split every image's placeholders over chunks.
+        ("chunked-prefill", dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)),
+        (
+            "preemption",
+            dict(
+                num_kv_blocks=12,
+                block_size=8,
+                max_model_len=64,
+                max_num_batched_tokens=32,
+                max_num_seqs=4,
+            ),
+        ),
+    ],
+)
+def test_images_match_transformers(
+    vl_model: Path, expected: list[Any], label: str, options: dict[str, Any]
+) -> None:
+    llm = LLM(str(vl_model), **{"max_model_len": 256, **options})
+    outputs = llm.generate([request(t, i) for t, i in CASES], greedy(), use_tqdm=False)
+    assert_matches(outputs, expected)
+    for out, (_text, images) in zip(outputs, CASES, strict=True):
+        spans = image_spans(out.prompt_token_ids, llm.engine.runner.model.image_token_id)
+        assert len(spans) == len(images)  # the placeholders, expanded
+    stats = llm.engine.stats()
+    if label == "preemption":
+        assert stats.num_preemptions > 0
+    assert stats.num_used_blocks == 0  # nothing held past the requests
+    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
+
+
+def test_the_prefix_cache_tells_images_apart(vl_model: Path, expected: list[Any]) -> None:
+    text, images = CASES[0]
+    llm = LLM(str(vl_model), max_model_len=256, block_size=4)
+    first = llm.generate(request(text, images), greedy(), use_tqdm=False)[0]
+    assert first.metrics.num_cached_tokens == 0
+    offset, length = image_spans(first.prompt_token_ids, llm.engine.runner.model.image_token_id)[0]
+    # The same image again: the cache serves the prompt past the image.
+    again = llm.generate(request(text, images), greedy(), use_tqdm=False)[0]
+    assert again.metrics.num_cached_tokens > offset + length
+    assert_matches([again], expected[:1])
+    assert llm.engine.runner.encoder_cache.num_encoded == 1
+    # Another image behind the same text: only the tokens before it hit.
+    other = llm.generate(request(text, [models.test_image(9)]), greedy(), use_tqdm=False)[0]
+    assert other.metrics.num_cached_tokens <= offset
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+    assert llm.engine.runner.encoder_cache.num_encoded == 2
+
+
+def test_chat_with_image_parts_matches_generate(vl_model: Path, expected: list[Any]) -> None:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    models.test_image(0).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    llm = LLM(str(vl_model), max_model_len=256)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "The quick brown fox"},
+            ],
+        }
+    ]
+    out = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    assert_matches([out], expected[:1])
+    pil = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": models.test_image(0)},
+                {"type": "text", "text": "The quick brown fox"},
+            ],
+        }
+    ]
+    assert llm.chat(pil, greedy(), use_tqdm=False)[0].outputs[0].token_ids == expected[0][0]
+
+
+def test_bad_image_requests_are_refused_and_leave_nothing(
+    vl_model: Path, tiny_models: dict[str, Path]
+) -> None:
+    llm = LLM(str(vl_model), max_model_len=256, limit_mm_per_prompt={"image": 2})
+    text, images = CASES[0]
+    bad: list[tuple[Any, Any, str]] = [
+        (request(text, images + images), greedy(), "placeholders for 2 images"),
+        (request(chat("no image here"), images), greedy(), "placeholders for 1 images"),
+        (request(chat(IMAGE * 3), images * 3), greedy(), "limit_mm_per_prompt"),
+        (request(text, ["not an image"]), greedy(), "must be a PIL image"),
+        ({"prompt": text, "multi_modal_data": {"video": images}}, greedy(), "images only"),
+        (
+            {"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": images}},
+            greedy(),
+            "needs a text prompt",
+        ),
+        (request(text, images), SamplingParams(max_tokens=2, prompt_logprobs=1), "prompt_logprobs"),
+    ]
+    for prompt, params, message in bad:
+        with pytest.raises(InvalidArgumentError, match=message):
+            llm.generate(prompt, params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_used_blocks == 0 and stats.num_waiting == 0 and stats.num_running == 0
+    # The engine still serves.
+    assert llm.generate(request(text, images), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    text_only = LLM(str(tiny_models["llama-gqa-tied"]))
+    with pytest.raises(InvalidArgumentError, match="takes no images"):
+        text_only.generate(request(text, images), greedy(), use_tqdm=False)
+
+
+def test_the_engine_checks_images_it_is_given(vl_model: Path) -> None:
+    """The engine's own checks (a frontend could send anything)."""
+    from ferrox.common.multimodal import image_input
+
+    llm = LLM(str(vl_model), max_model_len=256)
+    engine = llm.engine
+    image_id = engine.runner.model.image_token_id
+    pixels = np.zeros((48, 1176), dtype=np.float32)
+    ids = [5] + [image_id] * 12 + [6]
+    bad = [
+        ([image_input(pixels, [1, 8, 6], 1, 11)], "takes 12 placeholder"),
+        ([image_input(pixels, [1, 8, 5], 1, 12)], "multiple of the merge size"),
+        ([image_input(pixels[:40], [1, 8, 6], 1, 12)], "pixel values have shape"),
+        ([image_input(pixels, [1, 8, 6], 0, 12)], "not all the image token"),
+        ([image_input(pixels, [1, 8, 6], 4, 12)], "leave the prompt"),
+    ]
+    for images, message in bad:
+        with pytest.raises(InvalidArgumentError, match=message):
+            engine.add_request("r", ids, greedy(), images=images)
+    engine.add_request("ok", ids, greedy(), images=[image_input(pixels, [1, 8, 6], 1, 12)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_used_blocks == 0
