@@ -357,6 +357,17 @@ def test_metrics_follow_requests(server: Server) -> None:
         ("post", "/v1/completions", {"prompt": "x", "model": "other"}, 404, "model_not_found"),
         ("post", "/v1/chat/completions", {"messages": []}, 400, None),
         ("post", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, None),
+        (
+            "post",
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            },
+            400,
+            "messages",
+        ),
         ("post", "/v1/nowhere", {}, 404, None),
         ("get", "/v1/completions", None, 405, None),
         ("post", "/detokenize", {"tokens": [-1]}, 400, None),

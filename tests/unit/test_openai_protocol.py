@@ -325,7 +325,7 @@ def test_bad_prompts(prompt: Any) -> None:
         [],
         [{"role": "user", "content": None}],
         [{"role": "user"}],
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
         [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
         [{"role": "user", "content": [{"type": "text"}]}],
     ],
@@ -336,10 +336,14 @@ def test_bad_messages(messages: list[Any]) -> None:
     assert info.value.param == "messages"
 
 
-def test_image_parts_get_a_clear_message() -> None:
-    part = {"type": "image_url", "image_url": {"url": "x"}}
-    with pytest.raises(BadRequest, match="of type 'image_url'; only 'text' parts"):
-        chat_messages(chat(messages=[{"role": "user", "content": [part]}]))
+def test_image_parts_stay_parts_and_others_get_a_clear_message() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:x", "detail": "low"}}
+    text = {"type": "text", "text": "what is it?"}
+    (message,) = chat_messages(chat(messages=[{"role": "user", "content": [image, text]}]))
+    assert message["content"] == [{"type": "image_url", "image_url": {"url": "data:x"}}, text]
+    audio = {"type": "input_audio", "input_audio": {}}
+    with pytest.raises(BadRequest, match="of type 'input_audio'; only 'text' and 'image_url'"):
+        chat_messages(chat(messages=[{"role": "user", "content": [audio]}]))
 
 
 # ---- responses through the official SDK's models ------------------------------

@@ -530,16 +530,16 @@ class OpenAIServing:
     ) -> tuple[list[dict[str, Any]], list[Any]]:
         """The messages as the chat template takes them, and their images
         (loaded, checked and decoded)."""
-        try:
-            messages, images = chat_images(messages, self.ctx.media_limits)
-        except InvalidArgumentError as e:
-            raise op.BadRequest(str(e), param="messages") from e
-        if images and self.ctx.images is None:
+        has_images = any(isinstance(m["content"], list) for m in messages)
+        if has_images and self.ctx.images is None:
             raise op.BadRequest(
                 "this server's model takes no images (it is not a vision-language model)",
                 param="messages",
             )
-        return messages, images
+        try:
+            return chat_images(messages, self.ctx.media_limits)
+        except InvalidArgumentError as e:
+            raise op.BadRequest(str(e), param="messages") from e
 
     async def _chat(self, http: Request, body: bytes, admitted: list[int]) -> Response:
         req = self.decode(body, op.ChatCompletionRequest)

@@ -1,0 +1,149 @@
+"""Images through the OpenAI chat API (a live server of the tiny Qwen2.5-VL):
+a data-URL image answers what the offline LLM answers, the frontend stays
+without torch (the image processor runs in its child), and bad images get a
+400 envelope naming the part, with nothing left behind."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from ferrox import LLM, SamplingParams
+from tests import models
+from tests.live_server import MODEL, Server
+
+
+def data_url(image: Any, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    mime = "png" if fmt == "PNG" else fmt.lower()
+    return f"data:image/{mime};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def huge_png(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width` x `height` pixels (a decompression
+    bomb's shape: a small file that would decode to a huge image)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(b"\0" * 64)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.build_tiny_vl_model(tmp_path_factory.mktemp("qwen2.5-vl-served") / "model")
+
+
+@pytest.fixture(scope="module")
+def vl_server(vl_model: Path) -> Iterator[Server]:
+    s = Server(
+        vl_model,
+        "--max-model-len",
+        "256",
+        "--max-image-pixels",
+        str(120 * 120),
+        "--limit-mm-per-prompt",
+        '{"image": 2}',
+        "--allowed-media-domains",
+        "images.invalid",
+    )
+    yield s
+    s.stop()
+
+
+def user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+TEXT = {"type": "text", "text": "The quick brown fox"}
+
+
+def test_a_data_url_image_answers_as_offline(vl_server: Server, vl_model: Path) -> None:
+    messages = user(image_part(data_url(models.test_image(0))), TEXT)
+    out = vl_server.client().chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    offline = LLM(str(vl_model), max_model_len=256).chat(
+        [{"role": "user", "content": [image_part(data_url(models.test_image(0))), TEXT]}],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert out.choices[0].message.content == offline.outputs[0].text
+    assert out.usage is not None and out.usage.prompt_tokens == len(offline.prompt_token_ids)
+    # The image processor ran in a child; the frontend itself has no torch.
+    frontend = psutil.Process(vl_server.proc.pid)
+    maps = {m.path for m in frontend.memory_maps()}
+    assert not any(Path(p).name.startswith("libtorch") for p in maps)
+    vl_server.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ((image_part("data:image/png;base64,@@@"), TEXT), "not valid base64"),
+        ((image_part("data:text/plain;base64,aGk="), TEXT), "not an image"),
+        (
+            (image_part("data:image/png;base64," + base64.b64encode(b"garbage").decode()),),
+            "not a readable image",
+        ),
+        ((image_part("http://elsewhere.invalid/cat.png"), TEXT), "not an allowed media domain"),
+        ((image_part("file:///etc/passwd"), TEXT), "only data URLs and http(s)"),
+        ((image_part(data_url(models.test_image(0, (200, 200)))), TEXT), "more than the limit"),
+        (
+            (
+                image_part(
+                    "data:image/png;base64," + base64.b64encode(huge_png(60000, 60000)).decode()
+                ),
+            ),
+            "content[0]",
+        ),
+        ((image_part(data_url(models.test_image(0))),) * 3, "limit_mm_per_prompt"),
+        (({"type": "image_url"},), "without image_url"),
+    ],
+)
+def test_bad_images_get_a_400_naming_the_part(
+    vl_server: Server, parts: tuple[dict[str, Any], ...], message: str
+) -> None:
+    r = vl_server.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": user(*parts), "max_tokens": 4}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    vl_server.wait_idle()
+
+
+def test_a_truncated_image_is_refused(vl_server: Server) -> None:
+    buffer = io.BytesIO()
+    models.test_image(0).save(buffer, format="PNG")
+    cut = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+    url = "data:image/png;base64," + base64.b64encode(cut).decode()
+    r = vl_server.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": user(image_part(url), TEXT), "max_tokens": 4},
+    )
+    assert r.status_code == 400 and "truncated or malformed" in r.json()["error"]["message"]
+    assert "messages[0].content[0]" in r.json()["error"]["message"]
