@@ -482,12 +482,27 @@ VL_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_vl_model(path: Path) -> Path:
-    """A random-weight Qwen2.5-VL (two decoder layers, two vision blocks:
-    one windowed, one over the whole image), saved with its processor."""
+def build_tiny_vl_model(
+    path: Path,
+    text_options: dict[str, Any] | None = None,
+    vision_options: dict[str, Any] | None = None,
+    max_pixels: int = 112 * 112,
+    test_weights: bool = True,
+    qwen2_vl: bool = False,
+) -> Path:
+    """A random-weight Qwen2.5-VL (by default two decoder layers, two vision
+    blocks: one windowed, one over the whole image), saved with its
+    processor (images resized to at most `max_pixels`). The options replace
+    the text and vision configs' sizes (benches/vision_chat.py's shapes);
+    `test_weights=False` keeps transformers' initialisation (weights whose
+    activations stay finite through many layers) instead of the large
+    weights and biases that make greedy choices clear in tests. `qwen2_vl`:
+    the first Qwen-VL (LayerNorms, QuickGELU MLPs, no windows)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -511,7 +526,7 @@ def build_tiny_vl_model(path: Path) -> Path:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-    )
+    ) | (text_options or {})
     vision = dict(
         depth=2,
         hidden_size=32,
@@ -523,26 +538,39 @@ def build_tiny_vl_model(path: Path) -> Path:
         spatial_merge_size=2,
         window_size=56,
         fullatt_block_indexes=[1],
-    )
-    config = Qwen2_5_VLConfig(
+    ) | (vision_options or {})
+    config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    if qwen2_vl:
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision = dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            mlp_ratio=2,
+            num_heads=2,
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+        ) | (vision_options or {})
+    config = config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=image_token_id,
         vision_start_token_id=start_id,
         tie_word_embeddings=False,
-        initializer_range=0.25,
+        initializer_range=0.25 if test_weights else 0.02,
     )
-    config.text_config.initializer_range = 0.25
+    config.text_config.initializer_range = config.initializer_range
     torch.manual_seed(7)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     with torch.no_grad():  # make the biases and the norms matter
-        for name, param in model.named_parameters():
+        for name, param in model.named_parameters() if test_weights else []:
             if name.endswith("bias") or name.endswith("norm.weight") or "ln_q" in name:
                 param.normal_(0.0, 0.3 if "bias" in name else 1.0)
             elif "visual" in name and param.dim() == 2:
                 param.normal_(0.0, 0.2)
     model.save_pretrained(path)
-    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels)
     processor.save_pretrained(path)
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)

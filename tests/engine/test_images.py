@@ -142,6 +142,20 @@ def test_images_match_transformers(
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
 
 
+def test_qwen2_vl_matches_transformers(tmp_path: Path) -> None:
+    """The first Qwen-VL's tower (LayerNorms, QuickGELU, no windows), whole
+    and chunked across its image tokens."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    path = models.build_tiny_vl_model(tmp_path / "qwen2-vl", qwen2_vl=True)
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    expected = [hf_greedy_vl(hf, path, text, images) for text, images in CASES]
+    for options in (dict(), dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)):
+        llm = LLM(str(path), max_model_len=256, **options)
+        outputs = llm.generate([request(t, i) for t, i in CASES], greedy(), use_tqdm=False)
+        assert_matches(outputs, expected)
+
+
 def test_the_prefix_cache_tells_images_apart(vl_model: Path, expected: list[Any]) -> None:
     text, images = CASES[0]
     llm = LLM(str(vl_model), max_model_len=256, block_size=4)

@@ -349,7 +349,7 @@ def test_errors_through_the_sdk_and_routes(server: Server) -> None:
         )
     with pytest.raises(anthropic.NotFoundError, match="does not exist"):
         _client(server).messages.create(model="claude-x", messages=QUESTION, max_tokens=4)
-    with pytest.raises(anthropic.BadRequestError, match="image block"):
+    with pytest.raises(anthropic.BadRequestError, match="takes no images"):
         _client(server).messages.count_tokens(
             model=MODEL,
             messages=[

@@ -147,3 +147,54 @@ def test_a_truncated_image_is_refused(vl_server: Server) -> None:
     )
     assert r.status_code == 400 and "truncated or malformed" in r.json()["error"]["message"]
     assert "messages[0].content[0]" in r.json()["error"]["message"]
+
+
+def test_responses_and_anthropic_images_answer_as_chat(vl_server: Server) -> None:
+    """The Responses API's input_image and Anthropic's image block are the
+    chat API's image_url part."""
+    url = data_url(models.test_image(0))
+    chat = vl_server.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": user(image_part(url), TEXT),
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    ).json()["choices"][0]["message"]["content"]
+    response = vl_server.post(
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": url},
+                        {"type": "input_text", "text": TEXT["text"]},
+                    ],
+                }
+            ],
+            "max_output_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["output"][-1]["content"][0]["text"] == chat
+    media, data = url.removeprefix("data:").split(";base64,")
+    source = {"type": "base64", "media_type": media, "data": data}
+    message = vl_server.post(
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": source}, TEXT]}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert message.status_code == 200, message.text
+    assert message.json()["content"][0]["text"] == chat
+    vl_server.wait_idle()

@@ -230,7 +230,7 @@ def test_parse_with_a_pydantic_model(server: Server) -> None:
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input",
-            "text-only",
+            "takes no images",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "item_reference"),
         ({"input": [{"type": "web_search_call", "id": "x"}]}, "input", "hosted tools"),

@@ -87,13 +87,37 @@ class VisionMlp(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+class QuickGeluMlp(nn.Module):
+    """Qwen2-VL's vision MLP: fc2(quick_gelu(fc1(x)))."""
+
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(config.hidden_size, 1e-6)
-        self.norm2 = RMSNorm(config.hidden_size, 1e-6)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = VisionMlp(config.hidden_size, config.intermediate_size, config.hidden_act)
+        if act != "quick_gelu":
+            raise UnsupportedModelError(f"vision hidden_act {act!r} is not supported")
+        self.fc1 = nn.Linear(dim, hidden, bias=True)
+        self.fc2 = nn.Linear(hidden, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h * torch.sigmoid(1.702 * h))
+
+
+def _norm(dim: int, layer_norm: bool) -> nn.Module:
+    return nn.LayerNorm(dim, eps=1e-6) if layer_norm else RMSNorm(dim, 1e-6)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: Any, v1: bool) -> None:
+        super().__init__()
+        dim = vision_width(config, v1)
+        self.norm1 = _norm(dim, v1)
+        self.norm2 = _norm(dim, v1)
+        self.attn = VisionAttention(dim, config.num_heads)
+        self.mlp: nn.Module = (
+            QuickGeluMlp(dim, int(dim * config.mlp_ratio), config.hidden_act)
+            if v1
+            else VisionMlp(dim, config.intermediate_size, config.hidden_act)
+        )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]
@@ -103,10 +127,10 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, out_dim: int, dim: int, merge: int) -> None:
+    def __init__(self, out_dim: int, dim: int, merge: int, layer_norm: bool) -> None:
         super().__init__()
         self.width = dim * merge * merge
-        self.ln_q = RMSNorm(dim, 1e-6)
+        self.ln_q = _norm(dim, layer_norm)
         self.mlp = nn.Sequential(
             nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim)
         )
@@ -119,35 +143,51 @@ class PatchEmbed(nn.Module):
     """The Conv3d whose stride is its kernel, as one matmul over the
     processor's flattened patches (channels, time, rows, columns)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, v1: bool) -> None:
         super().__init__()
         self.in_features = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.proj = nn.Linear(self.in_features, config.hidden_size, bias=False)
+        self.proj = nn.Linear(self.in_features, vision_width(config, v1), bias=False)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.proj(pixels.view(-1, self.in_features))
 
 
+def vision_width(config: Any, v1: bool) -> int:
+    """The vision blocks' width (Qwen2-VL names it embed_dim, its
+    hidden_size being the merger's output)."""
+    return int(config.embed_dim if v1 else config.hidden_size)
+
+
 class VisionTransformer(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """`v1`: Qwen2-VL's tower (LayerNorms, QuickGELU MLPs, every block over
+    the whole image); else Qwen2.5-VL's."""
+
+    def __init__(self, config: Any, v1: bool = False) -> None:
         super().__init__()
+        width = vision_width(config, v1)
         self.merge = int(config.spatial_merge_size)
         self.patch_size = int(config.patch_size)
-        self.window_size = int(config.window_size)
-        self.full_blocks = set(int(i) for i in config.fullatt_block_indexes)
-        self.head_dim = config.hidden_size // config.num_heads
+        self.window_size = 0 if v1 else int(config.window_size)
+        self.full_blocks = (
+            set(range(config.depth)) if v1 else set(int(i) for i in config.fullatt_block_indexes)
+        )
+        self.head_dim = width // config.num_heads
         params = getattr(config, "rope_parameters", None) or {}
         self.rope_theta = float(params.get("rope_theta", 10000.0))
-        self.patch_embed = PatchEmbed(config)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
-        self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, self.merge)
+        self.patch_embed = PatchEmbed(config, v1)
+        self.blocks = nn.ModuleList(VisionBlock(config, v1) for _ in range(config.depth))
+        out = config.hidden_size if v1 else config.out_hidden_size
+        self.merger = PatchMerger(out, width, self.merge, layer_norm=v1)
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
         """pixels: [patches, in_features] of the images `grids` (t, h, w
         patches each), in the processor's order -> [merged patches, out]."""
-        x = self.patch_embed(pixels.to(self.merger.ln_q.weight.dtype))
+        dtype = next(self.merger.ln_q.parameters()).dtype  # (linear layers may be packed)
+        x = self.patch_embed(pixels.to(dtype))
         unit = self.merge * self.merge
-        order, windows = window_order(grids, self.merge, self.window_size // self.patch_size)
+        order, windows = window_order(
+            grids, self.merge, max(self.window_size // self.patch_size, self.merge)
+        )
         frames = [h * w for t, h, w in grids for _ in range(t)]
         cos, sin = self._rotary(grids, x.device)
         perm = (torch.from_numpy(order)[:, None] * unit + torch.arange(unit)[None]).reshape(-1)
@@ -264,6 +304,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     supports_images: ClassVar[bool] = True
     # Parameters `load_weights` fills itself (the Llama loader skips them).
     own_modules: ClassVar[tuple[str, ...]] = ("visual.",)
+    qwen2_vl: ClassVar[bool] = False  # Qwen2-VL's vision tower (the subclass)
 
     def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
         if distributed.state().size > 1:
@@ -273,10 +314,10 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
             )
         super().__init__(config, backend)
         vision = config.vision_config
-        self.visual = VisionTransformer(vision)
+        self.visual = VisionTransformer(vision, self.qwen2_vl)
         self.image_token_id = int(config.image_token_id)
         self.merge = int(vision.spatial_merge_size)
-        self.patch_features = PatchEmbed(vision).in_features
+        self.patch_features = self.visual.patch_embed.in_features
 
     @classmethod
     def language_config(cls, config: Any) -> Any:
@@ -380,3 +421,11 @@ def _text_name(name: str) -> str:
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model.") :]
     return name
+
+
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2-VL: the same decoder and M-RoPE under the first tower (LayerNorm,
+    QuickGELU MLPs, no windows)."""
+
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen2VLForConditionalGeneration",)
+    qwen2_vl: ClassVar[bool] = True

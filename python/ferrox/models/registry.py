@@ -11,7 +11,10 @@ from ferrox.models.gpt_oss import GptOssForCausalLM
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.phi3 import Phi3ForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
-from ferrox.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from ferrox.models.qwen2_5_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
 from ferrox.models.qwen2_moe import Qwen2MoeForCausalLM
 from ferrox.models.qwen3 import Qwen3ForCausalLM
 from ferrox.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -33,6 +36,7 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen3_5MoeForCausalLM,
     Qwen3NextForCausalLM,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
 )
 
 _BY_ARCHITECTURE = {name: cls for cls in MODEL_CLASSES for name in cls.architectures}

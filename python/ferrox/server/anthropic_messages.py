@@ -122,10 +122,9 @@ def _system_text(system: str | list[ap.TextBlock]) -> str:
 
 
 def _refused(index: int, block: Any) -> BadRequest:
-    if isinstance(block, ap.ImageBlock | ap.DocumentBlock):
-        kind = "image" if isinstance(block, ap.ImageBlock) else "document"
+    if isinstance(block, ap.DocumentBlock):
         return BadRequest(
-            f"messages[{index}] has a {kind} block; this server serves text-only models",
+            f"messages[{index}] has a document block; this server takes no documents",
             param="messages",
         )
     kind = block.__struct_config__.tag
@@ -164,16 +163,22 @@ def _assistant_turn(index: int, blocks: list[ap.ContentBlock]) -> op.ChatMessage
 
 def _user_turn(index: int, blocks: list[ap.ContentBlock]) -> list[op.ChatMessageParam]:
     out: list[op.ChatMessageParam] = []
-    text: list[str] = []
+    parts: list[op.ContentPart] = []
 
     def flush() -> None:
-        if text:
-            out.append(op.ChatMessageParam(role="user", content="\n".join(text)))
-            text.clear()
+        if any(part.type == "image_url" for part in parts):
+            out.append(op.ChatMessageParam(role="user", content=list(parts)))
+        elif parts:
+            text = "\n".join(part.text or "" for part in parts)
+            out.append(op.ChatMessageParam(role="user", content=text))
+        parts.clear()
 
     for block in blocks:
         if isinstance(block, ap.TextBlock):
-            text.append(block.text)
+            parts.append(op.ContentPart(type="text", text=block.text))
+        elif isinstance(block, ap.ImageBlock):
+            url = op.ImageUrl(url=_image_url(index, block.source))
+            parts.append(op.ContentPart(type="image_url", image_url=url))
         elif isinstance(block, ap.ToolResultBlock):
             flush()
             result = _result_text(index, block.content)
@@ -188,6 +193,22 @@ def _user_turn(index: int, blocks: list[ap.ContentBlock]) -> list[op.ChatMessage
     if not out:
         raise BadRequest(f"messages[{index}] (user) has no content", param="messages")
     return out
+
+
+def _image_url(index: int, source: dict[str, Any] | None) -> str:
+    """An image block's source as the chat API's image URL."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and source is not None:
+        media, data = source.get("media_type"), source.get("data")
+        if isinstance(media, str) and isinstance(data, str):
+            return f"data:{media};base64,{data}"
+    elif kind == "url" and source is not None and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise BadRequest(
+        f"messages[{index}] has an image block whose source is not "
+        '{"type": "base64", "media_type": ..., "data": ...} or {"type": "url", "url": ...}',
+        param="messages",
+    )
 
 
 def _result_text(index: int, content: str | list[Any] | None) -> str:
@@ -400,9 +421,11 @@ class AnthropicServing:
         tools = tool_plan(chat, self.ctx.tool_parser, self.ctx.disable_additional_properties)
         self.ctx.admit(1)
         admitted.append(1)
-        prompt = (await self.serving.chat_prompt_async(chat)).ids
+        prompt = await self.serving.chat_prompt_async(chat)
         try:
-            run = self.serving.new_run(ap.message_id(), prompt, chat, tools)
+            run = self.serving.new_run(
+                ap.message_id(), prompt.ids, chat, tools, images=prompt.images
+            )
         except BadRequest as e:
             raise e.renamed({"stop": "stop_sequences"}) from None
         if req.stream:

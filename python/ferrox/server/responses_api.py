@@ -181,8 +181,10 @@ class ResponsesServing:
             tools = tool_plan(chat, self.ctx.tool_parser, self.ctx.disable_additional_properties)
             self.ctx.admit(1)
             admitted.append(1)
-            prompt = (await self.serving.chat_prompt_async(chat)).ids
-            run = self.serving.new_run(item_id("resp"), prompt, chat, tools)
+            prompt = await self.serving.chat_prompt_async(chat)
+            run = self.serving.new_run(
+                item_id("resp"), prompt.ids, chat, tools, images=prompt.images
+            )
         except BadRequest as e:
             raise e.renamed(_RENAMES) from None
         reply = _Reply(self, req, run, tools, conversation)

@@ -101,6 +101,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[op.ChatMessagePara
         kind = item.get("type", "message")
         if kind == "message":
             role, text = _message(index, item)
+            if role == "assistant" and not isinstance(text, str):
+                raise BadRequest(f"input[{index}]: an assistant message holds no images", "input")
             if role == "assistant":
                 turn = assistant()
                 if turn.tool_calls:  # text after calls: a turn of its own
@@ -149,7 +151,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[op.ChatMessagePara
 _ROLES = ("user", "assistant", "system", "developer")
 
 
-def _message(index: int, item: dict[str, Any]) -> tuple[Any, str]:
+def _message(index: int, item: dict[str, Any]) -> tuple[Any, str | list[op.ContentPart]]:
     role = item.get("role")
     if role not in _ROLES:
         raise BadRequest(
@@ -157,8 +159,33 @@ def _message(index: int, item: dict[str, Any]) -> tuple[Any, str]:
             param="input",
         )
     content = item.get("content")
+    if isinstance(content, list) and any(_kind(part) == "input_image" for part in content):
+        return ("system" if role == "developer" else role), _parts(index, content)
     text = content if isinstance(content, str) else _parts_text(index, content)
     return ("system" if role == "developer" else role), text
+
+
+def _kind(part: Any) -> Any:
+    return part.get("type") if isinstance(part, dict) else None
+
+
+def _parts(index: int, parts: list[Any]) -> list[op.ContentPart]:
+    """Text and image parts as the chat API's (an input_image's URL: a data
+    URL, or http(s) from --allowed-media-domains)."""
+    out = []
+    for part in parts:
+        if _kind(part) != "input_image":
+            out.append(op.ContentPart(type="text", text=_parts_text(index, [part])))
+            continue
+        url = part.get("image_url")
+        if not isinstance(url, str) or part.get("file_id") is not None:
+            raise BadRequest(
+                f"input[{index}] has an input_image part without an image_url (file ids are "
+                "not served)",
+                param="input",
+            )
+        out.append(op.ContentPart(type="image_url", image_url=op.ImageUrl(url=url)))
+    return out
 
 
 def _parts_text(index: int, parts: Any) -> str:
@@ -167,9 +194,9 @@ def _parts_text(index: int, parts: Any) -> str:
     texts = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_image", "input_file", "input_audio"):
+        if kind in ("input_file", "input_audio"):
             raise BadRequest(
-                f"input[{index}] has an {kind} part; this server serves text-only models",
+                f"input[{index}] has an {kind} part; this server takes no files or audio",
                 param="input",
             )
         text = part.get("text") if isinstance(part, dict) else None
