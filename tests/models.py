@@ -488,7 +488,7 @@ def build_tiny_vl_model(
     vision_options: dict[str, Any] | None = None,
     max_pixels: int = 112 * 112,
     test_weights: bool = True,
-    qwen2_vl: bool = False,
+    family: str = "qwen2.5-vl",
 ) -> Path:
     """A random-weight Qwen2.5-VL (by default two decoder layers, two vision
     blocks: one windowed, one over the whole image), saved with its
@@ -496,13 +496,17 @@ def build_tiny_vl_model(
     the text and vision configs' sizes (benches/vision_chat.py's shapes);
     `test_weights=False` keeps transformers' initialisation (weights whose
     activations stay finite through many layers) instead of the large
-    weights and biases that make greedy choices clear in tests. `qwen2_vl`:
-    the first Qwen-VL (LayerNorms, QuickGELU MLPs, no windows)."""
+    weights and biases that make greedy choices clear in tests. `family`:
+    qwen2.5-vl, qwen2-vl (LayerNorms, QuickGELU MLPs, no windows) or
+    qwen3-vl (DeepStack, interleaved M-RoPE, learned positions, 16-pixel
+    patches)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -540,7 +544,26 @@ def build_tiny_vl_model(
         fullatt_block_indexes=[1],
     ) | (vision_options or {})
     config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    if qwen2_vl:
+    patch = 14
+    if family == "qwen3-vl":
+        config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+        patch = 16
+        text["head_dim"] = 16
+        text["rope_parameters"] = text["rope_parameters"] | {"mrope_interleaved": True}
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=patch,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=36,
+            deepstack_visual_indexes=[0, 1],
+            hidden_act="gelu_pytorch_tanh",
+        ) | (vision_options or {})
+    elif family == "qwen2-vl":
         config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
         vision = dict(
             depth=2,
@@ -570,7 +593,10 @@ def build_tiny_vl_model(
             elif "visual" in name and param.dim() == 2:
                 param.normal_(0.0, 0.2)
     model.save_pretrained(path)
-    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels)
+    side = 2 * patch  # the processor resizes to multiples of the merged patch
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=patch, min_pixels=side * side, max_pixels=max_pixels
+    )
     processor.save_pretrained(path)
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)

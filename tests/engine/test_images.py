@@ -142,13 +142,15 @@ def test_images_match_transformers(
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
 
 
-def test_qwen2_vl_matches_transformers(tmp_path: Path) -> None:
-    """The first Qwen-VL's tower (LayerNorms, QuickGELU, no windows), whole
-    and chunked across its image tokens."""
-    from transformers import Qwen2VLForConditionalGeneration
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+def test_other_qwen_vl_families_match_transformers(tmp_path: Path, family: str) -> None:
+    """Qwen2-VL's tower (LayerNorms, QuickGELU, no windows) and Qwen3-VL's
+    (learned positions, DeepStack into the first decoder layers, interleaved
+    M-RoPE), whole and chunked across the image tokens."""
+    from transformers import AutoModelForImageTextToText
 
-    path = models.build_tiny_vl_model(tmp_path / "qwen2-vl", qwen2_vl=True)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    path = models.build_tiny_vl_model(tmp_path / family, family=family)
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     expected = [hf_greedy_vl(hf, path, text, images) for text, images in CASES]
     for options in (dict(), dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)):
         llm = LLM(str(path), max_model_len=256, **options)

@@ -196,32 +196,46 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal RoPE (the Qwen VL families): three position streams
-    (temporal, height, width), each rotating its own section of a head's
-    frequencies (`sections`, which sum to head_dim / 2). Positions [3, T]
-    for a step with image tokens; [T] where the three streams agree (text:
-    then this is plain RoPE, and the native rotary kernel runs)."""
+    (temporal, height, width), each rotating its share of a head's
+    frequencies: `sections` (summing to head_dim / 2) as consecutive runs
+    (Qwen2-VL, Qwen2.5-VL), or `interleaved` (Qwen3-VL: frequency j of the
+    first 3 x sections[1] takes the height stream when j % 3 == 1, of the
+    first 3 x sections[2] the width stream when j % 3 == 2, the rest the
+    temporal one). Positions [3, T] for a step with image tokens; [T] where
+    the three streams agree (text: then this is plain RoPE, and the native
+    rotary kernel runs)."""
 
     def __init__(
-        self, head_dim: int, max_position: int, params: dict[str, Any], sections: list[int]
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        sections: list[int],
+        interleaved: bool = False,
     ) -> None:
         super().__init__(head_dim, max_position, params)
-        if len(sections) != 3 or sum(sections) != head_dim // 2:
+        half = head_dim // 2
+        if len(sections) != 3 or sum(sections) != half:
             raise UnsupportedModelError(
-                f"mrope_section {sections} must be three sections summing to head_dim / 2 "
-                f"({head_dim // 2})"
+                f"mrope_section {sections} must be three sections summing to head_dim / 2 ({half})"
             )
-        self.sections = [int(s) for s in sections]
+        axis = torch.zeros(half, dtype=torch.int64)
+        if interleaved:
+            for stream in (1, 2):
+                axis[stream : 3 * sections[stream] : 3] = stream
+        else:
+            axis[sections[0] : sections[0] + sections[1]] = 1
+            axis[sections[0] + sections[1] :] = 2
+        self.register_buffer("axis_of", axis, persistent=False)  # each frequency's stream
+
+    axis_of: torch.Tensor
 
     def rotate_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
         if positions.dim() == 1:
             super().rotate_(positions, x, num_heads)
             return
-        parts_cos, parts_sin, start = [], [], 0
-        for axis, width in enumerate(self.sections):
-            at = positions[axis]
-            parts_cos.append(self.cos_cache[at, start : start + width])
-            parts_sin.append(self.sin_cache[at, start : start + width])
-            start += width
-        cos = torch.cat(parts_cos, dim=-1).unsqueeze(1)  # [T, 1, D / 2]
-        sin = torch.cat(parts_sin, dim=-1).unsqueeze(1)
+        t = positions.shape[1]
+        index = self.axis_of.view(1, 1, -1).expand(1, t, -1)
+        cos = self.cos_cache[positions].gather(0, index)[0].unsqueeze(1)  # [T, 1, D / 2]
+        sin = self.sin_cache[positions].gather(0, index)[0].unsqueeze(1)
         x[:, :num_heads] = _rotate(x[:, :num_heads], cos, sin)

@@ -31,7 +31,7 @@ LoRA, GGUF (llama.cpp keeps the vision tower in a separate mmproj file).
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from ferrox.common.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.attention import AttentionBackend
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import MRotaryEmbedding, RotaryEmbedding, rope_parameters
+from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
 from ferrox.parallel import state as distributed
 
@@ -143,10 +144,10 @@ class PatchEmbed(nn.Module):
     """The Conv3d whose stride is its kernel, as one matmul over the
     processor's flattened patches (channels, time, rows, columns)."""
 
-    def __init__(self, config: Any, v1: bool) -> None:
+    def __init__(self, config: Any, v1: bool, bias: bool = False) -> None:
         super().__init__()
         self.in_features = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.proj = nn.Linear(self.in_features, vision_width(config, v1), bias=False)
+        self.proj = nn.Linear(self.in_features, vision_width(config, v1), bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.proj(pixels.view(-1, self.in_features))
@@ -189,7 +190,7 @@ class VisionTransformer(nn.Module):
             grids, self.merge, max(self.window_size // self.patch_size, self.merge)
         )
         frames = [h * w for t, h, w in grids for _ in range(t)]
-        cos, sin = self._rotary(grids, x.device)
+        cos, sin = rotary_angles(grids, self.merge, self.head_dim, self.rope_theta, x.device)
         perm = (torch.from_numpy(order)[:, None] * unit + torch.arange(unit)[None]).reshape(-1)
         perm = perm.to(x.device)
         x, cos, sin = x[perm], cos[perm], sin[perm]
@@ -198,25 +199,21 @@ class VisionTransformer(nn.Module):
         merged = self.merger(x)
         return merged[torch.from_numpy(np.argsort(order)).to(x.device)]
 
-    def _rotary(
-        self, grids: Sequence[Sequence[int]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each patch's 2-D rotary angles: its row over the first half of
-        the rotated frequencies, its column over the second."""
-        quarter = self.head_dim // 4
-        inv_freq = 1.0 / (
-            self.rope_theta ** (torch.arange(0, quarter, dtype=torch.float32) * 4 / self.head_dim)
-        )
-        rows, cols = patch_coordinates(grids, self.merge)
-        freqs = torch.cat(
-            (
-                torch.from_numpy(rows)[:, None] * inv_freq,
-                torch.from_numpy(cols)[:, None] * inv_freq,
-            ),
-            dim=-1,
-        )
-        freqs = torch.cat((freqs, freqs), dim=-1).to(device)  # [N, head_dim]
-        return freqs.cos(), freqs.sin()
+
+def rotary_angles(
+    grids: Sequence[Sequence[int]], merge: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each patch's 2-D rotary cos / sin [N, head_dim]: its row over the
+    first half of the rotated frequencies, its column over the second."""
+    quarter = head_dim // 4
+    inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, dtype=torch.float32) * 4 / head_dim))
+    rows, cols = patch_coordinates(grids, merge)
+    freqs = torch.cat(
+        (torch.from_numpy(rows)[:, None] * inv_freq, torch.from_numpy(cols)[:, None] * inv_freq),
+        dim=-1,
+    )
+    freqs = torch.cat((freqs, freqs), dim=-1).to(device)
+    return freqs.cos(), freqs.sin()
 
 
 def _rotate_half_form(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -297,27 +294,36 @@ def mrope_positions(
     return out, int(out.max()) + 1 - prompt_len if prompt_len else 0
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen2_5_VLForConditionalGeneration",)
+class QwenVisionLanguage(LlamaForCausalLM):
+    """What the Qwen VL families share over their decoder (the class after
+    this one in a family's bases): the vision tower at `visual`, M-RoPE,
+    the image interface the engine calls (models/base.py), and the
+    checkpoint's vision tensors."""
+
     gguf_architecture: ClassVar[str | None] = None
     supports_lora = False
     supports_images: ClassVar[bool] = True
     # Parameters `load_weights` fills itself (the Llama loader skips them).
     own_modules: ClassVar[tuple[str, ...]] = ("visual.",)
-    qwen2_vl: ClassVar[bool] = False  # Qwen2-VL's vision tower (the subclass)
+    # M-RoPE's frequency sections when the config names none, and their layout.
+    default_sections: ClassVar[list[int]] = [16, 24, 24]
+    interleaved_sections: ClassVar[bool] = False
 
     def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
         if distributed.state().size > 1:
             raise UnsupportedModelError(
-                "Qwen2.5-VL runs on one rank: its vision tower is not sharded "
+                f"{type(self).__name__} runs on one rank: its vision tower is not sharded "
                 "(tensor_parallel_size must be 1)"
             )
         super().__init__(config, backend)
         vision = config.vision_config
-        self.visual = VisionTransformer(vision, self.qwen2_vl)
+        self.visual = self.vision_tower(vision)
         self.image_token_id = int(config.image_token_id)
         self.merge = int(vision.spatial_merge_size)
-        self.patch_features = self.visual.patch_embed.in_features
+        self.patch_features = cast(PatchEmbed, self.visual.patch_embed).in_features
+
+    def vision_tower(self, config: Any) -> nn.Module:
+        raise NotImplementedError
 
     @classmethod
     def language_config(cls, config: Any) -> Any:
@@ -331,8 +337,14 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     def rotary_tables(self, context_length: int | None) -> list[RotaryEmbedding]:
         config = self.config
         params = rope_parameters(config)
-        sections = list(params.get("mrope_section") or [16, 24, 24])
-        rotary = MRotaryEmbedding(self.head_dim, config.max_position_embeddings, params, sections)
+        sections = list(params.get("mrope_section") or self.default_sections)
+        rotary = MRotaryEmbedding(
+            self.head_dim,
+            config.max_position_embeddings,
+            params,
+            sections,
+            interleaved=self.interleaved_sections,
+        )
         return [rotary] * config.num_hidden_layers
 
     # ---- images --------------------------------------------------------------
@@ -371,7 +383,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         vision = _vision_name(name)
         if vision is not None:
             return "visual." + vision.removesuffix(".weight").removesuffix(".bias")
-        return Qwen2ForCausalLM.module_of(_text_name(name))
+        return LlamaForCausalLM.module_of(_text_name(name))
 
     def shard_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         return None  # one rank (checked in __init__)
@@ -423,9 +435,18 @@ def _text_name(name: str) -> str:
     return name
 
 
-class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+class Qwen2_5_VLForConditionalGeneration(QwenVisionLanguage, Qwen2ForCausalLM):
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen2_5_VLForConditionalGeneration",)
+
+    def vision_tower(self, config: Any) -> nn.Module:
+        return VisionTransformer(config)
+
+
+class Qwen2VLForConditionalGeneration(QwenVisionLanguage, Qwen2ForCausalLM):
     """Qwen2-VL: the same decoder and M-RoPE under the first tower (LayerNorm,
     QuickGELU MLPs, no windows)."""
 
     architectures: ClassVar[tuple[str, ...]] = ("Qwen2VLForConditionalGeneration",)
-    qwen2_vl: ClassVar[bool] = True
+
+    def vision_tower(self, config: Any) -> nn.Module:
+        return VisionTransformer(config, v1=True)

@@ -543,6 +543,9 @@ class ModelRunner:
         text = torch.where(input_ids < self.vocab_size, input_ids, 0)
         x = model.embed(text)
         found = self.encoder_cache.features(model, images.pieces, self.device)
+        width = max(rows.shape[1] for rows in found.values())
+        if width > x.shape[1]:  # rows beyond the embedding (DeepStack's): zeros for text
+            x = torch.cat((x, x.new_zeros(x.shape[0], width - x.shape[1])), dim=1)
         for piece in images.pieces:
             rows = found[piece.image.hash][piece.start : piece.start + piece.count]
             x[piece.dst : piece.dst + piece.count] = rows.to(x.dtype)
