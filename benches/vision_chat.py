@@ -11,8 +11,9 @@ on the same weights, in one process:
 
     python benches/vision_chat.py [--repeats 3] [--shape small|3b] [--json FILE]
 
-`--shape small` (default): the decoder of Qwen2.5-0.5B (hidden 896, 24
-layers, 14 query / 2 KV heads, MLP 4864, vocabulary 151,936) under a
+`--shape small` (default): a decoder of Qwen2.5-0.5B's size (hidden 896, 24
+layers, MLP 4864, vocabulary 151,936) with Qwen2.5-VL's heads of 128 (7
+query / 1 KV heads, M-RoPE sections 16 / 24 / 24) under a
 reduced vision tower (8 blocks of 640, 10 heads, MLP 1280; blocks 3 and 7
 over the whole image), 336 x 336 images (576 patches, 144 image tokens).
 `3b`: Qwen2.5-VL-3B's shapes (decoder hidden 2048, 36 layers; vision 32
@@ -47,8 +48,8 @@ SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
             hidden_size=896,
             intermediate_size=4864,
             num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
+            num_attention_heads=7,
+            num_key_value_heads=1,
             max_position_embeddings=4096,
             rope_parameters={
                 "rope_type": "default",
