@@ -265,14 +265,20 @@ class EngineConfig:
         return limit if self.enable_chunked_prefill else max(limit, max_model_len)
 
 
+def _from_json(value: Any, name: str) -> Any:
+    """An option given as JSON text, parsed; any other value as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise InvalidArgumentError(f"{name} is not valid JSON: {e}") from e
+
+
 def parse_mm_limits(value: dict[str, int] | str | None) -> dict[str, int] | None:
     """limit_mm_per_prompt as a dict (from its JSON text), checked: only
     images are taken, at most a non-negative count of them."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidArgumentError(f"limit_mm_per_prompt is not valid JSON: {e}") from e
+    value = _from_json(value, "limit_mm_per_prompt")
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -293,11 +299,7 @@ def parse_mm_limits(value: dict[str, int] | str | None) -> dict[str, int] | None
 
 def parse_overrides(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
     """hf_overrides as a dict (from its JSON text), checked."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidArgumentError(f"hf_overrides is not valid JSON: {e}") from e
+    value = _from_json(value, "hf_overrides")
     if value is None:
         return None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
