@@ -15,6 +15,8 @@ from typing import Any
 
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ferrox import LLM, SamplingParams
 from tests import models
@@ -198,3 +200,42 @@ def test_responses_and_anthropic_images_answer_as_chat(vl_server: Server) -> Non
     assert message.status_code == 200, message.text
     assert message.json()["content"][0]["text"] == chat
     vl_server.wait_idle()
+
+
+@given(st.data())
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzzed_image_parts_get_a_400_or_an_answer(vl_server: Server, data: st.DataObject) -> None:
+    """Whatever an image part holds: a 200 or a 400, never a 500, and the
+    server still serves."""
+    payload = st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode())
+    url = st.one_of(
+        st.text(max_size=20),
+        payload.map(lambda p: "data:image/png;base64," + p),
+        st.sampled_from(["data:image/png;base64,", "http://", "https://images.invalid:99999/x"]),
+        st.integers(),
+        st.none(),
+    )
+    part = st.one_of(
+        st.builds(lambda u: {"type": "image_url", "image_url": {"url": u}}, url),
+        st.builds(lambda u: {"type": "image_url", "image_url": u}, url),
+        st.builds(lambda k: {"type": k}, st.sampled_from(["image_url", "image_pil", "image"])),
+        st.just(TEXT),
+    )
+    parts = data.draw(st.lists(part, min_size=1, max_size=3))
+    r = vl_server.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": user(*parts), "max_tokens": 2}
+    )
+    assert r.status_code in (200, 400), r.text
+
+
+def test_after_fuzzing_the_server_serves(vl_server: Server) -> None:
+    vl_server.wait_idle()
+    r = vl_server.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": user(image_part(data_url(models.test_image(5))), TEXT),
+            "max_tokens": 2,
+        },
+    )
+    assert r.status_code == 200

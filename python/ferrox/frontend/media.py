@@ -175,9 +175,12 @@ class ImageProcessor:
         if not images:
             return []
         with self._lock:
-            if self._local is not None:
+            if self._local is None:
+                return self._remote(images)
+            try:
                 return run_processor(self._local, images)
-            return self._remote(images)
+            except Exception as e:  # the image's fault (its size, its aspect ratio)
+                raise InvalidArgumentError(f"the image processor refused an image: {e}") from e
 
     def _remote(self, images: Sequence[Any]) -> list[ProcessedImage]:
         child = self._child

@@ -48,11 +48,11 @@ class EncoderCache:
                 rows = encoded[start : start + image.length]
                 start += image.length
                 found[image.hash] = rows
-                self._put(image.hash, rows, keep=found.keys())
+                self._put(image.hash, rows)
             self.num_encoded += len(images)
         return found
 
-    def _put(self, key: str, rows: torch.Tensor, keep: Any) -> None:
+    def _put(self, key: str, rows: torch.Tensor) -> None:
         size = rows.shape[0]
         if size > self.capacity:
             return
