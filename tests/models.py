@@ -499,12 +499,17 @@ def build_tiny_vl_model(
     weights and biases that make greedy choices clear in tests. `family`:
     qwen2.5-vl, qwen2-vl (LayerNorms, QuickGELU MLPs, no windows) or
     qwen3-vl (DeepStack, interleaved M-RoPE, learned positions, 16-pixel
-    patches)."""
+    patches), qwen3.5-vl (Qwen3-VL's tower without DeepStack under the
+    hybrid decoder, partial interleaved M-RoPE) or qwen3.5-moe-vl."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
     )
@@ -527,7 +532,8 @@ def build_tiny_vl_model(
         num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        # A small base: every frequency turns fast, so each M-RoPE stream matters.
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 3, 3]},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     ) | (text_options or {})
@@ -545,7 +551,33 @@ def build_tiny_vl_model(
     ) | (vision_options or {})
     config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     patch = 14
-    if family == "qwen3-vl":
+    if family in ("qwen3.5-vl", "qwen3.5-moe-vl"):
+        config_class, model_class = Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        patch = 16
+        text = text | QWEN3_5_LAYERS
+        if family == "qwen3.5-moe-vl":
+            config_class, model_class = Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+            moe = TINY_SPECS["qwen3.5-moe"][1]
+            text |= {k: moe[k] for k in ("num_experts", "num_experts_per_tok")}
+            text |= {
+                k: moe[k] for k in ("moe_intermediate_size", "shared_expert_intermediate_size")
+            }
+        text["rope_parameters"] = TINY_SPECS["qwen3.5"][1]["rope_parameters"] | {
+            "rope_theta": 100.0
+        }
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=patch,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=36,
+            hidden_act="gelu_pytorch_tanh",
+        ) | (vision_options or {})
+    elif family == "qwen3-vl":
         config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
         patch = 16
         text["head_dim"] = 16

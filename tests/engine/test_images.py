@@ -142,11 +142,13 @@ def test_images_match_transformers(
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl", "qwen3.5-vl", "qwen3.5-moe-vl"])
 def test_other_qwen_vl_families_match_transformers(tmp_path: Path, family: str) -> None:
-    """Qwen2-VL's tower (LayerNorms, QuickGELU, no windows) and Qwen3-VL's
+    """Qwen2-VL's tower (LayerNorms, QuickGELU, no windows), Qwen3-VL's
     (learned positions, DeepStack into the first decoder layers, interleaved
-    M-RoPE), whole and chunked across the image tokens."""
+    M-RoPE) and Qwen3.5's (the hybrid decoder, partial M-RoPE), whole and
+    chunked across the image tokens, and again from the prefix cache (for
+    Qwen3.5: from its state snapshots)."""
     from transformers import AutoModelForImageTextToText
 
     path = models.build_tiny_vl_model(tmp_path / family, family=family)
@@ -156,6 +158,13 @@ def test_other_qwen_vl_families_match_transformers(tmp_path: Path, family: str) 
         llm = LLM(str(path), max_model_len=256, **options)
         outputs = llm.generate([request(t, i) for t, i in CASES], greedy(), use_tqdm=False)
         assert_matches(outputs, expected)
+    again = llm.generate([request(t, i) for t, i in CASES], greedy(), use_tqdm=False)
+    assert_matches(again, expected)
+    assert (
+        sum(o.metrics.num_cached_tokens for o in again)
+        > sum(len(o.prompt_token_ids) for o in again) // 2
+    )
+    assert llm.engine.stats().num_used_blocks == 0
 
 
 def test_the_prefix_cache_tells_images_apart(vl_model: Path, expected: list[Any]) -> None:

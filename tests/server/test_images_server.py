@@ -239,3 +239,19 @@ def test_after_fuzzing_the_server_serves(vl_server: Server) -> None:
         },
     )
     assert r.status_code == 200
+
+
+def test_streams_and_n_completions_with_an_image(vl_server: Server) -> None:
+    messages = user(image_part(data_url(models.test_image(0))), TEXT)
+    whole = vl_server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, n=2,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert whole.choices[0].message.content == whole.choices[1].message.content
+    stream = vl_server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == whole.choices[0].message.content
+    vl_server.wait_idle()

@@ -212,12 +212,17 @@ class MRotaryEmbedding(RotaryEmbedding):
         params: dict[str, Any],
         sections: list[int],
         interleaved: bool = False,
+        partial: bool = False,
     ) -> None:
-        super().__init__(head_dim, max_position, params)
-        half = head_dim // 2
+        """`partial`: as RotaryEmbedding's (Qwen3.5: only the first
+        `partial_rotary_factor` of each head rotates; the sections cover
+        those dimensions)."""
+        super().__init__(head_dim, max_position, params, partial=partial)
+        half = self.rotary_dim // 2
         if len(sections) != 3 or sum(sections) != half:
             raise UnsupportedModelError(
-                f"mrope_section {sections} must be three sections summing to head_dim / 2 ({half})"
+                f"mrope_section {sections} must be three sections summing to the rotary "
+                f"dimension / 2 ({half})"
             )
         axis = torch.zeros(half, dtype=torch.int64)
         if interleaved:
@@ -238,4 +243,5 @@ class MRotaryEmbedding(RotaryEmbedding):
         index = self.axis_of.view(1, 1, -1).expand(1, t, -1)
         cos = self.cos_cache[positions].gather(0, index)[0].unsqueeze(1)  # [T, 1, D / 2]
         sin = self.sin_cache[positions].gather(0, index)[0].unsqueeze(1)
-        x[:, :num_heads] = _rotate(x[:, :num_heads], cos, sin)
+        d = self.rotary_dim
+        x[:, :num_heads, :d] = _rotate(x[:, :num_heads, :d], cos, sin)

@@ -308,6 +308,7 @@ class QwenVisionLanguage(LlamaForCausalLM):
     # M-RoPE's frequency sections when the config names none, and their layout.
     default_sections: ClassVar[list[int]] = [16, 24, 24]
     interleaved_sections: ClassVar[bool] = False
+    partial_rotary: ClassVar[bool] = False  # the decoder rotates part of each head
 
     def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
         if distributed.state().size > 1:
@@ -344,6 +345,7 @@ class QwenVisionLanguage(LlamaForCausalLM):
             params,
             sections,
             interleaved=self.interleaved_sections,
+            partial=self.partial_rotary,
         )
         return [rotary] * config.num_hidden_layers
 

@@ -24,9 +24,9 @@ renormalised) plus a shared expert behind a sigmoid gate. Qwen3-Next
 Prefix caching resumes such a model from state snapshots
 (docs/architecture.md, "Recurrent state"). Hybrid models run without
 speculative decoding (the state cannot roll back a rejected draft), on one
-rank, without CUDA graphs and without the CPU's fused decode. Text only:
-`Qwen3_5ForCausalLM`; the vision-language checkpoints
-(`Qwen3_5ForConditionalGeneration`) are refused.
+rank, without CUDA graphs and without the CPU's fused decode. The
+vision-language checkpoints (`Qwen3_5ForConditionalGeneration`, and its MoE
+relative) are this decoder under a vision tower (models/qwen3_vl.py).
 
 GGUF (llama.cpp's `qwen35` / `qwen35moe`, and `qwen3next`): the linear
 layers' tensors are `attn_qkv`, `attn_gate` (z), `ssm_beta`, `ssm_alpha`,

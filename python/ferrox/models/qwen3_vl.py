@@ -38,6 +38,7 @@ from ferrox.models.qwen2_5_vl import (
     rotary_angles,
 )
 from ferrox.models.qwen3 import Qwen3ForCausalLM
+from ferrox.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
 
 class TanhGeluMlp(nn.Module):
@@ -99,7 +100,8 @@ class VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
         self.merger = Merger(config, after_shuffle=False)
-        self.deepstack_layers = [int(i) for i in config.deepstack_visual_indexes]
+        # (Qwen3.5's tower has none)
+        self.deepstack_layers = [int(i) for i in getattr(config, "deepstack_visual_indexes", [])]
         self.deepstack_merger_list = nn.ModuleList(
             Merger(config, after_shuffle=True) for _ in self.deepstack_layers
         )
@@ -157,3 +159,29 @@ class Qwen3VLForConditionalGeneration(QwenVisionLanguage, Qwen3ForCausalLM):
             if i < levels.shape[1]:
                 x = x + levels[:, i]
         return self.norm.add_forward(residual, x)[0]
+
+
+class Qwen3_5ForConditionalGeneration(QwenVisionLanguage, Qwen3_5ForCausalLM):
+    """Qwen3.5 with its vision tower: Qwen3-VL's without DeepStack, under the
+    hybrid decoder (models/qwen3_5.py), whose attention layers rotate the
+    first `partial_rotary_factor` of each head by interleaved M-RoPE."""
+
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3_5ForConditionalGeneration",)
+    default_sections: ClassVar[list[int]] = [11, 11, 10]
+    interleaved_sections: ClassVar[bool] = True
+    partial_rotary: ClassVar[bool] = True
+
+    def vision_tower(self, config: Any) -> nn.Module:
+        return VisionTower(config)
+
+
+class Qwen3_5MoeForConditionalGeneration(QwenVisionLanguage, Qwen3_5MoeForCausalLM):
+    """Qwen3.5-MoE with its vision tower (as Qwen3_5ForConditionalGeneration)."""
+
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3_5MoeForConditionalGeneration",)
+    default_sections: ClassVar[list[int]] = [11, 11, 10]
+    interleaved_sections: ClassVar[bool] = True
+    partial_rotary: ClassVar[bool] = True
+
+    def vision_tower(self, config: Any) -> nn.Module:
+        return VisionTower(config)

@@ -20,7 +20,11 @@ from ferrox.models.qwen3 import Qwen3ForCausalLM
 from ferrox.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ferrox.models.qwen3_moe import Qwen3MoeForCausalLM
 from ferrox.models.qwen3_next import Qwen3NextForCausalLM
-from ferrox.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from ferrox.models.qwen3_vl import (
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
 from ferrox.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
@@ -39,6 +43,8 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForConditionalGeneration,
 )
 
 _BY_ARCHITECTURE = {name: cls for cls in MODEL_CLASSES for name in cls.architectures}
