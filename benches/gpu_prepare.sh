@@ -28,6 +28,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_31_x86_64 -d "$out" \
-  msgspec gguf pyzmq uvicorn uvloop starlette httptools prometheus-client llguidance
+  msgspec gguf pyzmq uvicorn uvloop starlette httptools prometheus-client llguidance pillow
 ls -la "$out"
 du -sh "$out"

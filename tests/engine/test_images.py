@@ -269,3 +269,49 @@ def test_the_engine_checks_images_it_is_given(vl_model: Path) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_used_blocks == 0
+
+
+def test_quantized_decoder_under_a_float_vision_tower(vl_model: Path, hf_vl: Any) -> None:
+    """quantization=q8_0 rounds the decoder's linear layers (and the CPU's
+    fused decode runs them); the vision tower stays in float. The reference:
+    transformers with the decoder's weights and their inputs rounded as the
+    block kernel rounds them."""
+    from ferrox.layers.quant_linear import QuantLinear, dequantize, quantize
+
+    # (a float32 KV cache: blocks default to a float16 one)
+    llm = LLM(str(vl_model), max_model_len=256, quantization="q8_0", kv_cache_dtype="float32")
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+    assert not any(isinstance(m, QuantLinear) for m in model.visual.modules())
+    assert model.fused_decode is not None
+    outputs = llm.generate([request(t, i) for t, i in CASES], greedy(), use_tqdm=False)
+    hooks = []
+    with torch.no_grad():
+        saved = {}
+        for name, module in hf_vl.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".visual." not in f".{name}":
+                saved[name] = module.weight.detach().clone()
+                w = module.weight
+                w.copy_(dequantize(quantize(w, "q8_0"), "q8_0", module.in_features))
+                hooks.append(
+                    module.register_forward_pre_hook(
+                        lambda _, args: (models.round_like_the_block_kernel(args[0]),)
+                    )
+                )
+    try:
+        expected = [hf_greedy_vl(hf_vl, vl_model, text, images) for text, images in CASES]
+    finally:
+        for hook in hooks:
+            hook.remove()
+        with torch.no_grad():
+            for name, module in hf_vl.named_modules():
+                if name in saved:
+                    module.weight.copy_(saved[name])
+    for out, (tokens, logprobs) in zip(outputs, expected, strict=True):
+        seq = out.outputs[0]
+        assert seq.token_ids == tokens
+        got = [lp[t].logprob for lp, t in zip(seq.logprobs, seq.token_ids, strict=True)]
+        # Summation order moves an activation across a rounding step now and
+        # then; this model's large weights carry that further than the text
+        # models' 0.03. A wrong scale or block moves logprobs by whole units.
+        np.testing.assert_allclose(got, logprobs, atol=0.1)

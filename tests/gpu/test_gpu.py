@@ -257,3 +257,20 @@ def test_lora_adapters_match_peft_merged(tiny_models: dict[str, Path], tmp_path:
     for (prompt, lora), out in zip(runs, outs, strict=True):
         hf = oracles[lora.lora_name if lora else None]
         assert out.outputs[0].token_ids == models.hf_greedy(hf, prompt, MAX_TOKENS)[0]
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_vision_language_fp32_matches_transformers(tmp_path: Path, family: str) -> None:
+    """Images on the GPU: the vision tower, M-RoPE steps eager, decode steps
+    in CUDA graphs (their positions shifted by the image's delta)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.engine.test_images import CASES, assert_matches, hf_greedy_vl, request
+    from tests.engine.test_images import greedy as image_greedy
+
+    path = models.build_tiny_vl_model(tmp_path / family, family=family)
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    expected = [hf_greedy_vl(hf, path, text, images) for text, images in CASES]
+    llm = engine(path, dtype="float32", attention_backend="triton", max_model_len=256)
+    outputs = llm.generate([request(t, i) for t, i in CASES], image_greedy(), use_tqdm=False)
+    assert_matches(outputs, expected)

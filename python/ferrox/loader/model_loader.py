@@ -223,8 +223,12 @@ def _with_plan(
 
 
 def quantize_linear_layers(model: torch.nn.Module, fmt: str) -> int:
-    """Replaces every float `nn.Linear` with a QuantLinear in `fmt`."""
-    targets = linear_layers(model)
+    """Replaces every float `nn.Linear` with a QuantLinear in `fmt`, but in
+    the modules a family keeps apart (`own_modules`: a vision tower, which
+    stays in float as llama.cpp keeps its projector file)."""
+    apart = tuple(getattr(model, "own_modules", ()))
+    kept = {id(m) for name, m in model.named_modules() if apart and name.startswith(apart)}
+    targets = [t for t in linear_layers(model) if id(t[0]) not in kept]
     for parent, name, child in targets:
         setattr(parent, name, QuantLinear.from_linear(child, fmt))
     return len(targets)
