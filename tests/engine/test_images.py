@@ -139,6 +139,7 @@ def test_images_match_transformers(
     if label == "preemption":
         assert stats.num_preemptions > 0
     assert stats.num_used_blocks == 0  # nothing held past the requests
+    assert llm.engine._num_image_requests == 0  # (steps build no image inputs any more)
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
 
 

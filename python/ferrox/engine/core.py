@@ -49,7 +49,12 @@ from ferrox.common.speculative_config import SpeculativeConfig
 from ferrox.common.structured_outputs import check_grammar
 from ferrox.engine.faults import StepFaults, StepResult
 from ferrox.engine.lora import AdapterRegistry
-from ferrox.engine.multimodal import prepare_images, scheduler_prompt, step_images
+from ferrox.engine.multimodal import (
+    RequestImages,
+    prepare_images,
+    scheduler_prompt,
+    step_images,
+)
 from ferrox.engine.profiler import EngineProfiler
 from ferrox.engine.prompt_logprobs import prompt_logprob_rows, prompt_logprobs_of
 from ferrox.engine.sequence import EngineRequest, SequenceState, append_sampled, delta_of, now
@@ -110,12 +115,12 @@ class EngineCore:
         # A model with images: the scheduler's token ids include the images'
         # placeholder ids (common/multimodal.py), above every vocabulary;
         # `validate` checks the prompt's real ids against the vocabulary.
-        self._serves_images = bool(getattr(loaded.model, "supports_images", False))
-        if self._serves_images and spec is not None:
+        serves_images = bool(getattr(loaded.model, "supports_images", False))
+        if serves_images and spec is not None:
             raise InvalidArgumentError(
                 "speculative decoding is not supported with a vision-language model"
             )
-        scheduler_vocab = PLACEHOLDER_BASE * 2 - 1 if self._serves_images else self.vocab_size
+        scheduler_vocab = PLACEHOLDER_BASE * 2 - 1 if serves_images else self.vocab_size
         self.scheduler = Scheduler(
             block_size=config.block_size,
             num_blocks=self.runner.num_kv_blocks,
@@ -153,6 +158,8 @@ class EngineCore:
         # Requests whose prompt logprobs are still to come: a step scans its
         # rows for them only while there are some.
         self._num_prompt_logprob_requests = 0
+        # Requests with images: a step builds their image inputs only while there are some.
+        self._num_image_requests = 0
         # Live sequences per sampling feature: unused features cost a step nothing.
         self._features = FeatureCounts()
         self._batch_builder = SamplingBatchBuilder(self.vocab_size, self.runner.device)
@@ -310,7 +317,7 @@ class EngineCore:
         final_only: bool,
         grammar: Any,
         adapter: int = 0,
-        images: Any = None,
+        images: RequestImages | None = None,
     ) -> None:
         """The request's sequences reach the scheduler (each completion
         copies the compiled grammar). On success the request holds its
@@ -341,6 +348,8 @@ class EngineCore:
         req.sequences = first
         req.pending_siblings = rest
         self._requests[request_id] = req
+        if images is not None:
+            self._num_image_requests += 1
         self.num_prompt_tokens += len(prompt_ids)
 
     def _new_sequence(self, req: EngineRequest, index: int) -> SequenceState:
@@ -426,6 +435,8 @@ class EngineCore:
             return
         if req.num_prompt_logprobs:
             self._num_prompt_logprob_requests -= 1
+        if req.images is not None:
+            self._num_image_requests -= 1
         self._release_adapter(req.adapter)
 
     def start_profile(self) -> None:
@@ -493,7 +504,7 @@ class EngineCore:
             prompt_logprob_rows(plan, self._seqs) if self._num_prompt_logprob_requests else []
         )
         pool_rows = self._pool_rows(live) if "pooling" in self._features else None
-        images = step_images(plan, self._seqs) if self._serves_images else None
+        images = step_images(plan, self._seqs) if self._num_image_requests else None
         out = self.executor.execute(plan, batch, prompt_rows, pool_rows, images)
         self.faults.stage = "applying"
         if pool_rows:
@@ -728,7 +739,7 @@ class _Compiling:
     final_only: bool
     grammar: PendingGrammar
     adapter: int = 0  # its LoRA adapter's internal id, held while it waits
-    images: Any = None  # its RequestImages
+    images: RequestImages | None = None
 
 
 def _keep_pooled(live: list[SequenceState | None], rows: list[int], out: RunnerOutput) -> None:

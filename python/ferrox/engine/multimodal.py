@@ -94,13 +94,11 @@ def prepare_images(
 def scheduler_prompt(prompt_ids: Sequence[int], images: RequestImages | None) -> np.ndarray:
     """The prompt as the scheduler and its prefix cache see it: each image's
     placeholders replaced by ids made from its hash."""
-    ids = np.asarray(prompt_ids, dtype=np.int64)
-    if images is not None:
-        ids = ids.copy()
-        for image in images.images:
-            ids[image.offset : image.offset + image.length] = placeholder_ids(
-                image.hash, image.length
-            )
+    if images is None:
+        return np.asarray(prompt_ids, dtype=np.int64)
+    ids = np.array(prompt_ids, dtype=np.int64)  # (a copy: the placeholders change)
+    for image in images.images:
+        ids[image.offset : image.offset + image.length] = placeholder_ids(image.hash, image.length)
     return ids
 
 

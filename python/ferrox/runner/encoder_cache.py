@@ -21,9 +21,6 @@ class EncoderCache:
         self._tokens = 0
         self.num_encoded = 0  # images the encoder ran for (a measure of reuse)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def features(
         self, model: Any, pieces: list[ImagePiece], device: torch.device
     ) -> dict[str, torch.Tensor]:
