@@ -644,3 +644,16 @@ def test_image(seed: int, size: tuple[int, int] = (84, 112)) -> Any:
     w, h = size
     base = rng.integers(0, 256, (h // 7 + 1, w // 7 + 1, 3), dtype=np.uint8)
     return Image.fromarray(np.kron(base, np.ones((7, 7, 1), dtype=np.uint8))[:h, :w])
+
+
+def image_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of image tokens in a prompt, in order."""
+    spans: list[tuple[int, int]] = []
+    for i, token in enumerate(token_ids):
+        if token != image_token_id:
+            continue
+        if spans and sum(spans[-1]) == i:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+        else:
+            spans.append((i, 1))
+    return spans

@@ -16,8 +16,8 @@ import torch
 
 from ferrox import LLM, SamplingParams
 from ferrox.common.errors import InvalidArgumentError
-from ferrox.common.multimodal import image_spans
 from tests import models
+from tests.models import image_spans
 
 MAX_TOKENS = 8
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -21,11 +21,11 @@ from ferrox.common.multimodal import (
     PLACEHOLDER_BASE,
     expand_placeholders,
     image_input,
-    image_spans,
     placeholder_ids,
 )
 from ferrox.frontend.media import MediaLimits, chat_images, decode_image, load_image_bytes
 from tests import models
+from tests.models import image_spans
 
 
 def png(image: Any) -> bytes:

@@ -76,18 +76,6 @@ def placeholder_ids(image_hash: str, length: int) -> np.ndarray:
     return (np.resize(words, length).astype(np.int64)) + PLACEHOLDER_BASE
 
 
-def image_spans(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(offset, length) of each run of image tokens, in order."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    at = np.flatnonzero(ids == image_token_id)
-    if at.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(at) != 1)
-    starts = np.concatenate(([at[0]], at[breaks + 1]))
-    ends = np.concatenate((at[breaks], [at[-1]])) + 1
-    return [(int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
-
-
 def expand_placeholders(
     token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]
 ) -> tuple[list[int], list[tuple[int, int]]]:
