@@ -123,6 +123,15 @@ def test_a_data_url_image_answers_as_offline(vl_server: Server, vl_model: Path) 
         ),
         ((image_part(data_url(models.test_image(0))),) * 3, "limit_mm_per_prompt"),
         (({"type": "image_url"},), "without image_url"),
+        (
+            (
+                {
+                    "type": "image_url",
+                    "image_url": {"url": "data:image/png;base64,", "detail": "high"},
+                },
+            ),
+            "detail 'high' is not served",
+        ),
     ],
 )
 def test_bad_images_get_a_400_naming_the_part(

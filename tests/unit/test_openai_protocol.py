@@ -337,10 +337,13 @@ def test_bad_messages(messages: list[Any]) -> None:
 
 
 def test_image_parts_stay_parts_and_others_get_a_clear_message() -> None:
-    image = {"type": "image_url", "image_url": {"url": "data:x", "detail": "low"}}
+    image = {"type": "image_url", "image_url": {"url": "data:x", "detail": "auto"}}
     text = {"type": "text", "text": "what is it?"}
     (message,) = chat_messages(chat(messages=[{"role": "user", "content": [image, text]}]))
     assert message["content"] == [{"type": "image_url", "image_url": {"url": "data:x"}}, text]
+    low = {"type": "image_url", "image_url": {"url": "data:x", "detail": "low"}}
+    with pytest.raises(BadRequest, match="image detail 'low' is not served"):
+        chat_messages(chat(messages=[{"role": "user", "content": [low]}]))
     audio = {"type": "input_audio", "input_audio": {}}
     with pytest.raises(BadRequest, match="of type 'input_audio'; only 'text' and 'image_url'"):
         chat_messages(chat(messages=[{"role": "user", "content": [audio]}]))

@@ -361,8 +361,21 @@ def _part_dict(index: int, part: ContentPart) -> dict[str, Any]:
             raise BadRequest(
                 f"messages[{index}] has an 'image_url' part without image_url", param="messages"
             )
+        check_detail(part.image_url.detail, f"messages[{index}]", "messages")
         return {"type": "image_url", "image_url": {"url": part.image_url.url}}
     return {"type": "text", "text": _part_text(index, part)}
+
+
+def check_detail(detail: Any, what: str, param: str) -> None:
+    """An image's `detail`: "auto" (the model's image processor picks the
+    resolution, as it always does here) or absent; "low" and "high" are not
+    honoured, so refused."""
+    if detail not in (None, "auto"):
+        raise BadRequest(
+            f"{what}: image detail {detail!r} is not served (the model's image processor "
+            "picks the resolution); give 'auto' or leave it out",
+            param=param,
+        )
 
 
 def _part_text(index: int, part: ContentPart) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from ferrox.server import openai_protocol as op
 from ferrox.server import responses_protocol as rp
 from ferrox.server.openai_protocol import BadRequest
+from ferrox.server.request_translation import check_detail
 
 
 def check_served(req: rp.ResponsesRequest) -> None:
@@ -184,6 +185,7 @@ def _parts(index: int, parts: list[Any]) -> list[op.ContentPart]:
                 "not served)",
                 param="input",
             )
+        check_detail(part.get("detail"), f"input[{index}]", "input")
         out.append(op.ContentPart(type="image_url", image_url=op.ImageUrl(url=url)))
     return out
 
