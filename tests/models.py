@@ -551,6 +551,19 @@ def build_tiny_vl_model(
     ) | (vision_options or {})
     config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     patch = 14
+    # Qwen3-VL's tower (Qwen3.5's is the same without DeepStack).
+    qwen3_tower = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        num_position_embeddings=36,
+        hidden_act="gelu_pytorch_tanh",
+    )
     if family in ("qwen3.5-vl", "qwen3.5-moe-vl"):
         config_class, model_class = Qwen3_5Config, Qwen3_5ForConditionalGeneration
         patch = 16
@@ -565,36 +578,13 @@ def build_tiny_vl_model(
         text["rope_parameters"] = TINY_SPECS["qwen3.5"][1]["rope_parameters"] | {
             "rope_theta": 100.0
         }
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=patch,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            num_position_embeddings=36,
-            hidden_act="gelu_pytorch_tanh",
-        ) | (vision_options or {})
+        vision = qwen3_tower | (vision_options or {})
     elif family == "qwen3-vl":
         config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
         patch = 16
         text["head_dim"] = 16
         text["rope_parameters"] = text["rope_parameters"] | {"mrope_interleaved": True}
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=patch,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            num_position_embeddings=36,
-            deepstack_visual_indexes=[0, 1],
-            hidden_act="gelu_pytorch_tanh",
-        ) | (vision_options or {})
+        vision = qwen3_tower | {"deepstack_visual_indexes": [0, 1]} | (vision_options or {})
     elif family == "qwen2-vl":
         config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
         vision = dict(
