@@ -1,5 +1,5 @@
-"""One-image chats on a random-weight Qwen2.5-VL, ferrox against transformers
-on the same weights, in one process:
+"""One-image chats on a random-weight Qwen2.5-VL or Gemma 3, ferrox against
+transformers on the same weights, in one process:
 
 - TTFT: a one-image chat from its image to its first token (the image
   processor, the vision encoder, the prefill), a fresh image each repeat;
@@ -9,7 +9,7 @@ on the same weights, in one process:
 - output tok/s: 1 and 8 streams (8 different images), 64 new tokens each,
   generated tokens over the whole time.
 
-    python benches/vision_chat.py [--repeats 3] [--shape small|3b]
+    python benches/vision_chat.py [--repeats 3] [--shape small|3b|gemma3]
         [--quantization q8_0] [--json FILE]
 
 `--shape small` (default): a decoder of Qwen2.5-0.5B's size (hidden 896, 24
@@ -18,7 +18,12 @@ query / 1 KV heads, M-RoPE sections 16 / 24 / 24) under a
 reduced vision tower (8 blocks of 640, 10 heads, MLP 1280; blocks 3 and 7
 over the whole image), 336 x 336 images (576 patches, 144 image tokens).
 `3b`: Qwen2.5-VL-3B's shapes (decoder hidden 2048, 36 layers; vision 32
-blocks of 1280). Float32 weights; `--quantization q8_0` gives ferrox's
+blocks of 1280). `gemma3`: Gemma 3 with a decoder of Gemma 3 1B's size
+(hidden 1152, 26 layers of 4 query / 1 KV heads of 256, five local layers
+of a 512-token window to one global, MLP 6912, vocabulary 262,144) under
+a reduced SigLIP tower (8 blocks of 768, 12 heads, MLP 3072) over 448 x
+448 images (1024 patches pooled to Gemma's 256 image tokens, which attend
+to each other both ways). Float32 weights; `--quantization q8_0` gives ferrox's
 decoder Q8_0 blocks (its vision tower stays float) while transformers keeps
 float32, so that figure compares what a CPU user runs, not the same
 numerics. Prints medians (min-max) over the repeats and the ratios.
@@ -97,11 +102,44 @@ SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
         ),
         336,
     ),
+    "gemma3": (
+        dict(
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            layer_types=[
+                "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(26)
+            ],
+            max_position_embeddings=4096,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        ),
+        dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=8,
+            num_attention_heads=12,
+            image_size=448,
+            patch_size=14,
+        ),
+        448,
+    ),
 }
 NEW_TOKENS = 64
-TEXT = (
+QWEN_TEXT = (
     "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the chart."
     "<|im_end|>\n<|im_start|>assistant\n"
+)
+GEMMA_TEXT = (
+    "<start_of_turn>user\n<start_of_image>Describe the chart.<end_of_turn>\n<start_of_turn>model\n"
 )
 
 
@@ -113,25 +151,28 @@ class Transformers:
     """The reference: the model's processor inputs and transformers' forward
     and generate on the same weights."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, gemma: bool) -> None:
         from transformers import (
             AutoImageProcessor,
+            AutoModelForImageTextToText,
+            AutoProcessor,
             AutoTokenizer,
-            Qwen2_5_VLForConditionalGeneration,
         )
 
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            path, dtype=torch.float32
-        ).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.processor = AutoImageProcessor.from_pretrained(path)
+        self.gemma = gemma
+        self.processor = (AutoProcessor if gemma else AutoImageProcessor).from_pretrained(path)
         self.pad = self.model.config.image_token_id
 
     def inputs(self, images: list[Any]) -> dict[str, torch.Tensor]:
+        if self.gemma:  # its processor writes the prompt too (and the token types)
+            texts, nested = [GEMMA_TEXT] * len(images), [[i] for i in images]
+            return dict(self.processor(text=texts, images=nested, return_tensors="pt"))
         processed = self.processor(images=images, return_tensors="pt")
         tokens = int(processed["image_grid_thw"][0].prod()) // 4
         ids: list[int] = []
-        for t in self.tokenizer(TEXT, add_special_tokens=False)["input_ids"]:
+        for t in self.tokenizer(QWEN_TEXT, add_special_tokens=False)["input_ids"]:
             ids += [t] * tokens if t == self.pad else [t]
         batch = torch.tensor([ids] * len(images))
         return dict(
@@ -162,8 +203,8 @@ class Transformers:
         return len(images) * NEW_TOKENS / (time.perf_counter() - start)
 
 
-def request(image: Any) -> dict[str, Any]:
-    return {"prompt": TEXT, "add_special_tokens": False, "multi_modal_data": {"image": [image]}}
+def request(image: Any, text: str) -> dict[str, Any]:
+    return {"prompt": text, "add_special_tokens": False, "multi_modal_data": {"image": [image]}}
 
 
 def main() -> int:
@@ -175,12 +216,19 @@ def main() -> int:
     args = parser.parse_args()
     text, vision, side = SHAPES[args.shape]
     folder = Path(tempfile.mkdtemp(prefix="ferrox-vl-bench-"))
-    path = models.build_tiny_vl_model(
-        folder / "model", text, vision, max_pixels=side * side, test_weights=False
-    )
+    gemma = args.shape == "gemma3"
+    if gemma:
+        path = models.build_tiny_gemma3_vl(
+            folder / "model", 512, 256, text, vision, test_weights=False
+        )
+    else:
+        path = models.build_tiny_vl_model(
+            folder / "model", text, vision, max_pixels=side * side, test_weights=False
+        )
+    prompt = GEMMA_TEXT if gemma else QWEN_TEXT
     print(f"cpu: {cpu_description()}")
     llm = LLM(str(path), max_model_len=1024, max_num_seqs=8, quantization=args.quantization)
-    hf = Transformers(path)
+    hf = Transformers(path, gemma)
     seed = iter(range(1000, 100000))
 
     def image() -> Any:
@@ -188,7 +236,7 @@ def main() -> int:
 
     first = SamplingParams(temperature=0, max_tokens=1)
     full = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    llm.generate(request(image()), first, use_tqdm=False)  # warm-up
+    llm.generate(request(image(), prompt), first, use_tqdm=False)  # warm-up
     hf.ttft(image())
     figures: dict[str, list[float]] = {
         k: [] for k in ("ttft", "second_turn", "hf_ttft", "tps_1", "tps_8", "hf_tps_1", "hf_tps_8")
@@ -196,17 +244,17 @@ def main() -> int:
     for _ in range(args.repeats):
         img = image()
         start = time.perf_counter()
-        out = llm.generate(request(img), first, use_tqdm=False)[0]
+        out = llm.generate(request(img, prompt), first, use_tqdm=False)[0]
         figures["ttft"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        again = llm.generate(request(img), first, use_tqdm=False)[0]
+        again = llm.generate(request(img, prompt), first, use_tqdm=False)[0]
         figures["second_turn"].append(time.perf_counter() - start)
         assert again.metrics.num_cached_tokens > len(out.prompt_token_ids) // 2
         figures["hf_ttft"].append(hf.ttft(image()))
         for n in (1, 8):
             images = [image() for _ in range(n)]
             start = time.perf_counter()
-            llm.generate([request(i) for i in images], full, use_tqdm=False)
+            llm.generate([request(i, prompt) for i in images], full, use_tqdm=False)
             figures[f"tps_{n}"].append(n * NEW_TOKENS / (time.perf_counter() - start))
             figures[f"hf_tps_{n}"].append(hf.throughput([image() for _ in range(n)]))
     tokens = len(out.prompt_token_ids)

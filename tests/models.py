@@ -625,6 +625,107 @@ def build_tiny_vl_model(
     return path
 
 
+GEMMA3_VL_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_VL_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def build_tiny_gemma3_vl(
+    path: Path,
+    window: int = 24,
+    tokens_per_image: int = 16,
+    text_options: dict[str, Any] | None = None,
+    vision_options: dict[str, Any] | None = None,
+    test_weights: bool = True,
+) -> Path:
+    """A random-weight Gemma 3 with images: two decoder layers (one local,
+    of `window` positions, one global), a two-block SigLIP tower over 64x64
+    images in 8-pixel patches, pooled to `tokens_per_image` rows; saved with
+    transformers' own Gemma 3 processor (which writes each image as
+    `\\n\\n<start_of_image>`, the image tokens, `<end_of_image>\\n\\n`).
+    The options replace the text and vision configs' (benches/vision_chat.py's
+    shapes); `test_weights=False` keeps transformers' initialisation."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = train_tokenizer()
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]}
+    )
+    tokenizer.save_pretrained(path)
+    boi, eoi, image = GEMMA3_VL_TOKENS
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(
+        path, extra_special_tokens={"boi_token": boi, "eoi_token": eoi, "image_token": image}
+    )
+    tokenizer.chat_template = GEMMA3_VL_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids(GEMMA3_VL_TOKENS)
+    text = dict(
+        GEMMA3,
+        vocab_size=len(tokenizer),
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        sliding_window=window,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        initializer_range=0.15 if test_weights else 0.02,
+    ) | (text_options or {})
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=64,
+        patch_size=8,
+        vision_use_head=False,
+        hidden_act="gelu_pytorch_tanh",
+    ) | (vision_options or {})
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=tokens_per_image,
+        boi_token_index=ids[0],
+        eoi_token_index=ids[1],
+        image_token_index=ids[2],
+    )
+    torch.manual_seed(11)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # make the biases, the norms and the projection matter
+        for name, param in model.named_parameters() if test_weights else []:
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(0.0, 0.3 if "bias" in name else 1.0)
+            elif "vision_tower" in name and param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+            elif "mm_input_projection" in name:
+                param.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(
+            size={"height": vision["image_size"], "width": vision["image_size"]}
+        ),
+        tokenizer=tokenizer,
+        image_seq_length=tokens_per_image,
+    )
+    processor.save_pretrained(path)
+    processor.image_processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def test_image(seed: int, size: tuple[int, int] = (84, 112)) -> Any:
     """A deterministic RGB image (PIL) of `size` (width, height)."""
     import numpy as np
@@ -634,16 +735,3 @@ def test_image(seed: int, size: tuple[int, int] = (84, 112)) -> Any:
     w, h = size
     base = rng.integers(0, 256, (h // 7 + 1, w // 7 + 1, 3), dtype=np.uint8)
     return Image.fromarray(np.kron(base, np.ones((7, 7, 1), dtype=np.uint8))[:h, :w])
-
-
-def image_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(offset, length) of each run of image tokens in a prompt, in order."""
-    spans: list[tuple[int, int]] = []
-    for i, token in enumerate(token_ids):
-        if token != image_token_id:
-            continue
-        if spans and sum(spans[-1]) == i:
-            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
-        else:
-            spans.append((i, 1))
-    return spans

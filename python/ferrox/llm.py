@@ -124,7 +124,11 @@ class LLM:
         if self._image_processor is None:
             self._image_processor = ImageProcessor(Path(self.engine.loaded.source), in_process=True)
         processed = self._image_processor.process(images)
-        ids, inputs = multimodal_prompt(ids, model.image_token_id, processed)
+        assert text is not None and isinstance(prompt, dict)  # (a text prompt, checked above)
+        add_special = prompt.get("add_special_tokens", True)
+        ids, inputs = multimodal_prompt(
+            text, self._require_tokenizer(), model.image_prompt(), processed, add_special
+        )
         return text, ids, inputs
 
     def embed(

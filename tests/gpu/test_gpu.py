@@ -274,3 +274,25 @@ def test_vision_language_fp32_matches_transformers(tmp_path: Path, family: str) 
     llm = engine(path, dtype="float32", attention_backend="triton", max_model_len=256)
     outputs = llm.generate([request(t, i) for t, i in CASES], image_greedy(), use_tqdm=False)
     assert_matches(outputs, expected)
+
+
+def test_gemma3_images_on_the_torch_backend_match_transformers(tmp_path: Path) -> None:
+    """Gemma 3's bidirectional image tokens on the GPU: the torch attention
+    backend (the Triton one refuses images for this family), chunked so
+    that each image waits for a chunk of its own."""
+    from tests.engine.test_gemma3_images import CASES, assert_matches, hf_greedy, request
+    from tests.engine.test_gemma3_images import greedy as image_greedy
+
+    path = models.build_tiny_gemma3_vl(tmp_path / "gemma3-vl")
+    expected = [hf_greedy(path, text, images) for text, images in CASES]
+    llm = engine(
+        path,
+        dtype="float32",
+        attention_backend="torch",
+        max_model_len=256,
+        max_num_batched_tokens=20,
+        max_num_seqs=4,
+        block_size=4,
+    )
+    outputs = llm.generate([request(t, i) for t, i in CASES], image_greedy(), use_tqdm=False)
+    assert_matches(outputs, expected)

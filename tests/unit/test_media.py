@@ -19,13 +19,14 @@ from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.common.multimodal import (
     PLACEHOLDER_BASE,
-    expand_placeholders,
+    ImagePrompt,
+    expand_image_text,
     image_input,
+    image_runs,
     placeholder_ids,
 )
 from ferrox.frontend.media import MediaLimits, chat_images, decode_image, load_image_bytes
 from tests import models
-from tests.models import image_spans
 
 
 def png(image: Any) -> bytes:
@@ -129,12 +130,16 @@ def test_chat_images_replace_parts_in_order() -> None:
         )
 
 
-def test_placeholders_expand_and_hash_ids_tell_images_apart() -> None:
-    ids, spans = expand_placeholders([1, 9, 2, 9, 3], 9, [3, 2])
-    assert ids == [1, 9, 9, 9, 2, 9, 9, 3] and spans == [(1, 3), (5, 2)]
-    assert image_spans(ids, 9) == spans
-    with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
-        expand_placeholders([9, 9], 9, [4])
+def test_markers_expand_and_hash_ids_tell_images_apart() -> None:
+    names = {7: "<B>", 8: "<E>", 9: "<I>"}
+    qwen = ImagePrompt(9, 9)
+    assert expand_image_text("a<I>b<I>c", qwen, names.get, [3, 2]) == "a<I><I><I>b<I><I>c"
+    gemma = ImagePrompt(7, 9, before=["\n\n", 7], after=[8, "\n\n"], tokens=2)
+    assert expand_image_text("x<B>y", gemma, names.get, [2]) == "x\n\n<B><I><I><E>\n\ny"
+    with pytest.raises(ValueError, match=r"2 image placeholders \(<I>\) for 1 images"):
+        expand_image_text("<I><I>", qwen, names.get, [4])
+    assert image_runs([1, 9, 9, 9, 2, 9, 9, 3], 9) == [(1, 3), (5, 2)]
+    assert image_runs([9], 9) == [(0, 1)] and image_runs([1, 2], 9) == []
     a = image_input(np.zeros((4, 6), np.float32), [1, 2, 2], 0, 1)
     b = image_input(np.ones((4, 6), np.float32), [1, 2, 2], 0, 1)
     again = image_input(np.zeros((4, 6), np.float32), [1, 2, 2], 5, 1)

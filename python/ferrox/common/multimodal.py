@@ -12,8 +12,8 @@ image behind the same placeholders never does.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -40,6 +40,21 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True):
         return np.frombuffer(self.pixels, dtype=np.float32).reshape(self.shape)
 
 
+class ImagePrompt(msgspec.Struct, frozen=True):
+    """How a family's prompt holds an image, as its processor writes it:
+    the chat template writes token `marker_id` once per image, which
+    becomes `before`, the image token `image_token_id` once per placeholder,
+    then `after` (pieces of text, or token ids written as their text), all
+    before the prompt is tokenized. `tokens`: every image's placeholder
+    count (0: each image's grid gives it)."""
+
+    marker_id: int
+    image_token_id: int
+    before: list[int | str] = []
+    after: list[int | str] = []
+    tokens: int = 0
+
+
 @dataclass
 class ImagePiece:
     """Encoder rows `start` .. `start + count` of `image` fill the step's
@@ -53,11 +68,14 @@ class ImagePiece:
 
 @dataclass
 class StepImages:
-    """The step's rotary positions ([T], or [3, T] when image tokens run)
-    and the placeholder tokens its image pieces fill."""
+    """The step's rotary positions ([T], or [3, T] when image tokens run),
+    the placeholder tokens its image pieces fill and, of a family whose
+    image tokens attend both ways, each row's images as [start, end)
+    positions (`AttentionMetadata.image_spans`)."""
 
     positions: np.ndarray
     pieces: list[ImagePiece]
+    spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 def image_input(pixels: np.ndarray, grid: Sequence[int], offset: int, length: int) -> ImageInput:
@@ -76,23 +94,36 @@ def placeholder_ids(image_hash: str, length: int) -> np.ndarray:
     return (np.resize(words, length).astype(np.int64)) + PLACEHOLDER_BASE
 
 
-def expand_placeholders(
-    token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """The prompt with its k-th image token repeated `lengths[k]` times,
-    and each image's (offset, length) there. The prompt must hold one image
-    token per image (ValueError otherwise)."""
-    ids = list(token_ids)
-    at = [i for i, t in enumerate(ids) if t == image_token_id]
-    if len(at) != len(lengths):
-        raise ValueError(f"the prompt has {len(at)} image placeholders for {len(lengths)} images")
-    out: list[int] = []
-    spans = []
-    done = 0
-    for index, length in zip(at, lengths, strict=True):
-        out += ids[done:index]
-        spans.append((len(out), int(length)))
-        out += [image_token_id] * int(length)
-        done = index + 1
-    out += ids[done:]
-    return out, spans
+def expand_image_text(
+    text: str, layout: ImagePrompt, token_text: Callable[[int], str], counts: Sequence[int]
+) -> str:
+    """The prompt's text with its k-th image marker written as the family's
+    processor writes image k of `counts[k]` placeholders (`token_text`: a
+    token id's text). The text must hold one marker per image (ValueError
+    otherwise)."""
+    marker = token_text(layout.marker_id)
+    parts = text.split(marker)
+    if len(parts) - 1 != len(counts):
+        raise ValueError(
+            f"the prompt has {len(parts) - 1} image placeholders ({marker}) for "
+            f"{len(counts)} images"
+        )
+
+    def written(pieces: list[int | str]) -> str:
+        return "".join(p if isinstance(p, str) else token_text(p) for p in pieces)
+
+    before, after = written(layout.before), written(layout.after)
+    image = token_text(layout.image_token_id)
+    out = [parts[0]]
+    for count, part in zip(counts, parts[1:], strict=True):
+        out += [before, image * int(count), after, part]
+    return "".join(out)
+
+
+def image_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of image tokens in a prompt, in order."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    inside = np.concatenate(([False], ids == image_token_id, [False]))
+    edges = np.flatnonzero(inside[1:] != inside[:-1])
+    starts, ends = edges[0::2], edges[1::2]
+    return [(int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from ferrox.common.lora import LoRARequest
-from ferrox.common.multimodal import ImageInput
+from ferrox.common.multimodal import ImageInput, ImagePrompt
 from ferrox.common.sampling_params import SamplingParams
 
 # The engine sends a message at least this often, busy or idle, so that the
@@ -173,8 +173,8 @@ class Ready(msgspec.Struct, tag="ready"):
     # adapt, its [in_features, out_features] (common/lora.LoraTargets).
     lora_layers: int = 0
     lora_modules: dict[str, list[int]] | None = None
-    # A vision-language model's image placeholder token; None: text only.
-    image_token_id: int | None = None
+    # How a vision-language model's prompt holds an image; None: text only.
+    image_prompt: ImagePrompt | None = None
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

@@ -383,6 +383,7 @@ class EngineCore:
             priority=priority,
             use_prefix_cache=params.prompt_logprobs is None or seq.index > 0,
             adapter=seq.request.adapter,
+            atomic_spans=None if seq.request.images is None else seq.request.images.atomic_spans(),
         )
         self._seqs[seq.seq_id] = seq
         self._unscheduled.add(seq.seq_id)

@@ -20,6 +20,7 @@ from ferrox.common import protocol as p
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import FerroxError
 from ferrox.engine.core import EngineCore
+from ferrox.engine.multimodal import image_prompt
 from ferrox.parallel.device import torch_device, torch_dtype
 
 logger = logging.getLogger("ferrox.engine")
@@ -62,7 +63,7 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                     device=str(torch_device(engine.config)),
                     dtype=str(torch_dtype(engine.config)).removeprefix("torch."),
                     labels=engine.runner.model.labels,
-                    image_token_id=getattr(engine.runner.model, "image_token_id", None),
+                    image_prompt=image_prompt(engine.runner.model),
                     **lora_targets(engine),
                 )
             )

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ferrox.common.errors import InvalidArgumentError
-from ferrox.common.multimodal import ImageInput, ImagePiece, StepImages, placeholder_ids
+from ferrox.common.multimodal import (
+    ImageInput,
+    ImagePiece,
+    ImagePrompt,
+    StepImages,
+    placeholder_ids,
+)
 from ferrox.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,11 +36,25 @@ if TYPE_CHECKING:
 @dataclass
 class RequestImages:
     """A request's images, and its M-RoPE positions ([3, prompt length],
-    None for a family without M-RoPE) with the shift of every later token."""
+    None for a family without M-RoPE) with the shift of every later token.
+    `bidirectional`: the family's image tokens attend to each other both
+    ways (each image is then an atomic span of the scheduler's)."""
 
     images: list[ImageInput]
     positions: np.ndarray | None
     delta: int
+    bidirectional: bool = False
+
+    def atomic_spans(self) -> list[tuple[int, int]] | None:
+        """The prompt ranges the scheduler computes in one chunk each."""
+        if not self.bidirectional:
+            return None
+        return [(i.offset, i.offset + i.length) for i in self.images]
+
+
+def image_prompt(model: Any) -> ImagePrompt | None:
+    """How the model's prompts hold an image; None for a text-only model."""
+    return model.image_prompt() if getattr(model, "supports_images", False) else None
 
 
 def prepare_images(
@@ -50,6 +70,9 @@ def prepare_images(
         raise InvalidArgumentError(
             f"this model ({type(model).__name__}) takes no images: its prompts are text only"
         )
+    refusal = getattr(model, "image_refusal", None)
+    if refusal is not None:
+        raise InvalidArgumentError(refusal)
     if limit is not None and len(images) > limit:
         raise InvalidArgumentError(
             f"the prompt has {len(images)} images, more than limit_mm_per_prompt allows ({limit})"
@@ -71,10 +94,8 @@ def prepare_images(
             raise InvalidArgumentError(
                 f"{what}'s placeholder tokens are not all the image token {model.image_token_id}"
             )
-        if len(image.grid) != 3 or len(image.shape) != 2:
-            raise InvalidArgumentError(f"{what} needs a (t, h, w) grid and 2-D pixel rows")
         why = model.check_image(image.grid, image.shape)
-        if why is None and len(image.pixels) != 4 * image.shape[0] * image.shape[1]:
+        if why is None and len(image.pixels) != 4 * int(np.prod(image.shape)):
             why = f"its pixel bytes ({len(image.pixels)}) do not fill float32 rows {image.shape}"
         if why is None and model.image_tokens(image.grid) != image.length:
             why = (
@@ -88,7 +109,8 @@ def prepare_images(
     positions, delta = None, 0
     if hasattr(model, "mrope_positions"):
         positions, delta = model.mrope_positions(n, spans)
-    return RequestImages(list(images), positions, delta)
+    bidirectional = bool(getattr(model, "bidirectional_images", False))
+    return RequestImages(list(images), positions, delta, bidirectional)
 
 
 def scheduler_prompt(prompt_ids: Sequence[int], images: RequestImages | None) -> np.ndarray:
@@ -116,6 +138,7 @@ def step_images(plan: BatchPlan, seqs: Mapping[int, SequenceState]) -> StepImage
     flat = plan.positions.astype(np.int64)  # (a copy)
     three: np.ndarray | None = None
     pieces: list[ImagePiece] = []
+    spans: dict[int, list[tuple[int, int]]] = {}
     for row, seq in rows:
         images = seq.request.images
         assert images is not None
@@ -133,6 +156,8 @@ def step_images(plan: BatchPlan, seqs: Mapping[int, SequenceState]) -> StepImage
                 pieces.append(
                     ImagePiece(image, start - image.offset, stop - start, lo + start - first)
                 )
+                if images.bidirectional:
+                    spans.setdefault(row, []).append((image.offset, image.offset + image.length))
         table = images.positions
         if table is None:
             continue
@@ -146,4 +171,4 @@ def step_images(plan: BatchPlan, seqs: Mapping[int, SequenceState]) -> StepImage
             three[:, lo:hi] = np.where(inside[None], table[:, clipped], at + images.delta)
     dtype = plan.positions.dtype
     positions = (three if three is not None else flat).astype(dtype, copy=False)
-    return StepImages(np.ascontiguousarray(positions), pieces)
+    return StepImages(np.ascontiguousarray(positions), pieces, spans)

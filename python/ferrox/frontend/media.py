@@ -12,9 +12,10 @@ process (no torch here):
    AsyncLLM's) runs the processor in a child process
    (`python -m ferrox.frontend.media_worker`, msgpack over its pipes); the
    offline LLM, which has torch loaded already, runs it in-process;
-4. `multimodal_prompt`: the prompt's image placeholders expanded to each
-   image's token count and the images' `ImageInput`s (their rows, grid and
-   hash).
+4. `multimodal_prompt`: the prompt's image markers written out as the
+   family's processor writes them (`ImagePrompt`: each image's tokens and
+   what surrounds them), tokenized, and the images' `ImageInput`s (their
+   rows, grid, hash and run of image tokens).
 
 Every failure is an InvalidArgumentError that names the image (a 400).
 """
@@ -38,7 +39,13 @@ import msgspec
 import numpy as np
 
 from ferrox.common.errors import InvalidArgumentError
-from ferrox.common.multimodal import ImageInput, expand_placeholders, image_input
+from ferrox.common.multimodal import (
+    ImageInput,
+    ImagePrompt,
+    expand_image_text,
+    image_input,
+    image_runs,
+)
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,7 @@ def checked_rgb(image: Any, what: str) -> Any:
 @dataclass
 class ProcessedImage:
     """The image processor's output for one image: pixel rows, patch grid,
-    and the placeholder tokens it takes."""
+    and the placeholder tokens it takes (0: the family's fixed count)."""
 
     pixels: np.ndarray
     grid: list[int]
@@ -145,6 +152,15 @@ def run_processor(processor: Any, images: Sequence[Any]) -> list[ProcessedImage]
     rows are one array for all of them)."""
     out = processor(images=list(images), return_tensors="np")
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+    if "image_grid_thw" not in out:
+        # One fixed-size image per row of pixel_values [N, C, H, W]
+        # (Gemma 3's); the family gives the placeholder count.
+        crops = np.asarray(out.get("num_crops", [0]))
+        if crops.any():
+            raise ValueError("pan-and-scan crops are not supported")
+        if pixels.ndim != 4 or len(pixels) != len(images):
+            raise ValueError(f"unexpected pixel values of shape {list(pixels.shape)}")
+        return [ProcessedImage(pixels[i : i + 1], [], 0) for i in range(len(images))]
     grids = np.asarray(out["image_grid_thw"], dtype=np.int64).tolist()
     merge = int(getattr(processor, "merge_size", 1))
     results, start = [], 0
@@ -232,14 +248,27 @@ def read_frame(stream: Any) -> bytes:
 
 
 def multimodal_prompt(
-    token_ids: Sequence[int], image_token_id: int, images: Sequence[ProcessedImage]
+    text: str,
+    tokenizer: Any,
+    layout: ImagePrompt,
+    images: Sequence[ProcessedImage],
+    add_special_tokens: bool,
 ) -> tuple[list[int], list[ImageInput]]:
-    """The prompt with each image's placeholder expanded, and the images as
-    the engine takes them."""
+    """The prompt's token ids, its image markers written out for each image
+    before it is tokenized (as the family's processor does: the text around
+    an image may tokenize with it), and the images as the engine takes them."""
+    counts = [image.tokens or layout.tokens for image in images]
     try:
-        ids, spans = expand_placeholders(token_ids, image_token_id, [i.tokens for i in images])
+        text = expand_image_text(text, layout, tokenizer.convert_ids_to_tokens, counts)
     except ValueError as e:
         raise InvalidArgumentError(str(e)) from e
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    spans = image_runs(ids, layout.image_token_id)
+    if [length for _, length in spans] != counts:
+        raise InvalidArgumentError(
+            f"the prompt's runs of image tokens {[n for _, n in spans]} do not match its "
+            f"images' {counts} (does its text hold the image token itself?)"
+        )
     inputs = [
         image_input(image.pixels, image.grid, offset, length)
         for image, (offset, length) in zip(images, spans, strict=True)

@@ -15,7 +15,7 @@ A family is one class (with subclasses for close relatives) that says:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -133,9 +133,16 @@ class CausalLM(nn.Module):
     # Whether LoRA adapters run on this family (`lora_targets`, `lora_sites`).
     supports_lora: ClassVar[bool] = False
     # Whether prompts may hold images (a vision-language family: it has
-    # `image_token_id`, `image_tokens`, `check_image`, `encode_images` and,
-    # for M-RoPE, `mrope_positions`; docs/architecture.md, "Images").
+    # `image_token_id`, `image_prompt`, `image_tokens`, `check_image`,
+    # `encode_images` and, for M-RoPE, `mrope_positions`;
+    # docs/architecture.md, "Images").
     supports_images: ClassVar[bool] = False
+    # Whether an image's tokens attend to each other in both directions
+    # (Gemma 3): each image is then computed in one prefill chunk.
+    bidirectional_images: ClassVar[bool] = False
+    # Why this model, as loaded, refuses images (its attention backend
+    # lacks what they need), or None.
+    image_refusal: str | None = None
 
     def forward(
         self,
@@ -239,3 +246,47 @@ class CausalLM(nn.Module):
     @classmethod
     def from_gguf_tensor(cls, name: str, weight: torch.Tensor, config: Any) -> torch.Tensor:
         return weight
+
+
+def load_apart(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    own_name: Callable[[str], str | None],
+    text_name: Callable[[str], str],
+    adjust: Callable[[str, torch.Tensor], torch.Tensor | None],
+    load_text: Callable[[Iterable[tuple[str, torch.Tensor]]], None],
+) -> None:
+    """Loads a checkpoint whose tensors of the family's own modules
+    (`own_modules`: a vision tower) the family copies itself: `own_name`
+    gives such a tensor's parameter name (None for the decoder's, renamed by
+    `text_name` and passed on to `load_text`), `adjust` its value as the
+    parameter holds it (None: a tensor the model does not use). Every own
+    parameter must be filled (ModelLoadError)."""
+    own_modules = tuple(getattr(model, "own_modules", ()))
+    params = {k: p for k, p in model.named_parameters() if k.startswith(own_modules)}
+    loaded: set[str] = set()
+
+    def text() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            own = own_name(name)
+            if own is None:
+                yield text_name(name), tensor
+                continue
+            value = adjust(own, tensor)
+            if value is None:
+                continue
+            param = params.get(own)
+            if param is None:
+                raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint")
+            if param.shape != value.shape:
+                raise ModelLoadError(
+                    f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(value)
+            loaded.add(own)
+
+    load_text(text())
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -28,20 +28,23 @@ global), the local rotary base (`rope.freq_base_swa`, default 10000), and
 the score scale (head_dim, except the 62-layer 27B model's hidden / heads).
 """
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Gemma3TextConfig
 
 from ferrox.common.errors import UnsupportedModelError
+from ferrox.common.multimodal import ImagePrompt
 from ferrox.layers.activation import gelu_tanh_and_mul
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import RotaryEmbedding, rope_parameters
-from ferrox.models.base import gguf_token_fields, gguf_value
+from ferrox.models.base import gguf_token_fields, gguf_value, load_apart
 from ferrox.models.llama import DecoderAttention, GatedMlp, LlamaForCausalLM
 from ferrox.parallel import state as distributed
 
@@ -209,3 +212,253 @@ def _norms_plus_one(
     """Gemma's RMSNorms scale by 1 + w: ferrox's scale by w."""
     for name, tensor in weights:
         yield name, (tensor + 1 if name.endswith("norm.weight") else tensor)
+
+
+# ---- Gemma 3 with images ---------------------------------------------------
+
+
+class SiglipAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, length, dim = x.shape  # [images, patches, dim]: each image's patches see each other
+
+        def heads(proj: nn.Module) -> torch.Tensor:
+            return proj(x).view(n, length, self.num_heads, -1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            heads(self.q_proj), heads(self.k_proj), heads(self.v_proj)
+        )
+        return self.out_proj(out.transpose(1, 2).reshape(n, length, dim))
+
+
+class SiglipMlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class SiglipLayer(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        dim, eps = int(config.hidden_size), float(config.layer_norm_eps)
+        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
+        self.self_attn = SiglipAttention(dim, int(config.num_attention_heads))
+        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = SiglipMlp(dim, int(config.intermediate_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class SiglipVision(nn.Module):
+    """SigLIP's vision transformer (without its pooling head): patches of
+    `patch_size` pixels (a Conv2d whose stride is its kernel), learned
+    positions, pre-norm blocks over the whole image, a final LayerNorm."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh",):
+            raise UnsupportedModelError(f"SigLIP with activation {config.hidden_act!r}")
+        dim, patch = int(config.hidden_size), int(config.patch_size)
+        self.embeddings = nn.Module()
+        self.embeddings.patch_embedding = nn.Conv2d(
+            int(config.num_channels), dim, kernel_size=patch, stride=patch
+        )
+        num_patches = (int(config.image_size) // patch) ** 2
+        self.embeddings.position_embedding = nn.Embedding(num_patches, dim)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(
+            SiglipLayer(config) for _ in range(int(config.num_hidden_layers))
+        )
+        self.post_layernorm = nn.LayerNorm(dim, eps=float(config.layer_norm_eps))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, S, S] -> [N, patches, dim]
+        embeddings = cast(Any, self.embeddings)
+        x = embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        x = x + embeddings.position_embedding.weight
+        for layer in cast(Any, self.encoder).layers:
+            x = layer(x)
+        return cast(torch.Tensor, self.post_layernorm(x))
+
+
+class Gemma3Projector(nn.Module):
+    """Each image's patch grid average-pooled to `tokens` cells, RMSNorm
+    (`1 + w`, folded at load), then one matmul to the decoder's width."""
+
+    def __init__(self, vision: Any, text_width: int, tokens: int) -> None:
+        super().__init__()
+        self.patches_per_side = int(vision.image_size) // int(vision.patch_size)
+        side = math.isqrt(tokens)
+        if side * side != tokens or self.patches_per_side % side:
+            raise UnsupportedModelError(
+                f"Gemma 3: {tokens} tokens per image do not pool a "
+                f"{self.patches_per_side}x{self.patches_per_side} patch grid evenly"
+            )
+        self.kernel = self.patches_per_side // side
+        dim = int(vision.hidden_size)
+        self.mm_soft_emb_norm = RMSNorm(dim, float(vision.layer_norm_eps))
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(dim, text_width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, patches, dim] -> [N, tokens, width]
+        n, _, dim = x.shape
+        grid = x.transpose(1, 2).reshape(n, dim, self.patches_per_side, self.patches_per_side)
+        pooled = F.avg_pool2d(grid, self.kernel).flatten(2).transpose(1, 2)
+        return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 with images (the 4B, 12B and 27B models): SigLIP's tower
+    over each image resized to `image_size` square, pooled to
+    `mm_tokens_per_image` rows that take the place of the image tokens.
+    The processor writes each image as `\\n\\n<start_of_image>`, the image
+    tokens, `<end_of_image>\\n\\n`; an image's tokens attend to each other in
+    both directions in every decoder layer (the scheduler computes each
+    image in one chunk; the attention backend masks by `image_spans`), the
+    rest of the prompt causally. Positions are plain (1-D RoPE), and image
+    rows are not scaled by the embedding scale.
+
+    Checkpoint names: the released ones (`language_model.model.*`,
+    `vision_tower.vision_model.*`, `multi_modal_projector.*`) and
+    transformers 5's (`model.language_model.*`, `model.vision_tower.*`).
+    SigLIP's pooling head, when a checkpoint has one, is unused (Gemma reads
+    the last hidden state). Not supported: pan-and-scan crops, tensor
+    parallelism, LoRA, GGUF (llama.cpp keeps the tower in an mmproj file).
+    """
+
+    architectures: ClassVar[tuple[str, ...]] = ("Gemma3ForConditionalGeneration",)
+    gguf_architecture: ClassVar[str | None] = None
+    supports_images: ClassVar[bool] = True
+    bidirectional_images: ClassVar[bool] = True
+    own_modules: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
+
+    def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
+        if distributed.state().size > 1:
+            raise UnsupportedModelError(
+                "Gemma 3 with images runs on one rank: its vision tower is not sharded "
+                "(tensor_parallel_size must be 1)"
+            )
+        super().__init__(config, backend)
+        vision = config.vision_config
+        self.tokens_per_image = int(config.mm_tokens_per_image)
+        window = getattr(config, "sliding_window", None)
+        if window and self.tokens_per_image > int(window):
+            raise UnsupportedModelError(
+                f"Gemma 3: {self.tokens_per_image} tokens per image exceed the sliding "
+                f"window of {window}"
+            )
+        self.vision_tower = SiglipVision(vision)
+        self.multi_modal_projector = Gemma3Projector(
+            vision, int(config.hidden_size), self.tokens_per_image
+        )
+        self.image_token_id = int(config.image_token_id)
+        self.boi_token_id = int(config.boi_token_id)
+        self.eoi_token_id = int(config.eoi_token_id)
+        self.image_size = int(vision.image_size)
+        if not backend.supports_image_spans:
+            self.image_refusal = (
+                "Gemma 3's image tokens attend to each other in both directions, which the "
+                f"{backend.name!r} attention backend does not implement yet "
+                "(attention_backend='torch' runs them); its prompts are text only"
+            )
+
+    @classmethod
+    def language_config(cls, config: Any) -> Any:
+        text = config.text_config
+        text.architectures = list(config.architectures or [])
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        text.vision_config = config.vision_config
+        for name in ("image_token_id", "boi_token_id", "eoi_token_id", "mm_tokens_per_image"):
+            setattr(text, name, getattr(config, name))
+        return text
+
+    # ---- images --------------------------------------------------------------
+
+    def image_prompt(self) -> ImagePrompt:
+        return ImagePrompt(
+            self.boi_token_id,
+            self.image_token_id,
+            before=["\n\n", self.boi_token_id],
+            after=[self.eoi_token_id, "\n\n"],
+            tokens=self.tokens_per_image,
+        )
+
+    def image_tokens(self, grid: Sequence[int]) -> int:
+        return self.tokens_per_image
+
+    def check_image(self, grid: Sequence[int], shape: Sequence[int]) -> str | None:
+        side = self.image_size
+        if list(grid) or list(shape) != [1, 3, side, side]:
+            return (
+                f"its pixel values have shape {list(shape)} (grid {list(grid)}), expected "
+                f"[1, 3, {side}, {side}] and no grid"
+            )
+        return None
+
+    def encode_images(self, pixels: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[N, 3, S, S] -> the images' placeholder embeddings [N * tokens, hidden]."""
+        dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
+        rows = self.multi_modal_projector(self.vision_tower(pixels.to(dtype)))
+        return rows.reshape(-1, rows.shape[-1])
+
+    # ---- weights ---------------------------------------------------------------
+
+    @staticmethod
+    def module_of(name: str) -> str:
+        own = _gemma_vision_name(name)
+        if own is not None:
+            return own.removesuffix(".weight").removesuffix(".bias")
+        return LlamaForCausalLM.module_of(_gemma_text_name(name))
+
+    def shard_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        return None  # one rank (checked in __init__)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def adjust(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+            if name.startswith("vision_tower.head."):
+                return None  # SigLIP's pooling head: Gemma reads the last hidden state
+            if name.endswith("mm_soft_emb_norm.weight"):
+                return tensor + 1  # Gemma's RMSNorm scales by 1 + w
+            return tensor
+
+        load_apart(
+            self, weights, _gemma_vision_name, _gemma_text_name, adjust, super().load_weights
+        )
+
+
+def _gemma_vision_name(name: str) -> str | None:
+    """Our name of a vision tower or projector tensor, or None for the decoder's."""
+    for prefix, ours in (
+        ("model.vision_tower.vision_model.", "vision_tower."),
+        ("model.vision_tower.", "vision_tower."),
+        ("vision_tower.vision_model.", "vision_tower."),
+        ("vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("multi_modal_projector.", "multi_modal_projector."),
+    ):
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return None
+
+
+def _gemma_text_name(name: str) -> str:
+    """The decoder's tensors as the Llama loader names them."""
+    for prefix, ours in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ):
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return name

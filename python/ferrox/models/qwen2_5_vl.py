@@ -38,10 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrox.common.errors import ModelLoadError, UnsupportedModelError
+from ferrox.common.errors import UnsupportedModelError
+from ferrox.common.multimodal import ImagePrompt
 from ferrox.layers.attention import AttentionBackend
 from ferrox.layers.norm import RMSNorm
 from ferrox.layers.rotary import MRotaryEmbedding, RotaryEmbedding, rope_parameters
+from ferrox.models.base import load_apart
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
 from ferrox.parallel import state as distributed
@@ -351,6 +353,11 @@ class QwenVisionLanguage(LlamaForCausalLM):
 
     # ---- images --------------------------------------------------------------
 
+    def image_prompt(self) -> ImagePrompt:
+        """The chat template writes the image token once per image; it is
+        repeated for each of the image's merged patches."""
+        return ImagePrompt(self.image_token_id, self.image_token_id)
+
     def image_tokens(self, grid: Sequence[int]) -> int:
         """The placeholder tokens of an image of (t, h, w) patches."""
         t, h, w = grid
@@ -358,6 +365,8 @@ class QwenVisionLanguage(LlamaForCausalLM):
 
     def check_image(self, grid: Sequence[int], shape: Sequence[int]) -> str | None:
         """Why an image of this grid and pixel shape cannot run, or None."""
+        if len(grid) != 3 or len(shape) != 2:
+            return "it needs a (t, h, w) grid and 2-D pixel rows"
         t, h, w = grid
         if min(t, h, w) <= 0 or h % self.merge or w % self.merge:
             return f"its grid {list(grid)} is not a positive multiple of the merge size"
@@ -391,35 +400,16 @@ class QwenVisionLanguage(LlamaForCausalLM):
         return None  # one rank (checked in __init__)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.visual.named_parameters())
-        loaded: set[str] = set()
+        def own(name: str) -> str | None:
+            vision = _vision_name(name)
+            return None if vision is None else "visual." + vision
 
-        def text() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                vision = _vision_name(name)
-                if vision is None:
-                    yield _text_name(name), tensor
-                    continue
-                if vision not in params:
-                    raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint")
-                param = params[vision]
-                if vision == "patch_embed.proj.weight":
-                    tensor = tensor.reshape(tensor.shape[0], -1)  # the Conv3d as a matmul
-                if param.shape != tensor.shape:
-                    raise ModelLoadError(
-                        f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor)
-                loaded.add(vision)
+        def adjust(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            if name == "visual.patch_embed.proj.weight":
+                return tensor.reshape(tensor.shape[0], -1)  # the Conv3d as a matmul
+            return tensor
 
-        super().load_weights(text())
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ModelLoadError(
-                f"the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}"
-            )
+        load_apart(self, weights, own, _text_name, adjust, super().load_weights)
 
 
 def _vision_name(name: str) -> str | None:

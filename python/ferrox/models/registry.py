@@ -6,7 +6,7 @@ and a line here."""
 from typing import Any
 
 from ferrox.common.errors import UnsupportedModelError
-from ferrox.models.gemma3 import Gemma3ForCausalLM
+from ferrox.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from ferrox.models.gpt_oss import GptOssForCausalLM
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.phi3 import Phi3ForCausalLM
@@ -45,6 +45,7 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen3VLForConditionalGeneration,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForConditionalGeneration,
+    Gemma3ForConditionalGeneration,
 )
 
 _BY_ARCHITECTURE = {name: cls for cls in MODEL_CLASSES for name in cls.architectures}

@@ -500,6 +500,10 @@ class ModelRunner:
         """The sampled rows' logits [S, V], and the hidden states [T, hidden]
         (None from a CUDA graph; `eager`: never from one)."""
         meta = self.build_metadata(plan)
+        if images is not None and images.spans:
+            meta.image_spans = images.spans
+            if meta.window is not None:
+                meta.window.image_spans = images.spans
         input_ids = self._tensor(plan.input_ids, "ids")
         step_positions = plan.positions if images is None else images.positions
         positions = self._tensor(step_positions, "positions")

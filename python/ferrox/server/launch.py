@@ -380,10 +380,10 @@ def build_server_app(
         ctx.max_model_len = info.max_model_len
         ctx.vocab_size = info.vocab_size
         ctx.labels = info.labels
-        if info.image_token_id is not None:
+        if info.image_prompt is not None:
             # The model's image processor, in a child process (it needs torch).
             ctx.images = ImageProcessor(Path(info.model), in_process=False)
-            ctx.image_token_id = info.image_token_id
+            ctx.image_prompt = info.image_prompt
         if info.lora_modules is not None:
             shapes = {name: (s[0], s[1]) for name, s in info.lora_modules.items()}
             adapters.targets = LoraTargets(info.lora_layers, shapes)

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ferrox.common.errors import InvalidArgumentError, ServerBusyError
-from ferrox.common.multimodal import ImageInput
+from ferrox.common.multimodal import ImageInput, ImagePrompt
 from ferrox.common.outputs import PositionLogprobs
 from ferrox.common.sampling_params import SamplingParams
 from ferrox.frontend.engine_client import AsyncEngineClient
@@ -94,10 +94,10 @@ class ServingContext:
     labels: list[str] | None = None
     # LoRA adapters, served under their names as models (server/lora_adapters.py).
     adapters: ServerAdapters = field(default_factory=ServerAdapters)
-    # A vision-language model's image processor and placeholder token (None:
-    # the model is text only), and what an image may be.
+    # A vision-language model's image processor and how its prompt holds an
+    # image (None: the model is text only), and what an image may be.
     images: ImageProcessor | None = None
-    image_token_id: int | None = None
+    image_prompt: ImagePrompt | None = None
     media_limits: MediaLimits = field(default_factory=MediaLimits)
     draining: bool = False
     in_flight: int = 0
@@ -515,13 +515,16 @@ class OpenAIServing:
         special = getattr(req, "add_special_tokens", False) and isinstance(
             req, op.ChatCompletionRequest
         )
-        ids = list(self.ctx.tokenizer.encode(text, add_special_tokens=special))
         if not images:
-            return ChatPrompt(ids)
-        assert self.ctx.images is not None and self.ctx.image_token_id is not None
+            return ChatPrompt(list(self.ctx.tokenizer.encode(text, add_special_tokens=special)))
+        assert self.ctx.images is not None and self.ctx.image_prompt is not None
         try:
             processed = self.ctx.images.process(images)
-            return ChatPrompt(*multimodal_prompt(ids, self.ctx.image_token_id, processed))
+            return ChatPrompt(
+                *multimodal_prompt(
+                    text, self.ctx.tokenizer, self.ctx.image_prompt, processed, special
+                )
+            )
         except InvalidArgumentError as e:
             raise op.BadRequest(str(e), param="messages") from e
 

@@ -21,6 +21,12 @@ pub struct RequestParams {
     /// also the request's prefix-cache namespace: KV computed under one
     /// adapter never serves another.
     pub adapter: u32,
+    /// Prompt ranges `[start, end)` a prefill chunk never ends inside
+    /// (sorted, disjoint): an image whose tokens attend to each other in
+    /// both directions is computed in one chunk. A chunk may start inside
+    /// one (a prefix-cache hit, whose cached part is valid) and then runs
+    /// to its end.
+    pub atomic_spans: Vec<(usize, usize)>,
 }
 
 impl Default for RequestParams {
@@ -34,6 +40,7 @@ impl Default for RequestParams {
             priority: 0,
             use_prefix_cache: true,
             adapter: 0,
+            atomic_spans: Vec::new(),
         }
     }
 }
@@ -114,6 +121,18 @@ impl Request {
     }
     pub fn num_pending_tokens(&self) -> usize {
         self.tokens.len() - self.num_computed_tokens
+    }
+    /// A chunk of `num_tokens` from `start`, cut so that it does not end
+    /// inside an atomic span (to the span's start; 0 when the chunk starts
+    /// at or inside it and cannot reach its end).
+    pub fn outside_atomic_spans(&self, start: usize, num_tokens: usize) -> usize {
+        let end = start + num_tokens;
+        let spans = &self.params.atomic_spans;
+        let i = spans.partition_point(|&(_, e)| e <= end);
+        match spans.get(i) {
+            Some(&(s, _)) if s < end => s.saturating_sub(start),
+            _ => num_tokens,
+        }
     }
     pub fn is_protected(&self) -> bool {
         matches!(self.protected_until, Some(len) if self.num_output_tokens() <= len)

@@ -241,6 +241,32 @@ impl Scheduler {
         if params.max_tokens == 0 {
             return reject("max_tokens must be at least 1".into());
         }
+        let mut last_end = 0;
+        for &(s, e) in &params.atomic_spans {
+            if s < last_end || e <= s || e > prompt.len() {
+                return reject(format!(
+                    "atomic span [{s}, {e}) is empty, unsorted, overlaps another or leaves the \
+                     prompt of {} tokens",
+                    prompt.len()
+                ));
+            }
+            if e - s > cfg.max_num_batched_tokens && cfg.enable_chunked_prefill {
+                return reject(format!(
+                    "atomic span [{s}, {e}) of {} tokens cannot run in one step of at most \
+                     max_num_batched_tokens={} tokens",
+                    e - s,
+                    cfg.max_num_batched_tokens
+                ));
+            }
+            last_end = e;
+        }
+        if !params.atomic_spans.is_empty() && cfg.num_state_snapshots > 0 {
+            return reject(
+                "atomic spans are not supported with recurrent-state snapshots (a snapshot \
+                 boundary inside one would never be reached)"
+                    .into(),
+            );
+        }
         if params.adapter != 0 && cfg.max_adapters == 0 {
             return reject(format!(
                 "it names adapter {}, but this scheduler serves no adapters (max_adapters is 0)",
@@ -407,6 +433,14 @@ impl Scheduler {
                 if num_tokens < pending && !self.config.enable_chunked_prefill {
                     continue;
                 }
+                let num_tokens = if num_tokens < pending {
+                    req.outside_atomic_spans(req.num_computed_tokens, num_tokens)
+                } else {
+                    num_tokens
+                };
+                if num_tokens == 0 {
+                    continue; // an atomic span waits for a step with room for all of it
+                }
                 let num_draft = match threshold {
                     Some(t) if decode_pass => self.propose(slot, t, budget - 1),
                     _ => 0,
@@ -543,6 +577,18 @@ impl Scheduler {
                 Some(&b) => pending.min(*budget).min(b - hit_tokens),
                 None => pending.min(*budget),
             };
+            let num_tokens = if num_tokens < pending {
+                self.req(slot).outside_atomic_spans(hit_tokens, num_tokens)
+            } else {
+                num_tokens
+            };
+            if num_tokens == 0 {
+                // An atomic span waits for a step with room for all of it.
+                if let Some(m) = &found {
+                    self.cache.unlock(m.handle)?;
+                }
+                break;
+            }
             let fits_budget = num_tokens == pending || self.config.enable_chunked_prefill;
             let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
             let mut has_room = fits_budget && self.has_room_after(need_blocks, found.as_ref());

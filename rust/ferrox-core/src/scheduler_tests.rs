@@ -1640,3 +1640,137 @@ fn a_preempted_request_gives_its_state_slot_back_and_restarts_from_zero() {
     assert!(stats.num_preemptions > 0);
     assert_eq!(stats.num_free_state_slots, 3);
 }
+
+// ---- atomic spans (an image computed in one chunk) ---------------------
+
+#[test]
+fn a_chunk_never_ends_inside_an_atomic_span() {
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: false,
+        ..config(64, 8)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let p = RequestParams {
+        atomic_spans: vec![(4, 10), (12, 19)],
+        ..params(2)
+    };
+    sched.add_request(1, &[5; 24], p).unwrap();
+    let mut chunks = Vec::new();
+    while sched.request(1).unwrap().num_computed_tokens < 24 {
+        let plan = sched.schedule().unwrap();
+        chunks.push(plan.num_scheduled_tokens[0]);
+        let out = model.run(&plan);
+        sched.update(&plan, &out, &[], None).unwrap();
+    }
+    // 0..4 (8 tokens would end inside the first span), 4..12 (past it),
+    // 12..20 (past the second), 20..24.
+    assert_eq!(chunks, vec![4, 8, 8, 4]);
+}
+
+#[test]
+fn a_prefix_hit_inside_an_atomic_span_runs_to_its_end() {
+    let cfg = config(64, 8);
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let prompt: Vec<u32> = (1..=14).collect();
+    let p = RequestParams {
+        atomic_spans: vec![(6, 13)],
+        ..params(1)
+    };
+    sched.add_request(1, &prompt, p.clone()).unwrap();
+    drive(&mut sched, &mut model, |_, _| {});
+    // The cache holds three full blocks (of 4 tokens): the hit ends at 12,
+    // inside the span, whose cached part serves.
+    sched.add_request(2, &prompt, p).unwrap();
+    let plan = sched.schedule().unwrap();
+    let (computed, scheduled) = (plan.num_computed_tokens[0], plan.num_scheduled_tokens[0]);
+    assert_eq!(computed, 12);
+    assert!(computed + scheduled >= 13);
+    let out = model.run(&plan);
+    sched.update(&plan, &out, &[], None).unwrap();
+}
+
+#[test]
+fn bad_atomic_spans_are_rejected() {
+    let mut sched = Scheduler::new(config(64, 8)).unwrap();
+    let with = |spans: Vec<(usize, usize)>| RequestParams {
+        atomic_spans: spans,
+        ..params(2)
+    };
+    for spans in [
+        vec![(3, 3)],
+        vec![(5, 4)],
+        vec![(0, 11)],
+        vec![(4, 6), (5, 7)],
+        vec![(6, 8), (1, 3)],
+        vec![(0, 9)], // longer than one step's budget
+    ] {
+        let r = sched.add_request(1, &[1; 10], with(spans.clone()));
+        assert!(
+            matches!(r, Err(CoreError::RequestRejected { .. })),
+            "{spans:?}"
+        );
+    }
+    sched.add_request(1, &[1; 10], with(vec![(0, 8)])).unwrap();
+    let stateful = Scheduler::new(SchedulerConfig {
+        num_state_slots: 2,
+        num_state_snapshots: 4,
+        ..config(64, 8)
+    });
+    let r = stateful
+        .unwrap()
+        .add_request(1, &[1; 10], with(vec![(2, 4)]));
+    assert!(matches!(r, Err(CoreError::RequestRejected { .. })));
+}
+
+/// The workload's prompts with one or two random atomic spans each (of at
+/// most `max_len` tokens).
+fn with_atomic_spans(mut w: Workload, seeds: &[(usize, usize, bool)], max_len: usize) -> Workload {
+    for (i, (prompt, p, _)) in w.requests.iter_mut().enumerate() {
+        let (a, b, two) = seeds[i % seeds.len()];
+        let n = prompt.len();
+        let s = a % n;
+        let e = s + 1 + b % max_len.min(n - s);
+        p.atomic_spans = vec![(s, e)];
+        if two && e + 1 < n {
+            p.atomic_spans.push((e + 1, n.min(e + 1 + max_len)));
+        }
+    }
+    w
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(80))]
+    #[test]
+    fn atomic_spans_hold_under_random_workloads(
+        w in workload(),
+        seeds in prop::collection::vec((0usize..64, 0usize..64, any::<bool>()), 1..6),
+        caching in any::<bool>(),
+        tight_pool in any::<bool>(),
+        budget in 8usize..20,
+    ) {
+        let w = with_atomic_spans(w, &seeds, budget);
+        let cfg = SchedulerConfig {
+            enable_prefix_caching: caching,
+            max_model_len: 28,
+            ..config(if tight_pool { 8 } else { 128 }, budget)
+        };
+        let spans: std::collections::HashMap<u64, Vec<(usize, usize)>> = w
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (i as u64, r.1.atomic_spans.clone()))
+            .collect();
+        let mut check = |_: &Scheduler, plan: &mut BatchPlan| {
+            for row in plan.num_decodes..plan.num_reqs() {
+                let end = (plan.num_computed_tokens[row] + plan.num_scheduled_tokens[row]) as usize;
+                for &(s, e) in &spans[&plan.req_ids[row]] {
+                    assert!(!(s < end && end < e), "a chunk ends at {end} inside [{s}, {e})");
+                }
+            }
+            Vec::new()
+        };
+        check_workload_with(&w, cfg, Some(&mut check));
+    }
+}

@@ -412,7 +412,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens = None, min_tokens = 0,
         eos_token_ids = None, stop_token_ids = None, ignore_eos = false, priority = 0,
-        use_prefix_cache = true, adapter = 0
+        use_prefix_cache = true, adapter = 0, atomic_spans = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -428,6 +428,7 @@ impl PyScheduler {
         priority: i32,
         use_prefix_cache: bool,
         adapter: u32,
+        atomic_spans: Option<Vec<(usize, usize)>>,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
         let prompt = extract_ids(prompt_token_ids, "prompt_token_ids")?;
@@ -443,6 +444,7 @@ impl PyScheduler {
             priority,
             use_prefix_cache,
             adapter,
+            atomic_spans: atomic_spans.unwrap_or_default(),
         };
         let inner = &mut self.inner;
         py.detach(|| inner.add_request(id, &prompt, params))

@@ -19,6 +19,12 @@ every window of the row point at blocks that must not be read.
 Linear-attention layers (a hybrid model's) read `state_slots` instead: each
 row's slot in the state pool, which holds the state after its computed
 tokens.
+
+A family whose image tokens attend to each other in both directions
+(Gemma 3) gives, per row, the position ranges of its images
+(`image_spans`): a query inside one also sees the keys after it up to the
+image's end (all in the cache: the scheduler never ends a chunk inside an
+image), and a window still bounds what it sees behind.
 """
 
 from abc import ABC, abstractmethod
@@ -58,6 +64,9 @@ class AttentionMetadata:
     # starts its slot from zero.
     state_slots: torch.Tensor | None = None
     state_slots_cpu: np.ndarray | None = None
+    # Of a family with bidirectional image attention: each row with images
+    # in this step -> the [start, end) positions of those images.
+    image_spans: dict[int, list[tuple[int, int]]] | None = None
     # What the linear-attention layers derive from the above, once a step
     # (layers/gated_delta.py).
     _state_rows: object = field(default=None, repr=False)
@@ -98,6 +107,8 @@ class AttentionBackend(ABC):
     # Whether `forward` takes attention sinks (gpt-oss: per query head, a
     # logit in each softmax's denominator with no value).
     supports_sinks: ClassVar[bool] = False
+    # Whether `forward` honours `AttentionMetadata.image_spans`.
+    supports_image_spans: ClassVar[bool] = False
     # Whether a decode step can be captured in a CUDA graph: the forward must
     # read no host-side metadata and launch work sized by static bounds only.
     supports_cuda_graphs: ClassVar[bool] = False

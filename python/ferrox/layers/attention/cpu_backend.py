@@ -1,10 +1,12 @@
 """CPU attention: a Rust kernel reads the paged cache in place for rows of
 a few query tokens (decodes, speculative verifications); longer prefill
-chunks use torch's matrix-multiply attention (fused causal attention for
-fresh prompts, a gathered context and a mask after a cached prefix).
+chunks, and rows whose image tokens attend both ways, use torch's
+matrix-multiply attention (fused causal attention for fresh prompts, a
+gathered context and a mask after a cached prefix or with images).
 Float32 queries only (other dtypes fall back to the torch backend), over a
 float32 or float16 cache."""
 
+import numpy as np
 import torch
 
 from ferrox._native import paged_attention_cpu
@@ -22,6 +24,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     supports_sliding_window = True
     supports_sinks = True
+    supports_image_spans = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
@@ -47,6 +50,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, H, D]
         single_rows, chunk_rows = meta.row_split(SHORT_QUERY_LEN)
+        if meta.image_spans:  # the paged kernel is causal: image rows take the mask path
+            masked = np.isin(single_rows, list(meta.image_spans))
+            chunk_rows = np.concatenate((single_rows[masked], chunk_rows))
+            single_rows = single_rows[~masked]
         if len(single_rows):
             paged_attention_cpu(
                 out.numpy(),

@@ -34,6 +34,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_sliding_window = True
     supports_sinks = True
+    supports_image_spans = True
 
     def forward(
         self,
@@ -50,6 +51,8 @@ class TorchAttentionBackend(AttentionBackend):
         # (a window's decodes, and decodes with sinks, go row by row: a
         # padded gather would read blocks behind their windows)
         d = 0 if meta.sliding_window or sinks is not None else meta.num_decodes
+        if meta.image_spans:  # (rows with images attend through a mask)
+            d = min(d, min(meta.image_spans))
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
         for row in range(d, meta.num_reqs):
@@ -71,7 +74,9 @@ class TorchAttentionBackend(AttentionBackend):
         start, end = int(meta.query_start_loc_cpu[row]), int(meta.query_start_loc_cpu[row + 1])
         num_cached = int(meta.num_computed_cpu[row])
         window = meta.sliding_window
-        if num_cached == 0 and (not window or end - start <= window) and sinks is None:
+        spans = meta.image_spans.get(row) if meta.image_spans else None
+        fresh = num_cached == 0 and (not window or end - start <= window)
+        if fresh and sinks is None and not spans:
             # Nothing cached (and no query's window cut): attend over the chunk's own K/V.
             out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], None, True)
             return
@@ -85,6 +90,11 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = torch.arange(num_cached, seq_len, device=q.device)  # [n]
         k_pos = torch.arange(offset, seq_len, device=q.device)  # [L]
         mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
+        for lo, hi in spans or ():
+            # An image's tokens see each other (a window still bounds them).
+            inside_q = (q_pos >= lo) & (q_pos < hi)
+            inside_k = (k_pos >= lo) & (k_pos < hi)
+            mask |= inside_q[:, None] & inside_k[None, :]
         if window:
             mask &= k_pos[None, :] > q_pos[:, None] - window
         if sinks is not None:
