@@ -231,6 +231,7 @@ class Scheduler:
         max_adapters: int = 0,
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
+        max_encoder_tokens_per_step: int = 0,
     ) -> Scheduler: ...
     def add_request(
         self,
@@ -246,6 +247,7 @@ class Scheduler:
         use_prefix_cache: bool = True,
         adapter: int = 0,
         atomic_spans: Sequence[tuple[int, int]] | None = None,
+        encoder_spans: Sequence[tuple[int, int]] | None = None,
     ) -> None: ...
     def abort(self, request_id: int) -> bool: ...
     def schedule(self) -> BatchPlan: ...

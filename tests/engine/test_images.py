@@ -168,6 +168,35 @@ def test_other_qwen_vl_families_match_transformers(tmp_path: Path, family: str) 
     assert llm.engine.stats().num_used_blocks == 0
 
 
+def test_a_step_encodes_within_its_encoder_budget(
+    vl_model: Path, hf_vl: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's chunks start at most `max_num_batched_tokens` image rows
+    (or one image larger than that): a first chunk that reaches the first
+    token of a prompt's third image would start 40 rows in a step of fewer
+    tokens, so it stops before that image."""
+    text = chat(IMAGE * 3 + "The quick brown fox")
+    images = [models.test_image(0), models.test_image(1), models.test_image(2, (112, 112))]
+    probe = LLM(str(vl_model), max_model_len=256)
+    ids = probe.generate(request(text, images), greedy(), use_tqdm=False)[0].prompt_token_ids
+    runs = image_runs(ids, probe.engine.runner.model.image_token_id)
+    step = runs[2][0] + 1  # the first chunk ends just past the third image's start
+    assert sum(n for _, n in runs) > step
+    llm = LLM(str(vl_model), max_model_len=256, max_num_batched_tokens=step, max_num_seqs=4)
+    model = llm.engine.runner.model
+    calls: list[list[int]] = []
+    encode = model.encode_images
+
+    def counted(pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+        calls.append([model.image_tokens(g) for g in grids])
+        return encode(pixels, grids)
+
+    monkeypatch.setattr(model, "encode_images", counted)
+    out = llm.generate(request(text, images), greedy(), use_tqdm=False)
+    assert_matches(out, [hf_greedy_vl(hf_vl, vl_model, text, images)])
+    assert calls == [[12, 12], [16]], calls
+
+
 def test_the_prefix_cache_tells_images_apart(vl_model: Path, expected: list[Any]) -> None:
     text, images = CASES[0]
     llm = LLM(str(vl_model), max_model_len=256, block_size=4)

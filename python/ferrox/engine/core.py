@@ -136,6 +136,10 @@ class EngineCore:
             max_adapters=config.max_loras if config.enable_lora else 0,
             num_state_slots=self.runner.num_state_slots,
             num_state_snapshots=self.runner.num_state_snapshots,
+            # A step encodes about as many image rows as it computes tokens.
+            max_encoder_tokens_per_step=(
+                config.batched_tokens_limit(self.max_model_len) if serves_images else 0
+            ),
             **(spec.scheduler_options() if spec is not None else {}),
         )
         self.speculator = (
@@ -372,9 +376,10 @@ class EngineCore:
     def _submit(self, seq: SequenceState, priority: int = 0) -> None:
         params = seq.params
         max_tokens = params.max_tokens or self.max_model_len - len(seq.prompt_token_ids)
+        images = seq.request.images
         self.scheduler.add_request(
             seq.seq_id,
-            scheduler_prompt(seq.prompt_token_ids, seq.request.images),
+            scheduler_prompt(seq.prompt_token_ids, images),
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
             eos_token_ids=self.eos_token_ids,
@@ -383,7 +388,8 @@ class EngineCore:
             priority=priority,
             use_prefix_cache=params.prompt_logprobs is None or seq.index > 0,
             adapter=seq.request.adapter,
-            atomic_spans=None if seq.request.images is None else seq.request.images.atomic_spans(),
+            atomic_spans=None if images is None else images.atomic_spans(),
+            encoder_spans=None if images is None else images.encoder_spans(),
         )
         self._seqs[seq.seq_id] = seq
         self._unscheduled.add(seq.seq_id)

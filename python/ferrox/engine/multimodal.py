@@ -45,11 +45,14 @@ class RequestImages:
     delta: int
     bidirectional: bool = False
 
+    def encoder_spans(self) -> list[tuple[int, int]]:
+        """Each image's placeholders: the encoder rows a chunk reaching
+        them needs (counted against the step's encoder budget)."""
+        return [(i.offset, i.offset + i.length) for i in self.images]
+
     def atomic_spans(self) -> list[tuple[int, int]] | None:
         """The prompt ranges the scheduler computes in one chunk each."""
-        if not self.bidirectional:
-            return None
-        return [(i.offset, i.offset + i.length) for i in self.images]
+        return self.encoder_spans() if self.bidirectional else None
 
 
 def image_prompt(model: Any) -> ImagePrompt | None:

@@ -108,6 +108,12 @@ pub struct SchedulerConfig {
     /// where a snapshot of the state after it was taken; see
     /// `radix_cache_snapshots.rs`). 0: none.
     pub num_state_snapshots: usize,
+    /// Encoder tokens (a vision encoder's output rows) one step may start:
+    /// a prefill chunk that reaches the first token of a request's encoder
+    /// span (`RequestParams::encoder_spans`: an image) counts the span's
+    /// length; a chunk is cut before a span that would pass the budget,
+    /// except the step's first span, which always fits. 0: unbounded.
+    pub max_encoder_tokens_per_step: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -128,6 +134,7 @@ impl Default for SchedulerConfig {
             max_adapters: 0,
             num_state_slots: 0,
             num_state_snapshots: 0,
+            max_encoder_tokens_per_step: 0,
         }
     }
 }

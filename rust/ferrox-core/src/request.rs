@@ -27,6 +27,10 @@ pub struct RequestParams {
     /// one (a prefix-cache hit, whose cached part is valid) and then runs
     /// to its end.
     pub atomic_spans: Vec<(usize, usize)>,
+    /// Prompt ranges `[start, end)` whose rows an encoder computes when a
+    /// chunk first reaches them (sorted, disjoint): each costs its length
+    /// of the step's `max_encoder_tokens_per_step`.
+    pub encoder_spans: Vec<(usize, usize)>,
 }
 
 impl Default for RequestParams {
@@ -41,6 +45,7 @@ impl Default for RequestParams {
             use_prefix_cache: true,
             adapter: 0,
             atomic_spans: Vec::new(),
+            encoder_spans: Vec::new(),
         }
     }
 }
@@ -133,6 +138,30 @@ impl Request {
             Some(&(s, _)) if s < end => s.saturating_sub(start),
             _ => num_tokens,
         }
+    }
+    /// A chunk of `num_tokens` from `start`, cut before the first encoder
+    /// span it starts that would take the step's encoder tokens (`spent`
+    /// so far) past `budget` (0: unbounded; the step's first span always
+    /// fits), and the encoder tokens the cut chunk starts.
+    pub fn within_encoder_budget(
+        &self,
+        start: usize,
+        num_tokens: usize,
+        spent: usize,
+        budget: usize,
+    ) -> (usize, usize) {
+        let end = start + num_tokens;
+        let spans = &self.params.encoder_spans;
+        let first = spans.partition_point(|&(s, _)| s < start);
+        let mut cost = 0;
+        for &(s, e) in spans[first..].iter().take_while(|&&(s, _)| s < end) {
+            let used = spent + cost;
+            if budget > 0 && used > 0 && used + (e - s) > budget {
+                return (s - start, cost);
+            }
+            cost += e - s;
+        }
+        (num_tokens, cost)
     }
     pub fn is_protected(&self) -> bool {
         matches!(self.protected_until, Some(len) if self.num_output_tokens() <= len)

@@ -242,6 +242,17 @@ impl Scheduler {
             return reject("max_tokens must be at least 1".into());
         }
         let mut last_end = 0;
+        for &(s, e) in &params.encoder_spans {
+            if s < last_end || e <= s || e > prompt.len() {
+                return reject(format!(
+                    "encoder span [{s}, {e}) is empty, unsorted, overlaps another or leaves the \
+                     prompt of {} tokens",
+                    prompt.len()
+                ));
+            }
+            last_end = e;
+        }
+        let mut last_end = 0;
         for &(s, e) in &params.atomic_spans {
             if s < last_end || e <= s || e > prompt.len() {
                 return reject(format!(
@@ -413,6 +424,7 @@ impl Scheduler {
             )));
         }
         let mut budget = self.config.max_num_batched_tokens;
+        let mut encoded = 0; // encoder tokens the step's chunks start
         let mut chosen: Vec<Chosen> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted = Vec::new();
         let snapshot = self.running.clone();
@@ -433,13 +445,10 @@ impl Scheduler {
                 if num_tokens < pending && !self.config.enable_chunked_prefill {
                     continue;
                 }
-                let num_tokens = if num_tokens < pending {
-                    req.outside_atomic_spans(req.num_computed_tokens, num_tokens)
-                } else {
-                    num_tokens
-                };
+                let start = req.num_computed_tokens;
+                let (num_tokens, cost) = self.fit_chunk(slot, start, num_tokens, pending, encoded);
                 if num_tokens == 0 {
-                    continue; // an atomic span waits for a step with room for all of it
+                    continue; // an image waits for a step with room for it
                 }
                 let num_draft = match threshold {
                     Some(t) if decode_pass => self.propose(slot, t, budget - 1),
@@ -469,6 +478,7 @@ impl Scheduler {
                         num_draft,
                     });
                     budget -= num_tokens;
+                    encoded += cost;
                     self.plan_snapshot(slot, num_tokens);
                 } else {
                     self.req_mut(slot).draft.clear();
@@ -476,7 +486,7 @@ impl Scheduler {
             }
         }
         if preempted.is_empty() {
-            self.admit_waiting(&mut chosen, &mut budget, &mut preempted)?;
+            self.admit_waiting(&mut chosen, &mut budget, &mut encoded, &mut preempted)?;
         }
         let step_id = self.next_step;
         self.next_step += 1;
@@ -492,6 +502,7 @@ impl Scheduler {
         &mut self,
         chosen: &mut Vec<Chosen>,
         budget: &mut usize,
+        encoded: &mut usize,
         preempted: &mut Vec<u64>,
     ) -> Result<()> {
         let bs = self.config.block_size;
@@ -577,13 +588,10 @@ impl Scheduler {
                 Some(&b) => pending.min(*budget).min(b - hit_tokens),
                 None => pending.min(*budget),
             };
-            let num_tokens = if num_tokens < pending {
-                self.req(slot).outside_atomic_spans(hit_tokens, num_tokens)
-            } else {
-                num_tokens
-            };
+            let (num_tokens, cost) =
+                self.fit_chunk(slot, hit_tokens, num_tokens, pending, *encoded);
             if num_tokens == 0 {
-                // An atomic span waits for a step with room for all of it.
+                // An image waits for a step with room for it.
                 if let Some(m) = &found {
                     self.cache.unlock(m.handle)?;
                 }
@@ -648,9 +656,35 @@ impl Scheduler {
                 num_draft: 0,
             });
             *budget -= num_tokens;
+            *encoded += cost;
             self.plan_snapshot(slot, num_tokens);
         }
         Ok(())
+    }
+
+    /// A prefill chunk of `num_tokens` from `start` of the request in
+    /// `slot` (of its `pending` tokens), cut before an encoder span past
+    /// the step's encoder budget (`encoded`: spent so far) and so that it
+    /// ends outside every atomic span: its length (0: it cannot run this
+    /// step) and the encoder tokens it starts.
+    fn fit_chunk(
+        &self,
+        slot: usize,
+        start: usize,
+        num_tokens: usize,
+        pending: usize,
+        encoded: usize,
+    ) -> (usize, usize) {
+        let req = self.req(slot);
+        let limit = self.config.max_encoder_tokens_per_step;
+        let (mut n, _) = req.within_encoder_budget(start, num_tokens, encoded, limit);
+        if n < pending {
+            if !self.config.enable_chunked_prefill {
+                return (0, 0);
+            }
+            n = req.outside_atomic_spans(start, n);
+        }
+        (n, req.within_encoder_budget(start, n, encoded, limit).1)
     }
 
     /// The distinct adapters (not 0) of the running requests.

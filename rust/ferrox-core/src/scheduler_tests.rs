@@ -1774,3 +1774,104 @@ proptest! {
         check_workload_with(&w, cfg, Some(&mut check));
     }
 }
+
+// ---- the encoder budget (images encoded per step) ----------------------
+
+#[test]
+fn a_step_starts_images_within_its_encoder_budget() {
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: false,
+        max_encoder_tokens_per_step: 10,
+        ..config(64, 32)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let p = RequestParams {
+        encoder_spans: vec![(2, 10)],
+        ..params(2)
+    };
+    sched.add_request(1, &[5; 14], p.clone()).unwrap();
+    sched.add_request(2, &[6; 14], p).unwrap();
+    let plan = sched.schedule().unwrap();
+    // The first image (8 rows) fits; the second would pass 10: its chunk
+    // stops before it, though the token budget has room.
+    assert_eq!(plan.num_scheduled_tokens, vec![14, 2]);
+    let mut model = FakeModel::new(&cfg);
+    let out = model.run(&plan);
+    sched.update(&plan, &out, &[], None).unwrap();
+    let plan = sched.schedule().unwrap();
+    assert_eq!(plan.req_ids, vec![1, 2]);
+    assert_eq!(plan.num_scheduled_tokens, vec![1, 12]);
+}
+
+#[test]
+fn an_image_larger_than_the_encoder_budget_runs_alone() {
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: false,
+        max_encoder_tokens_per_step: 4,
+        ..config(64, 32)
+    };
+    let mut sched = Scheduler::new(cfg).unwrap();
+    let p = RequestParams {
+        encoder_spans: vec![(1, 9), (10, 12)],
+        ..params(2)
+    };
+    sched.add_request(1, &[5; 14], p).unwrap();
+    let plan = sched.schedule().unwrap();
+    assert_eq!(plan.num_scheduled_tokens, vec![10]); // the 8-row image, then its next waits
+    let bad = RequestParams {
+        encoder_spans: vec![(4, 6), (5, 8)],
+        ..params(2)
+    };
+    assert!(matches!(
+        sched.add_request(2, &[5; 14], bad),
+        Err(CoreError::RequestRejected { .. })
+    ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(80))]
+    #[test]
+    fn encoder_budgets_hold_under_random_workloads(
+        w in workload(),
+        seeds in prop::collection::vec((0usize..64, 0usize..64, any::<bool>()), 1..6),
+        caching in any::<bool>(),
+        atomic in any::<bool>(),
+        encoder_budget in 1usize..12,
+    ) {
+        let mut w = with_atomic_spans(w, &seeds, 8);
+        for r in &mut w.requests {
+            r.1.encoder_spans = r.1.atomic_spans.clone();
+            if !atomic {
+                r.1.atomic_spans.clear();
+            }
+        }
+        let cfg = SchedulerConfig {
+            enable_prefix_caching: caching,
+            max_model_len: 28,
+            max_encoder_tokens_per_step: encoder_budget,
+            ..config(128, 16)
+        };
+        let spans: std::collections::HashMap<u64, Vec<(usize, usize)>> = w
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (i as u64, r.1.encoder_spans.clone()))
+            .collect();
+        let mut check = |_: &Scheduler, plan: &mut BatchPlan| {
+            let (mut started, mut cost) = (0, 0);
+            for row in plan.num_decodes..plan.num_reqs() {
+                let start = plan.num_computed_tokens[row] as usize;
+                let end = start + plan.num_scheduled_tokens[row] as usize;
+                for &(s, e) in &spans[&plan.req_ids[row]] {
+                    if start <= s && s < end {
+                        started += 1;
+                        cost += e - s;
+                    }
+                }
+            }
+            assert!(cost <= encoder_budget || started == 1, "{started} images, {cost} rows");
+            Vec::new()
+        };
+        check_workload_with(&w, cfg, Some(&mut check));
+    }
+}

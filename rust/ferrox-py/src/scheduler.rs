@@ -332,7 +332,8 @@ impl PyScheduler {
         policy = "fcfs", speculative_method = None, num_speculative_tokens = 0,
         prompt_lookup_min = 1, prompt_lookup_max = 4, spec_adaptive = true,
         spec_disable_by_batch_size = None, sliding_window = None, num_window_blocks = 0,
-        max_adapters = 0, num_state_slots = 0, num_state_snapshots = 0
+        max_adapters = 0, num_state_slots = 0, num_state_snapshots = 0,
+        max_encoder_tokens_per_step = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     /// `speculative_method`: None (off), "ngram" (the scheduler proposes by
@@ -345,6 +346,8 @@ impl PyScheduler {
     /// slots, one per running request (a hybrid model's linear-attention
     /// layers; 0: none). `num_state_snapshots`: with recurrent state and
     /// prefix caching, the state snapshots the prefix cache keeps.
+    /// `max_encoder_tokens_per_step`: the encoder rows (images) one step's
+    /// chunks may start (0: unbounded; see `SchedulerConfig`).
     fn new(
         block_size: usize,
         num_blocks: usize,
@@ -366,6 +369,7 @@ impl PyScheduler {
         max_adapters: usize,
         num_state_slots: usize,
         num_state_snapshots: usize,
+        max_encoder_tokens_per_step: usize,
     ) -> PyResult<Self> {
         let method = match speculative_method {
             None => None,
@@ -402,6 +406,7 @@ impl PyScheduler {
             max_adapters,
             num_state_slots,
             num_state_snapshots,
+            max_encoder_tokens_per_step,
         };
         Ok(Self {
             inner: Scheduler::new(config).or_raise()?,
@@ -412,7 +417,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens = None, min_tokens = 0,
         eos_token_ids = None, stop_token_ids = None, ignore_eos = false, priority = 0,
-        use_prefix_cache = true, adapter = 0, atomic_spans = None
+        use_prefix_cache = true, adapter = 0, atomic_spans = None, encoder_spans = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -429,6 +434,7 @@ impl PyScheduler {
         use_prefix_cache: bool,
         adapter: u32,
         atomic_spans: Option<Vec<(usize, usize)>>,
+        encoder_spans: Option<Vec<(usize, usize)>>,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
         let prompt = extract_ids(prompt_token_ids, "prompt_token_ids")?;
@@ -445,6 +451,7 @@ impl PyScheduler {
             use_prefix_cache,
             adapter,
             atomic_spans: atomic_spans.unwrap_or_default(),
+            encoder_spans: encoder_spans.unwrap_or_default(),
         };
         let inner = &mut self.inner;
         py.detach(|| inner.add_request(id, &prompt, params))
