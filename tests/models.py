@@ -499,8 +499,9 @@ def build_tiny_vl_model(
     weights and biases that make greedy choices clear in tests. `family`:
     qwen2.5-vl, qwen2-vl (LayerNorms, QuickGELU MLPs, no windows) or
     qwen3-vl (DeepStack, interleaved M-RoPE, learned positions, 16-pixel
-    patches), qwen3.5-vl (Qwen3-VL's tower without DeepStack under the
-    hybrid decoder, partial interleaved M-RoPE) or qwen3.5-moe-vl."""
+    patches), qwen3-vl-moe (the same over Qwen3-MoE's decoder), qwen3.5-vl
+    (Qwen3-VL's tower without DeepStack under the hybrid decoder, partial
+    interleaved M-RoPE) or qwen3.5-moe-vl."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -512,6 +513,8 @@ def build_tiny_vl_model(
         Qwen3_5MoeForConditionalGeneration,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -579,12 +582,16 @@ def build_tiny_vl_model(
             "rope_theta": 100.0
         }
         vision = qwen3_tower | (vision_options or {})
-    elif family == "qwen3-vl":
+    elif family in ("qwen3-vl", "qwen3-vl-moe"):
         config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
         patch = 16
         text["head_dim"] = 16
         text["rope_parameters"] = text["rope_parameters"] | {"mrope_interleaved": True}
         vision = qwen3_tower | {"deepstack_visual_indexes": [0, 1]} | (vision_options or {})
+        if family == "qwen3-vl-moe":
+            config_class, model_class = Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+            # (experts 48 wide: their stacked tensors are not square)
+            text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
     elif family == "qwen2-vl":
         config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
         vision = dict(

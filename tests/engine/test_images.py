@@ -143,13 +143,16 @@ def test_images_match_transformers(
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl", "qwen3.5-vl", "qwen3.5-moe-vl"])
+@pytest.mark.parametrize(
+    "family", ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5-vl", "qwen3.5-moe-vl"]
+)
 def test_other_qwen_vl_families_match_transformers(tmp_path: Path, family: str) -> None:
     """Qwen2-VL's tower (LayerNorms, QuickGELU, no windows), Qwen3-VL's
     (learned positions, DeepStack into the first decoder layers, interleaved
-    M-RoPE) and Qwen3.5's (the hybrid decoder, partial M-RoPE), whole and
-    chunked across the image tokens, and again from the prefix cache (for
-    Qwen3.5: from its state snapshots)."""
+    M-RoPE; Qwen3-VL-MoE's over the experts' decoder) and Qwen3.5's (the
+    hybrid decoder, partial M-RoPE), whole and chunked across the image
+    tokens, and again from the prefix cache (for Qwen3.5: from its state
+    snapshots)."""
     from transformers import AutoModelForImageTextToText
 
     path = models.build_tiny_vl_model(tmp_path / family, family=family)
@@ -166,6 +169,32 @@ def test_other_qwen_vl_families_match_transformers(tmp_path: Path, family: str) 
         > sum(len(o.prompt_token_ids) for o in again) // 2
     )
     assert llm.engine.stats().num_used_blocks == 0
+
+
+def test_qwen3_vl_moe_reads_the_original_releases_stacked_experts(tmp_path: Path) -> None:
+    """The original release stacks the experts transposed ([experts, in,
+    out]); transformers 5 saves [experts, out, in]: both load the same."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = models.build_tiny_vl_model(tmp_path / "moe", family="qwen3-vl-moe")
+    text, images = CASES[0]
+    new = LLM(str(path), max_model_len=256).generate(
+        request(text, images), greedy(), use_tqdm=False
+    )[0]
+    tensors = load_file(path / "model.safetensors")
+    stacked = [k for k in tensors if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert stacked
+    for key in stacked:
+        tensors[key] = tensors[key].transpose(1, 2).contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"transformers_version": "4.57.1"}))
+    old = LLM(str(path), max_model_len=256).generate(
+        request(text, images), greedy(), use_tqdm=False
+    )[0]
+    assert old.outputs[0].token_ids == new.outputs[0].token_ids
 
 
 def test_a_step_encodes_within_its_encoder_budget(

@@ -15,20 +15,29 @@ The vision tower (`visual`, models/qwen2_5_vl.py has the shared parts):
 `encode_images` returns each placeholder's embedding followed by its
 DeepStack rows ([tokens, hidden x (1 + levels)]); the runner writes them
 over the step's placeholders (text tokens get zeros there), and `forward`
-adds level i to the hidden states after decoder layer i. Videos, tensor
-parallelism and LoRA are not supported; Qwen3-VL-MoE is refused.
+adds level i to the hidden states after decoder layer i.
+
+Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`: Qwen3-VL-30B-A3B,
+235B-A22B) is the same over Qwen3-MoE's decoder (models/qwen3_moe.py), its
+router always renormalising the top-k weights; its checkpoints stack each
+layer's experts (`mlp.experts.gate_up_proj`, gate rows before up rows, and
+`mlp.experts.down_proj`), as [experts, out, in] (transformers 5) or
+transposed (the original release), told apart by shape (by the checkpoint's
+transformers version when the two agree).
+
+Videos, tensor parallelism and LoRA are not supported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrox.common.errors import UnsupportedModelError
+from ferrox.common.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.models.qwen2_5_vl import (
@@ -39,6 +48,7 @@ from ferrox.models.qwen2_5_vl import (
 )
 from ferrox.models.qwen3 import Qwen3ForCausalLM
 from ferrox.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from ferrox.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class TanhGeluMlp(nn.Module):
@@ -159,6 +169,57 @@ class Qwen3VLForConditionalGeneration(QwenVisionLanguage, Qwen3ForCausalLM):
             if i < levels.shape[1]:
                 x = x + levels[:, i]
         return self.norm.add_forward(residual, x)[0]
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration, Qwen3MoeForCausalLM):
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3VLMoeForConditionalGeneration",)
+
+    @classmethod
+    def language_config(cls, config: Any) -> Any:
+        text = super().language_config(config)
+        text.norm_topk_prob = True  # (the family's router always renormalises)
+        text.stacked_experts_linear = _transformers_major(config) >= 5
+        return text
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._unstacked(weights))
+
+    def _unstacked(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each layer's stacked experts as Qwen3-MoE's per-expert tensors."""
+        config = self.config
+        hidden, width = int(config.hidden_size), int(config.moe_intermediate_size)
+        experts = int(config.num_experts)
+        for name, tensor in weights:
+            stem, _, leaf = name.rpartition(".experts.")
+            if leaf not in ("gate_up_proj", "down_proj"):
+                yield name, tensor
+                continue
+            out, inner = (2 * width, hidden) if leaf == "gate_up_proj" else (hidden, width)
+            shape = tuple(tensor.shape)
+            if shape == (experts, out, inner) and (out != inner or config.stacked_experts_linear):
+                stacked = tensor
+            elif shape == (experts, inner, out):
+                stacked = tensor.transpose(1, 2)
+            else:
+                raise ModelLoadError(
+                    f"tensor {name!r} has shape {shape}, expected {(experts, out, inner)} "
+                    f"or {(experts, inner, out)}"
+                )
+            for e in range(experts):
+                base = f"{stem}.experts.{e}"
+                if leaf == "down_proj":
+                    yield f"{base}.down_proj.weight", stacked[e]
+                else:
+                    yield f"{base}.gate_proj.weight", stacked[e, :width]
+                    yield f"{base}.up_proj.weight", stacked[e, width:]
+
+
+def _transformers_major(config: Any) -> int:
+    version = str(getattr(config, "transformers_version", None) or "0")
+    head = version.split(".")[0]
+    return int(head) if head.isdigit() else 0
 
 
 class Qwen3_5ForConditionalGeneration(QwenVisionLanguage, Qwen3_5ForCausalLM):

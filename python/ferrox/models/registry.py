@@ -24,6 +24,7 @@ from ferrox.models.qwen3_vl import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
 )
 from ferrox.models.smollm3 import SmolLM3ForCausalLM
 
@@ -43,6 +44,7 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForConditionalGeneration,
     Gemma3ForConditionalGeneration,
