@@ -369,3 +369,43 @@ def test_generate_keeps_the_engine_queue_bounded(
     with pytest.raises(errors.InvalidArgumentError):
         llm.generate([*prompts, [10**6]], params, use_tqdm=False)
     assert not engine.has_unfinished_requests() and engine.stats().num_used_blocks == 0
+
+
+def test_lpm_serves_a_cached_prefix_before_a_miss(tiny_models: dict[str, Path]) -> None:
+    # One sequence at a time and a pool of about one request's blocks: in
+    # arrival order the unrelated prompt evicts the shared prefix before the
+    # second request of that prefix runs; longest prefix match serves that
+    # request first, from the cache. The tokens do not depend on the order.
+    shared = list(range(30, 46))  # 4 blocks of 4
+    prompts = [shared + [50, 51], list(range(60, 78)), shared + [52, 53]]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    results = {}
+    for policy in ("fcfs", "lpm"):
+        llm = LLM(
+            str(tiny_models["llama-gqa-tied"]),
+            scheduling_policy=policy,
+            max_num_seqs=1,
+            num_kv_blocks=6,
+            block_size=4,
+            max_model_len=24,
+        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[policy] = [(o.outputs[0].token_ids, o.metrics.num_cached_tokens) for o in outputs]
+        assert_idle(llm)
+    assert [r[0] for r in results["fcfs"]] == [r[0] for r in results["lpm"]]
+    first, _, again = [r[1] for r in results["fcfs"]]
+    assert first == 0 and again < 16  # (the unrelated prompt evicted most of the prefix)
+    assert [r[1] for r in results["lpm"]] == [0, 0, 16]
+
+
+def test_scheduling_policy_and_priority_are_checked(llm: LLM, tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(errors.InvalidArgumentError, match="scheduling_policy"):
+        LLM(str(tiny_models["llama-gqa-tied"]), scheduling_policy="longest")
+    # A priority the engine would not honour is refused, not ignored.
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(errors.InvalidArgumentError, match="needs scheduling_policy 'priority'"):
+        llm.engine.add_request("prio", [5, 6, 7], params, priority=1)
+    llm.engine.add_request("prio0", [5, 6, 7], params, priority=0)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert_idle(llm)

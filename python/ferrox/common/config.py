@@ -31,6 +31,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # vLLM's --runner and --convert (see engine_args.HELP).
 RUNNERS = ("auto", "generate", "pooling")
 CONVERSIONS = ("auto", "embed", "none")
+# The waiting order: arrival; `priority` then arrival; longest cached prefix
+# first (SGLang's `lpm`), a request passed over for 128 steps served first.
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 # How linear weights are held (see loader/model_loader.py): None keeps a GGUF
 # file's 4- and 8-bit blocks as stored (CPU) and loads other checkpoints in
 # `dtype`; "gguf" says the same of a GGUF file explicitly; "q8_0" / "q4_1"
@@ -74,7 +77,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # or "priority"
+    scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
     attention_backend: str = "auto"
     enforce_eager: bool = False
     # Speculative decoding: a dict (or its JSON text) as vLLM takes it; `create`
@@ -191,9 +194,10 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"convert must be one of {CONVERSIONS}, got {self.convert!r}"
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidArgumentError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         if not isinstance(self.device, str) or not (
             self.device == "auto" or _DEVICE.fullmatch(self.device)

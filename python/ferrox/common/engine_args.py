@@ -39,7 +39,8 @@ HELP = {
     "max_num_batched_tokens": "token budget of one step (prefill chunks plus decodes)",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts over several steps",
-    "scheduling_policy": "fcfs | priority (lower `priority` values first)",
+    "scheduling_policy": "fcfs | priority (lower `priority` values first) | lpm (longest "
+    "cached prefix first, a request passed over served first after 128 steps)",
     "attention_backend": "auto | cpu | torch | triton | flash-attn",
     "enforce_eager": "never capture CUDA graphs",
     "batch_invariant": "one numeric path for every step on the CPU: a request's tokens and "

@@ -277,6 +277,11 @@ class EngineCore:
             limit = limits.get("image") if isinstance(limits, dict) else None
             held = prepare_images(self.runner.model, prompt_ids, images, params, limit)
         priority = check_priority(priority)
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidArgumentError(
+                f"priority {priority} needs scheduling_policy 'priority'; this engine "
+                f"schedules by {self.config.scheduling_policy!r}"
+            )
         adapter = self._acquire_adapter(lora_request)
         try:
             # A grammar the cache lacks compiles off the step; the request

@@ -8,6 +8,14 @@ pub enum Policy {
     Fcfs,
     /// Lower `priority` value first, then first come, first served.
     Priority,
+    /// Longest prefix match: the waiting requests with the most prompt
+    /// tokens in the prefix cache first (a request the cache cannot serve
+    /// waits while others reuse what it holds), then first come, first
+    /// served. Bounded: a request that has waited
+    /// `scheduler::LPM_MAX_WAIT_STEPS` steps, or was preempted, goes ahead
+    /// of every match; past `scheduler::LPM_MAX_CANDIDATES` waiting
+    /// requests the rest keep their arrival order.
+    Lpm,
 }
 
 impl std::str::FromStr for Policy {
@@ -16,8 +24,9 @@ impl std::str::FromStr for Policy {
         match s {
             "fcfs" => Ok(Policy::Fcfs),
             "priority" => Ok(Policy::Priority),
+            "lpm" => Ok(Policy::Lpm),
             other => Err(CoreError::InvalidArgument(format!(
-                "policy must be 'fcfs' or 'priority', got {other:?}"
+                "policy must be 'fcfs', 'priority' or 'lpm', got {other:?}"
             ))),
         }
     }

@@ -112,6 +112,9 @@ pub struct Request {
     /// Steps this request was passed over because `max_adapters` other
     /// adapters were running (bounded: see `scheduler::MAX_ADAPTER_WAIT_STEPS`).
     pub num_adapter_wait_steps: u32,
+    /// The scheduler step at which it was queued (added or preempted): the
+    /// longest-prefix-match policy serves it first once it has waited long.
+    pub queued_at_step: u64,
     /// Draft tokens of the outstanding plan (empty outside a step).
     pub draft: Vec<u32>,
     pub spec: SpecState,

@@ -27,6 +27,11 @@
 //! blocks them until its adapter gets a turn), and the adapter names the
 //! request's prefix-cache namespace.
 //!
+//! The longest-prefix-match policy (`Policy::Lpm`) tries the waiting
+//! requests with the longest cached prefixes first, so that what the cache
+//! holds is reused before it is evicted; a request waits so at most
+//! `LPM_MAX_WAIT_STEPS` steps.
+//!
 //! A model with sliding-window layers gives the scheduler a second block
 //! pool, for those layers, whose blocks behind each request's window go
 //! back while it runs (`scheduler_blocks.rs`); admission, growth and
@@ -58,6 +63,16 @@ pub const MAX_PREFIX_WAIT_STEPS: u32 = 64;
 /// Steps a waiting request may be passed over because other adapters fill
 /// `max_adapters` before it holds up the requests behind it.
 pub const MAX_ADAPTER_WAIT_STEPS: u32 = 64;
+
+/// Under the longest-prefix-match policy: steps a request may wait while
+/// requests with longer cached prefixes are served before it; then it is
+/// served in arrival order ahead of them.
+pub const LPM_MAX_WAIT_STEPS: u64 = 128;
+
+/// Under the longest-prefix-match policy: waiting requests (in arrival
+/// order) whose cached prefixes are looked up each step; those behind them
+/// keep their arrival order (a long queue costs a bounded lookup).
+pub const LPM_MAX_CANDIDATES: usize = 256;
 
 pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
@@ -196,11 +211,44 @@ impl Scheduler {
         Ok(())
     }
 
-    fn priority_key(&self, req: &Request) -> i64 {
+    pub(crate) fn priority_key(&self, req: &Request) -> i64 {
         match self.config.policy {
-            Policy::Fcfs => 0,
+            Policy::Fcfs | Policy::Lpm => 0,
             Policy::Priority => req.params.priority as i64,
         }
+    }
+
+    /// Under the longest-prefix-match policy, the waiting queue in the order
+    /// admission tries it: requests overdue (waited `LPM_MAX_WAIT_STEPS`
+    /// steps, or preempted) in arrival order, then the others by the length
+    /// of their cached prefix, longest first, then arrival; requests past
+    /// the first `LPM_MAX_CANDIDATES` keep their arrival order at the end.
+    fn lpm_order(&self) -> Vec<(i64, u64, usize)> {
+        let mut keyed: Vec<_> = self
+            .waiting
+            .iter()
+            .take(LPM_MAX_CANDIDATES)
+            .map(|&entry| {
+                let req = self.req(entry.2);
+                let waited = self.next_step.saturating_sub(req.queued_at_step);
+                let overdue = req.num_preemptions > 0 || waited >= LPM_MAX_WAIT_STEPS;
+                let cached = if overdue || !req.params.use_prefix_cache {
+                    0
+                } else {
+                    let prompt = &req.tokens[..req.num_tokens() - 1];
+                    let ns = req.params.adapter as u64;
+                    self.cache.walk(ns, prompt).num_tokens
+                };
+                ((!overdue, std::cmp::Reverse(cached), entry.1), entry)
+            })
+            .collect();
+        keyed.sort_unstable_by_key(|&(rank, _)| rank);
+        let rest = self.waiting.iter().skip(LPM_MAX_CANDIDATES).copied();
+        keyed
+            .into_iter()
+            .map(|(_, entry)| entry)
+            .chain(rest)
+            .collect()
     }
 
     pub(crate) fn req(&self, slot: usize) -> &Request {
@@ -327,6 +375,7 @@ impl Scheduler {
             protected_until: None,
             num_prefix_wait_steps: 0,
             num_adapter_wait_steps: 0,
+            queued_at_step: self.next_step,
             draft: Vec::new(),
             spec: SpecState::starting_at(self.spec_stats.accept_rate),
         };
@@ -404,12 +453,14 @@ impl Scheduler {
             let req = self.req(slot);
             self.priority_key(req)
         };
+        let step = self.next_step;
         let req = self.req_mut(slot);
         req.status = RequestStatus::Waiting;
         req.num_computed_tokens = 0;
         req.draft.clear();
         req.num_preemptions += 1;
         req.protected_until = Some(req.num_output_tokens());
+        req.queued_at_step = step;
         let arrival = req.arrival;
         self.waiting.insert((key, arrival, slot));
         self.num_preemptions += 1;
@@ -515,15 +566,26 @@ impl Scheduler {
         let mut adapters = self.running_adapters();
         let mut after: Option<(i64, u64, usize)> = None;
         let stateful = self.config.num_state_slots > 0;
+        let can_admit = *budget > 0 && self.running.len() < self.config.max_num_seqs;
+        let lpm = self.config.policy == Policy::Lpm && self.config.enable_prefix_caching;
+        let mut listed = match lpm && can_admit && !self.waiting.is_empty() {
+            true => Some(self.lpm_order().into_iter()),
+            false => None,
+        };
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             if stateful && self.free_state_slots.is_empty() {
                 break;
             }
-            let next = match after {
-                None => self.waiting.first(),
-                Some(last) => self.waiting.range((Excluded(last), Unbounded)).next(),
+            let next = match (&mut listed, after) {
+                (Some(order), _) => order.next(),
+                (None, None) => self.waiting.first().copied(),
+                (None, Some(last)) => self
+                    .waiting
+                    .range((Excluded(last), Unbounded))
+                    .next()
+                    .copied(),
             };
-            let Some(&(key, arrival, slot)) = next else {
+            let Some((key, arrival, slot)) = next else {
                 break;
             };
             after = Some((key, arrival, slot));

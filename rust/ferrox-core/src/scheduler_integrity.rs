@@ -32,10 +32,7 @@ impl Scheduler {
                 "request {} is not indexed at its slot",
                 req.id
             );
-            let key = match cfg.policy {
-                crate::Policy::Fcfs => 0,
-                crate::Policy::Priority => req.params.priority as i64,
-            };
+            let key = self.priority_key(req);
             let is_waiting = self.waiting.contains(&(key, req.arrival, slot));
             let is_running = self.running.contains(&slot);
             match req.status {

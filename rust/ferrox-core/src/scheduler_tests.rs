@@ -703,6 +703,84 @@ fn priority_policy_admits_and_preempts_by_priority() {
     assert_idle(&sched);
 }
 
+/// The first step's request ids after a 12-token prompt was cached and two
+/// requests queued behind it, the first of them without a cached prefix.
+fn first_admitted_after_a_cached_prefix(policy: Policy) -> Vec<u64> {
+    let cfg = SchedulerConfig {
+        max_num_seqs: 1,
+        policy,
+        ..config(32, 32)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let cached: Vec<u32> = (1..=12).collect();
+    sched.add_request(1, &cached, params(2)).unwrap();
+    drive(&mut sched, &mut model, |_, _| {});
+    sched.add_request(2, &[40; 10], params(2)).unwrap();
+    let hit: Vec<u32> = cached.iter().copied().chain([30, 31]).collect();
+    sched.add_request(3, &hit, params(2)).unwrap();
+    let plan = sched.schedule().unwrap();
+    let ids = plan.req_ids.clone();
+    sched.update(&plan, &model.run(&plan), &[], None).unwrap();
+    drive(&mut sched, &mut model, |_, _| {});
+    assert_idle(&sched);
+    ids
+}
+
+#[test]
+fn lpm_admits_the_longest_cached_prefix_first() {
+    assert_eq!(first_admitted_after_a_cached_prefix(Policy::Fcfs), vec![2]);
+    assert_eq!(first_admitted_after_a_cached_prefix(Policy::Lpm), vec![3]);
+}
+
+#[test]
+fn lpm_serves_a_request_passed_over_for_too_long() {
+    // One sequence at a time; a request without a cached prefix waits while
+    // a stream of requests that hit the cache arrives, for at most
+    // LPM_MAX_WAIT_STEPS steps (plus the running request's last steps).
+    let cfg = SchedulerConfig {
+        max_num_seqs: 1,
+        policy: Policy::Lpm,
+        ..config(32, 32)
+    };
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    let cached: Vec<u32> = (1..=12).collect();
+    sched.add_request(1, &cached, params(2)).unwrap();
+    drive(&mut sched, &mut model, |_, _| {});
+    sched.add_request(2, &[40; 10], params(2)).unwrap();
+    let mut next_id = 3;
+    let mut admitted_at = None;
+    for step in 0..200u64 {
+        if sched.num_requests() < 3 {
+            let prompt: Vec<u32> = cached
+                .iter()
+                .copied()
+                .chain([30, 1 + next_id as u32 % 40])
+                .collect();
+            sched.add_request(next_id, &prompt, params(2)).unwrap();
+            next_id += 1;
+        }
+        let plan = sched.schedule().unwrap();
+        if plan.req_ids.contains(&2) && admitted_at.is_none() {
+            admitted_at = Some(step);
+        }
+        sched.update(&plan, &model.run(&plan), &[], None).unwrap();
+        sched.check_integrity().unwrap();
+        if admitted_at.is_some() && step > admitted_at.unwrap() + 4 {
+            break;
+        }
+    }
+    let at = admitted_at.expect("the request without a hit was never served");
+    assert!(
+        at >= 4,
+        "it was passed over for requests with hits (at {at})"
+    );
+    assert!(at <= LPM_MAX_WAIT_STEPS + 3, "it waited {at} steps");
+    drive(&mut sched, &mut model, |_, _| {});
+    assert_idle(&sched);
+}
+
 #[test]
 fn abort_in_every_state_returns_blocks() {
     let cfg = config(16, 8);
@@ -789,6 +867,14 @@ fn stale_plans_are_rejected() {
 struct Workload {
     requests: Vec<(Vec<u32>, RequestParams, usize)>, // prompt, params, arrival step
     aborts: Vec<(usize, usize)>,                     // (step, request index)
+}
+
+fn policies() -> impl Strategy<Value = Policy> {
+    prop_oneof![
+        Just(Policy::Fcfs),
+        Just(Policy::Priority),
+        Just(Policy::Lpm)
+    ]
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
@@ -882,14 +968,14 @@ proptest! {
         w in workload(),
         caching in any::<bool>(),
         tight_pool in any::<bool>(),
-        priority in any::<bool>(),
+        policy in policies(),
         budget in 8usize..40,
         max_adapters in 1usize..4,
     ) {
         let num_blocks = if tight_pool { 8 } else { 128 };
         let cfg = SchedulerConfig {
             enable_prefix_caching: caching,
-            policy: if priority { Policy::Priority } else { Policy::Fcfs },
+            policy,
             max_model_len: 28,
             max_adapters,
             ..config(num_blocks, budget)
@@ -1284,11 +1370,13 @@ proptest! {
         tight in 0usize..3,
         window in 1usize..10,
         budget in 8usize..24,
+        policy in policies(),
     ) {
         // A tight pool of either kind makes requests preempt and evict.
         let (full, win) = [(128, 128), (8, 128), (128, 14)][tight];
         let cfg = SchedulerConfig {
             enable_prefix_caching: caching,
+            policy,
             max_model_len: 28,
             ..windowed(window, full, win.max(windowed(window, 1, 1, budget).window_blocks_for(28)), budget)
         };
@@ -1440,11 +1528,13 @@ proptest! {
         num_state_snapshots in 1usize..6,
         tight_pool in any::<bool>(),
         budget in 8usize..40,
+        policy in policies(),
     ) {
         // Prefix hits resume from snapshots; outputs equal runs without any
         // cache, every slot, block and snapshot comes back.
         let cfg = SchedulerConfig {
             enable_prefix_caching: true,
+            policy,
             num_state_snapshots,
             ..stateful(4, if tight_pool { 10 } else { 128 }, budget)
         };
@@ -1572,11 +1662,11 @@ proptest! {
         w in workload(),
         num_state_slots in 1usize..10,
         tight_pool in any::<bool>(),
-        priority in any::<bool>(),
+        policy in policies(),
         budget in 8usize..40,
     ) {
         let cfg = SchedulerConfig {
-            policy: if priority { Policy::Priority } else { Policy::Fcfs },
+            policy,
             ..stateful(num_state_slots, if tight_pool { 8 } else { 128 }, budget)
         };
         let stats = check_workload_with(&w, cfg, None);
