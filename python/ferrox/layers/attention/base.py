@@ -70,23 +70,34 @@ class AttentionMetadata:
     # What the linear-attention layers derive from the above, once a step
     # (layers/gated_delta.py).
     _state_rows: object = field(default=None, repr=False)
-    _row_split: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    _row_split: tuple[tuple[int, int], np.ndarray, np.ndarray] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
 
-    def row_split(self, max_short: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """(rows with at most `max_short` query tokens, the other rows), int32.
+    def row_split(
+        self, max_short: int = 1, max_short_after_context: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(short rows, the other rows), int32. Short: at most `max_short`
+        query tokens, or at most `max_short_after_context` after a context
+        computed before (a cached prefix, earlier chunks).
 
-        Short rows (decodes, a speculative verification's few positions) suit
-        a kernel that streams each row's cached keys; long rows (prefill
-        chunks) suit matrix-multiply attention."""
-        if self._row_split is None or self._row_split[0] != max_short:
+        Short rows (decodes, a speculative verification's few positions, the
+        tail of a prompt behind a cache hit) suit a kernel that streams each
+        row's cached keys; long rows (prefill chunks) suit matrix-multiply
+        attention."""
+        key = (max_short, max_short_after_context)
+        if self._row_split is None or self._row_split[0] != key:
             num_sched = np.diff(self.query_start_loc_cpu)
             short = num_sched <= max_short
+            if max_short_after_context > max_short:
+                after = np.asarray(self.seq_lens_cpu) > num_sched
+                short |= after & (num_sched <= max_short_after_context)
             self._row_split = (
-                max_short,
+                key,
                 np.flatnonzero(short).astype(np.int32),
                 np.flatnonzero(~short).astype(np.int32),
             )

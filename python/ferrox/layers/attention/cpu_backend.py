@@ -18,6 +18,10 @@ from ferrox.layers.native import kernel_threads, kv_array
 # cached keys once per query token, cheaper than gathering the context for
 # matrix-multiply attention while the queries are few.
 SHORT_QUERY_LEN = 17
+# ... and rows of at most this many after a context computed before (a prompt's
+# tail behind a prefix-cache hit, a later prefill chunk): there matrix-multiply
+# attention would first gather the whole context, block by block.
+SHORT_QUERY_LEN_AFTER_CONTEXT = 64
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -49,7 +53,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, H, D]
-        single_rows, chunk_rows = meta.row_split(SHORT_QUERY_LEN)
+        single_rows, chunk_rows = meta.row_split(SHORT_QUERY_LEN, SHORT_QUERY_LEN_AFTER_CONTEXT)
         if meta.image_spans:  # the paged kernel is causal: image rows take the mask path
             masked = np.isin(single_rows, list(meta.image_spans))
             chunk_rows = np.concatenate((single_rows[masked], chunk_rows))
