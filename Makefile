@@ -25,9 +25,10 @@ test-rust:
 
 # pytest exits 5 when it collects no test; that is not a failure of the code.
 # -X faulthandler: a crash, even at interpreter exit, prints every thread's stack.
+# --durations: the slowest tests, to keep the whole run within its time.
 test-python:
 	$(PYTHON) -m mypy.stubtest ferrox._native
-	$(PYTHON) -X faulthandler -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+	$(PYTHON) -X faulthandler -m pytest -q --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench:
 	cargo bench -p ferrox-core

@@ -14,14 +14,13 @@ and wall time of each, median (min-max) over the repeats, and cold / warm
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 import ferrox  # noqa: F401 (before torch work: ferrox tunes OpenMP for its CPU kernels)
 from ferrox import LLM, SamplingParams
-from machine import cpu_description
+from machine import cpu_description, write_record
 
 
 def round_prompts(llm: LLM, round_no: int, requests: int, prefix_tokens: int) -> list[list[int]]:
@@ -82,8 +81,7 @@ def main() -> None:
         "goal >= 0.8"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "args": vars(args), "figures": figures, "ratios": ratios}, f)
+        write_record(args.json, args=vars(args), figures=figures, ratios=ratios)
 
 
 if __name__ == "__main__":

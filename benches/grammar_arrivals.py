@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import ferrox  # noqa: F401 (before torch work: ferrox tunes OpenMP for its CPU kernels)
 from ferrox import AsyncLLM, SamplingParams
 from ferrox.common.structured_outputs import StructuredOutputsParams
-from machine import cpu_description
+from machine import cpu_description, write_record
 
 STREAM_TOKENS = 160
 ARRIVAL_TOKENS = 24
@@ -141,14 +140,12 @@ def main() -> None:
     new, plain = figures["new schemas"]["median_s"], figures["plain"]["median_s"]
     print(f"new schemas / plain arrivals: {new / plain:.2f}x (goal for the gap: < 0.5 s)")
     if args.json:
-        with open(args.json, "w") as f:
-            record = {
-                "cpu": cpu,
-                "arrivals": args.arrivals,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-                "figures": figures,
-            }
-            json.dump(record, f, indent=2)
+        write_record(
+            args.json,
+            arrivals=args.arrivals,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            figures=figures,
+        )
 
 
 if __name__ == "__main__":
