@@ -377,7 +377,7 @@ def test_lpm_serves_a_cached_prefix_before_a_miss(tiny_models: dict[str, Path]) 
     # second request of that prefix runs; longest prefix match serves that
     # request first, from the cache. The tokens do not depend on the order.
     shared = list(range(30, 46))  # 4 blocks of 4
-    prompts = [shared + [50, 51], list(range(60, 78)), shared + [52, 53]]
+    prompts = [[*shared, 50, 51], list(range(60, 78)), [*shared, 52, 53]]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     results = {}
     for policy in ("fcfs", "lpm"):

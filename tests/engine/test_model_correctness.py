@@ -105,16 +105,19 @@ def test_scheduling_regimes_match_transformers(
 def test_cached_tokens_are_reported_when_one_token_is_left_to_compute(
     tiny_models: dict[str, Path],
 ) -> None:
-    """A prompt one token longer than a whole number of blocks, seen again:
-    the cache serves every block, so its prefill is a single token (a row
-    the step plans with the decodes); its metrics still count the hit, and
-    say when it was first scheduled."""
+    """A prompt seen again: the cache serves every token but the last, so
+    its prefill is a single token (a row the step plans with the decodes);
+    its metrics still count the hit, and say when it was first scheduled.
+    One token longer than a whole number of blocks, the blocks serve it; two
+    longer, the block the first run filled with its last prompt token and
+    its outputs serves one more position (its KV copied)."""
     llm = LLM(str(tiny_models["llama-gqa-tied"]), num_kv_blocks=64, block_size=4)
     for length in (9, 10):
         prompt = {"prompt_token_ids": list(range(length, 2 * length))}
         first, again = (llm.generate([prompt], greedy(), use_tqdm=False)[0] for _ in range(2))
         assert first.metrics is not None and again.metrics is not None
-        assert (first.metrics.num_cached_tokens, again.metrics.num_cached_tokens) == (0, 8)
+        cached = (first.metrics.num_cached_tokens, again.metrics.num_cached_tokens)
+        assert cached == (0, length - 1)
         assert again.metrics.first_scheduled_time is not None
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.engine.stats().num_used_blocks == 0

@@ -63,8 +63,9 @@ def test_bad_arguments_are_refused(options: dict, message: str) -> None:
 
 
 def test_application_options_are_checked() -> None:
-    assert app_options({"model": "/m"}) == (1, 1.0)
-    assert app_options({"num_replicas": "3", "replica-cpus": 0.5}) == (3, 0.5)
+    assert app_options({"model": "/m"}) == (1, 1.0, 10.0)
+    assert app_options({"num_replicas": "3", "replica-cpus": 0.5}) == (3, 0.5, 10.0)
+    assert app_options({"health_check_period_s": "2"})[2] == 2.0
     for bad in (
         {"num-replicas": "many"},
         {"num-replicas": 0},
@@ -73,9 +74,12 @@ def test_application_options_are_checked() -> None:
         {"replica-cpus": "nan"},
         {"replica-cpus": "inf"},
         {"replica-cpus": -1},
+        {"health-check-period-s": 0},
+        {"health-check-period-s": "nan"},
+        {"health-check-period-s": "soon"},
         {"replica-cpus": [1]},
     ):
-        with pytest.raises(InvalidArgumentError, match="num-replicas"):
+        with pytest.raises(InvalidArgumentError, match=r"num-replicas|health-check-period-s"):
             app_options(bad)
 
 
@@ -97,7 +101,9 @@ model, name, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 try:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"model": model, "served-model-name": name, "num-kv-blocks": 64})
+    app = build_app(
+        {"model": model, "served-model-name": name, "num-kv-blocks": 64, "health-check-period-s": 2}
+    )
     serve.run(app, name="ferrox", route_prefix="/", blocking=False)
     sys.stdin.read()  # until the test closes it
 finally:

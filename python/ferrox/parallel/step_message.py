@@ -30,6 +30,8 @@ PLAN_FIELDS = (
     "window_slot_mapping",  # (empty without a window pool)
     "window_block_table",
     "adapters",  # each row's LoRA adapter (0: none)
+    "kv_copy_src",  # (empty without partial-block copies)
+    "kv_copy_dst",
 )
 _FIELD_DTYPES = {
     "input_ids": np.int64,
@@ -44,6 +46,8 @@ _FIELD_DTYPES = {
     "window_slot_mapping": np.int64,
     "window_block_table": np.int32,
     "adapters": np.uint32,
+    "kv_copy_src": np.int64,
+    "kv_copy_dst": np.int64,
 }
 # kind, num_reqs, num_decodes, num_tokens, block table columns, prompt rows,
 # then the length of each field
@@ -69,6 +73,8 @@ class StepPlan:
     window_slot_mapping: np.ndarray | None = None
     window_block_table: np.ndarray | None = None
     adapters: np.ndarray | None = None
+    kv_copy_src: np.ndarray | None = None
+    kv_copy_dst: np.ndarray | None = None
     # (models with recurrent state run on one rank: never sent)
     state_slots: np.ndarray | None = None
     state_restores: np.ndarray | None = None

@@ -134,6 +134,17 @@ class KVCache:
     def num_bytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
 
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """K and V of slot src[i] into slot dst[i] in every layer, every
+        source read before any destination is written."""
+        layers, _, blocks, block_size = self.storage.shape[:4]
+        flat = self.storage.view(layers, 2, blocks * block_size, *self.storage.shape[4:])
+        src_t, dst_t = (
+            torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.storage.device)
+            for a in (src, dst)
+        )
+        flat[:, :, dst_t] = flat[:, :, src_t]
+
 
 class StatePool:
     """The recurrent state of a model's linear-attention layers: per layer,

@@ -500,6 +500,10 @@ class ModelRunner:
         """The sampled rows' logits [S, V], and the hidden states [T, hidden]
         (None from a CUDA graph; `eager`: never from one)."""
         meta = self.build_metadata(plan)
+        copy_src, copy_dst = plan.kv_copy_src, plan.kv_copy_dst
+        if copy_src is not None and copy_dst is not None and len(copy_src):
+            # A prefix hit's positions that a cached block shares, copied.
+            self.kv_cache.full.copy_slots(copy_src, copy_dst)
         if images is not None and images.spans:
             meta.image_spans = images.spans
             if meta.window is not None:

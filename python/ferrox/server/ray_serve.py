@@ -35,7 +35,7 @@ from ferrox.server.launch import ServerApp, build_parser, build_server_app
 from ferrox.server.vllm_options import UNSUPPORTED_VLLM_FLAGS
 
 # Options of the application itself, not of `ferrox serve`.
-APP_OPTIONS = {"num-replicas": 1, "replica-cpus": 1.0}
+APP_OPTIONS = {"num-replicas": 1, "replica-cpus": 1.0, "health-check-period-s": 10.0}
 # `ferrox serve` options that Serve's proxy owns.
 PROXY_OPTIONS = ("host", "port", "uvicorn-log-level", "shutdown-timeout")
 
@@ -81,21 +81,29 @@ def serve_argv(options: dict[str, Any]) -> list[str]:
     return argv
 
 
-def app_options(options: dict[str, Any]) -> tuple[int, float]:
-    """(num-replicas, replica-cpus) from the application's arguments."""
+def app_options(options: dict[str, Any]) -> tuple[int, float, float]:
+    """(num-replicas, replica-cpus, health-check-period-s) from the
+    application's arguments."""
     given = {str(k).replace("_", "-"): v for k, v in options.items()}
     values = {**APP_OPTIONS, **{k: given[k] for k in APP_OPTIONS if k in given}}
     try:
         num_replicas = int(str(values["num-replicas"]))
         cpus = float(values["replica-cpus"])
+        period = float(values["health-check-period-s"])
     except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"num-replicas / replica-cpus: {exc}") from exc
+        raise InvalidArgumentError(
+            f"num-replicas / replica-cpus / health-check-period-s: {exc}"
+        ) from exc
     if not 1 <= num_replicas <= 10_000 or not 0.0 <= cpus <= 1024.0:
         raise InvalidArgumentError(
             "num-replicas must be in [1, 10000] and replica-cpus in [0, 1024], got "
             f"{values['num-replicas']!r} and {values['replica-cpus']!r}"
         )
-    return num_replicas, cpus
+    if not 0.1 <= period <= 3600.0:
+        raise InvalidArgumentError(
+            f"health-check-period-s must be in [0.1, 3600], got {values['health-check-period-s']!r}"
+        )
+    return num_replicas, cpus, period
 
 
 def _truth(key: str, value: Any) -> bool:
@@ -154,14 +162,14 @@ def build_app(options: dict[str, Any]) -> Any:
     serve = _serve()
     argv = serve_argv(options)
     parse_serve_args(argv)  # refuse bad options here, not on every replica
-    num_replicas, cpus = app_options(options)
+    num_replicas, cpus, period = app_options(options)
     deployment = serve.deployment(
         serve.ingress()(FerroxServer),
         name="ferrox",
         num_replicas=num_replicas,
         ray_actor_options={"num_cpus": cpus},
         # Loading a model takes a while; a slow start is not a failed one.
-        health_check_period_s=10,
+        health_check_period_s=period,
         health_check_timeout_s=30,
     )
     return deployment.bind(argv)

@@ -49,6 +49,12 @@ pub struct BatchPlan {
     /// it (each slot then holds the state after a block boundary).
     pub state_restores: Vec<i32>,
     pub state_saves: Vec<i32>,
+    /// KV slots to copy before the step, in pairs at the same index (all
+    /// read before any is written): a prefix-cache hit's positions whose KV
+    /// a cached block holds although the block as a whole does not match
+    /// (see `Request::kv_copy`). Full-attention pool only.
+    pub kv_copy_src: Vec<i64>,
+    pub kv_copy_dst: Vec<i64>,
     /// [S] token indices whose logits are sampled.
     pub logits_indices: Vec<i64>,
     /// [S] row of each sampled position.

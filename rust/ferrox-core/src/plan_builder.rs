@@ -43,6 +43,8 @@ impl Scheduler {
             state_slots: Vec::new(),
             state_restores: Vec::new(),
             state_saves: Vec::new(),
+            kv_copy_src: Vec::new(),
+            kv_copy_dst: Vec::new(),
             logits_indices: Vec::with_capacity(num_reqs),
             sample_rows: Vec::with_capacity(num_reqs),
             preempted_ids,
@@ -84,6 +86,15 @@ impl Scheduler {
                 for &(id, _) in &req.pending_saves {
                     plan.state_saves.extend([state, id as i32]);
                 }
+            }
+            if let Some((src, n)) = req.kv_copy {
+                debug_assert_eq!(start % bs, n, "the copy ends where the row starts");
+                let dst = req.block_table[start / bs] as i64;
+                let (src, bs64) = (src as i64, bs as i64);
+                plan.kv_copy_src
+                    .extend((0..n as i64).map(|i| src * bs64 + i));
+                plan.kv_copy_dst
+                    .extend((0..n as i64).map(|i| dst * bs64 + i));
             }
             plan.input_ids
                 .extend(req.tokens[start..known_end].iter().map(|&t| t as i64));

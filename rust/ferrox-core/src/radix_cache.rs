@@ -52,6 +52,9 @@ pub(crate) const ROOT: NodeId = 0;
 /// Which sequences may share cached KV: only those of the same namespace.
 pub type Namespace = u64;
 
+/// Children of a node `partial_block_match` scans at most.
+pub const MAX_PARTIAL_CHILDREN: usize = 32;
+
 /// Names a node for `lock` / `unlock`: the node's index in the low 32 bits and
 /// its generation in the high ones, so a handle to a removed node is detected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -292,6 +295,43 @@ impl RadixCache {
             walk.blocks.len()
         };
         self.split_and_touch_prefix(ns, &tokens[..end * self.block_size])
+    }
+
+    /// The cached block after the node of `handle` (a match's end) whose
+    /// first tokens are `next`'s first, for the most tokens: that block and
+    /// the count (at least 1, less than a block: `next` is at most a block of
+    /// the tokens after the match, and a whole block would have matched).
+    /// Those positions' KV are the same as the block's, which a request may
+    /// copy instead of computing them. Below the root, give a handle inside
+    /// the namespace (a match of at least a block): the root's children are
+    /// namespace 0's. None when no child begins as `next`
+    /// does, or the node has more than `MAX_PARTIAL_CHILDREN` children (the
+    /// root of many prompts: not worth the scan).
+    pub fn partial_block_match(
+        &self,
+        handle: NodeHandle,
+        next: &[u32],
+    ) -> Result<Option<(BlockId, usize)>> {
+        let node = &self.nodes[self.resolve(handle)? as usize];
+        if next.is_empty() || node.children.len() > MAX_PARTIAL_CHILDREN {
+            return Ok(None);
+        }
+        let best = node
+            .children
+            .values()
+            .map(|&child| &self.nodes[child as usize])
+            .filter(|child| !child.blocks.is_empty()) // (not a namespace's root)
+            .map(|child| {
+                let same = child
+                    .key
+                    .iter()
+                    .zip(next)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (same.min(self.block_size - 1), child.blocks[0])
+            })
+            .max();
+        Ok(best.filter(|&(n, _)| n > 0).map(|(n, block)| (block, n)))
     }
 
     /// Follows `tokens` down the tree without changing it: the deepest node

@@ -96,6 +96,11 @@ pub struct Request {
     /// starts from (a prefix-cache hit).
     pub pending_saves: Vec<(u32, usize)>,
     pub restore_from: Option<u32>,
+    /// Of the outstanding step, after a prefix-cache hit: a cached block
+    /// whose first `n` positions hold the KV of this request's next `n`
+    /// tokens (a block that begins as the request's next one does), copied
+    /// into the request's own block before the step instead of computed.
+    pub kv_copy: Option<(BlockId, usize)>,
     /// The radix-cache node this request locks (the prefix it shares).
     pub cache_handle: Option<NodeHandle>,
     /// Leading blocks of `block_table` that are the cache's blocks.

@@ -52,7 +52,7 @@ use crate::block_allocator::BlockAllocator;
 use crate::config::{Policy, SchedulerConfig, SpecMethod};
 use crate::error::{CoreError, Result};
 use crate::plan::{BatchPlan, SchedulerStats};
-use crate::radix_cache::RadixCache;
+use crate::radix_cache::{PrefixMatch, RadixCache};
 use crate::request::{Request, RequestParams, RequestStatus};
 use crate::speculation::{ngram_proposal, SpecCost, SpecState, SpecStats};
 
@@ -368,6 +368,7 @@ impl Scheduler {
             snapshot_boundaries: Vec::new(),
             pending_saves: Vec::new(),
             restore_from: None,
+            kv_copy: None,
             cache_handle: None,
             num_shared_blocks: 0,
             num_prefix_hit_tokens: 0,
@@ -457,6 +458,7 @@ impl Scheduler {
         let req = self.req_mut(slot);
         req.status = RequestStatus::Waiting;
         req.num_computed_tokens = 0;
+        req.kv_copy = None;
         req.draft.clear();
         req.num_preemptions += 1;
         req.protected_until = Some(req.num_output_tokens());
@@ -566,6 +568,9 @@ impl Scheduler {
         let mut adapters = self.running_adapters();
         let mut after: Option<(i64, u64, usize)> = None;
         let stateful = self.config.num_state_slots > 0;
+        // Partial-block copies: for a pool of full attention only (a state
+        // or window would need the same positions too).
+        let copies = !stateful && self.config.sliding_window.is_none();
         let can_admit = *budget > 0 && self.running.len() < self.config.max_num_seqs;
         let lpm = self.config.policy == Policy::Lpm && self.config.enable_prefix_caching;
         let mut listed = match lpm && can_admit && !self.waiting.is_empty() {
@@ -640,7 +645,12 @@ impl Scheduler {
             if let Some(m) = &found {
                 self.cache.lock(m.handle)?;
             }
-            let pending = total - hit_tokens;
+            let copy = match &found {
+                Some(m) if hit_tokens > 0 && copies => self.partial_block_copy(slot, m)?,
+                _ => None,
+            };
+            let start = hit_tokens + copy.map_or(0, |(_, n)| n);
+            let pending = total - start;
             let boundaries = if snapshots {
                 self.snapshot_boundaries(slot, hit_tokens, kv_tokens)
             } else {
@@ -650,8 +660,7 @@ impl Scheduler {
                 Some(&b) => pending.min(*budget).min(b - hit_tokens),
                 None => pending.min(*budget),
             };
-            let (num_tokens, cost) =
-                self.fit_chunk(slot, hit_tokens, num_tokens, pending, *encoded);
+            let (num_tokens, cost) = self.fit_chunk(slot, start, num_tokens, pending, *encoded);
             if num_tokens == 0 {
                 // An image waits for a step with room for it.
                 if let Some(m) = &found {
@@ -660,7 +669,7 @@ impl Scheduler {
                 break;
             }
             let fits_budget = num_tokens == pending || self.config.enable_chunked_prefill;
-            let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
+            let need_blocks = self.config.blocks_for(start + num_tokens) - hit_blocks;
             let mut has_room = fits_budget && self.has_room_after(need_blocks, found.as_ref());
             // Under the priority policy a more urgent request displaces the
             // least urgent running one.
@@ -683,10 +692,10 @@ impl Scheduler {
             let num_tokens = num_tokens.min(*budget);
             self.waiting.remove(&(key, arrival, slot));
             if let Some(m) = found {
-                self.cache.record_query(total, hit_tokens);
+                self.cache.record_query(total, start);
                 self.adopt_hit(slot, m)?;
             }
-            let need_blocks = self.config.blocks_for(hit_tokens + num_tokens) - hit_blocks;
+            let need_blocks = self.config.blocks_for(start + num_tokens) - hit_blocks;
             let grown = self.grow_table(slot, need_blocks)?;
             debug_assert!(grown, "room was checked");
             let state_slot = if stateful {
@@ -699,10 +708,11 @@ impl Scheduler {
             req.state_slot = state_slot;
             req.snapshot_boundaries = boundaries;
             req.restore_from = if hit_tokens > 0 { restore } else { None };
-            req.num_computed_tokens = hit_tokens;
+            req.kv_copy = copy;
+            req.num_computed_tokens = start;
             req.num_shared_blocks = hit_blocks;
             if req.num_preemptions == 0 {
-                req.num_prefix_hit_tokens = hit_tokens;
+                req.num_prefix_hit_tokens = start;
             }
             debug_assert_eq!(hit_tokens % bs, 0);
             self.running.push(slot);
@@ -747,6 +757,23 @@ impl Scheduler {
             n = req.outside_atomic_spans(start, n);
         }
         (n, req.within_encoder_budget(start, n, encoded, limit).1)
+    }
+
+    /// After the prefix-cache hit `hit` of the waiting request in `slot`: a
+    /// cached block that begins as its next tokens do, whose KV it copies
+    /// for those positions (at most a block less one, and never its last
+    /// token: that one is computed for its logits). None when no such block,
+    /// and for a request with atomic spans (images whose tokens attend both
+    /// ways: a position's KV depends on the tokens after it).
+    fn partial_block_copy(&self, slot: usize, hit: &PrefixMatch) -> Result<Option<(u32, usize)>> {
+        let req = self.req(slot);
+        let start = hit.num_tokens;
+        let end = (start + self.config.block_size).min(req.num_tokens() - 1);
+        if end <= start || !req.params.atomic_spans.is_empty() {
+            return Ok(None);
+        }
+        self.cache
+            .partial_block_match(hit.handle, &req.tokens[start..end])
     }
 
     /// The distinct adapters (not 0) of the running requests.

@@ -111,6 +111,16 @@ impl FakeModel {
     fn run(&mut self, plan: &BatchPlan) -> Vec<u32> {
         let bs = self.block_size;
         let windowed = !plan.window_slot_mapping.is_empty();
+        // Partial-block copies first, every source read before any write.
+        let copied: Vec<_> = plan
+            .kv_copy_src
+            .iter()
+            .map(|&s| self.kv[s as usize])
+            .collect();
+        for (&dst, entry) in plan.kv_copy_dst.iter().zip(copied) {
+            assert!(entry.is_some(), "a copy from a slot never written");
+            self.kv[dst as usize] = entry;
+        }
         let mut row_of_token = vec![0usize; plan.input_ids.len()];
         for row in 0..plan.num_reqs() {
             let (qs, qe) = (plan.query_start_loc[row], plan.query_start_loc[row + 1]);
@@ -197,6 +207,13 @@ fn check_plan(plan: &BatchPlan, cfg: &SchedulerConfig) {
         plan.num_tokens()
     );
     assert_eq!(plan.block_table.len(), b * plan.block_table_width);
+    assert_eq!(plan.kv_copy_src.len(), plan.kv_copy_dst.len());
+    if cfg.sliding_window.is_some() || cfg.num_state_slots > 0 {
+        assert!(
+            plan.kv_copy_src.is_empty(),
+            "copies for a full-attention pool only"
+        );
+    }
     if cfg.num_state_slots > 0 {
         assert_eq!(plan.state_slots.len(), b);
         let distinct: std::collections::HashSet<_> = plan.state_slots.iter().collect();
@@ -700,6 +717,38 @@ fn priority_policy_admits_and_preempts_by_priority() {
     assert_eq!(plan.req_ids, vec![2]);
     sched.update(&plan, &model.run(&plan), &[], None).unwrap();
     drive(&mut sched, &mut model, |_, _| {});
+    assert_idle(&sched);
+}
+
+#[test]
+fn a_hit_copies_the_positions_a_cached_block_shares() {
+    // Blocks of 4: [1..4] [5..8] cached; the next prompt shares [1..4] and
+    // the first two tokens of [5..8]: a 4-token hit plus 2 positions copied
+    // from the cached block, then its own tokens from position 6.
+    let cfg = config(64, 64);
+    let mut sched = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(&cfg);
+    sched
+        .add_request(1, &(1..=10).collect::<Vec<_>>(), params(2))
+        .unwrap();
+    drive(&mut sched, &mut model, |_, _| {});
+    let prompt = [1, 2, 3, 4, 5, 6, 40, 41, 42];
+    sched.add_request(2, &prompt, params(3)).unwrap();
+    let plan = sched.schedule().unwrap();
+    assert_eq!(plan.num_computed_tokens, vec![6]);
+    assert_eq!(plan.kv_copy_src.len(), 2);
+    let own = plan.block_table[1] as i64;
+    assert_eq!(plan.kv_copy_dst, vec![own * 4, own * 4 + 1]);
+    assert_ne!(plan.kv_copy_src[0] / 4, own);
+    assert_eq!(sched.request(2).unwrap().num_prefix_hit_tokens, 6);
+    sched.check_integrity().unwrap();
+    let sampled = model.run(&plan);
+    sched.update(&plan, &sampled, &[], None).unwrap();
+    assert!(sched.request(2).unwrap().kv_copy.is_none());
+    let mut out = vec![sampled[0]];
+    let finished = drive(&mut sched, &mut model, |_, _| {});
+    out.extend(&finished[&2].0);
+    assert_eq!((out, finished[&2].1), run_alone(&prompt, params(3)));
     assert_idle(&sched);
 }
 

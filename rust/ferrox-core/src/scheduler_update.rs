@@ -77,7 +77,9 @@ impl Scheduler {
                 continue;
             }
             let n = plan.num_scheduled_tokens[row] as usize;
-            self.req_mut(slot).restore_from = None;
+            let req = self.req_mut(slot);
+            req.restore_from = None;
+            req.kv_copy = None;
             if d == 0 {
                 let req = self.req_mut(slot);
                 req.num_computed_tokens += n;

@@ -73,6 +73,13 @@ pub struct PyBatchPlan {
     state_restores: Option<Py<PyArray2<i32>>>,
     #[pyo3(get)]
     state_saves: Option<Py<PyArray2<i32>>>,
+    /// KV slots to copy before the step, pairwise (every source read before
+    /// any destination is written), in the full-attention pool: a prefix
+    /// hit's positions that a cached block shares; None when there are none.
+    #[pyo3(get)]
+    kv_copy_src: Option<Py<PyArray1<i64>>>,
+    #[pyo3(get)]
+    kv_copy_dst: Option<Py<PyArray1<i64>>>,
     #[pyo3(get)]
     logits_indices: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -123,7 +130,25 @@ impl PyBatchPlan {
         } else {
             (None, None)
         };
+        let (kv_copy_src, kv_copy_dst) = if plan.kv_copy_src.is_empty() {
+            (None, None)
+        } else {
+            (
+                Some(
+                    std::mem::take(&mut plan.kv_copy_src)
+                        .into_pyarray(py)
+                        .unbind(),
+                ),
+                Some(
+                    std::mem::take(&mut plan.kv_copy_dst)
+                        .into_pyarray(py)
+                        .unbind(),
+                ),
+            )
+        };
         Ok(Self {
+            kv_copy_src,
+            kv_copy_dst,
             window_block_table,
             window_slot_mapping,
             state_slots,
