@@ -1,5 +1,7 @@
 //! Attention of a step's queries over the paged KV cache, in float32, reading
-//! every cached key and value once per (request, KV head).
+//! every cached key and value once per tile of queries (up to `QUERY_TILE`
+//! query tokens of one request, or of requests whose block tables share the
+//! block: a shared prefix is read once for several requests).
 //!
 //! ```text
 //!  row r:  | cached context ........ | this step's queries (q_len) |
@@ -222,8 +224,8 @@ fn paged_attention_on<T: KvElement>(
     }
     let work = |run: &[usize], out: &mut [f32], base: usize| {
         let mut scratch = Scratch::new(args);
-        for &r in run {
-            run_row(args, r, loops, &mut scratch, &mut |t, h, v| {
+        for tile in tiles(args, run).chunks(QUERY_TILE) {
+            run_tile(args, tile, loops, &mut scratch, &mut |t, h, v| {
                 let at = t * token_width + h * args.head_dim - base;
                 out[at..at + args.head_dim].copy_from_slice(v);
             });
@@ -242,11 +244,33 @@ fn paged_attention_on<T: KvElement>(
     Ok(())
 }
 
-/// Query tokens of one row that visit the row's blocks together: each block
-/// is read (and a float16 one widened) once for all of them, while every
+/// Query tokens that visit their blocks together: a block is read (and a
+/// float16 one widened) once for every query of the tile that reads it, the
+/// queries of one row and those of rows whose tables share the block (a
+/// shared prefix: an agent's fan-out, a common system prompt), while every
 /// query still meets its keys in the same chunks and order as alone, so its
 /// result is the same bits whatever the tile.
 const QUERY_TILE: usize = 8;
+
+/// One query token: its row and its index among the row's queries.
+type Query = (usize, usize);
+
+/// A run's query tokens in tile order: rows sorted by their block tables
+/// (rows that share leading blocks become neighbours, so their queries
+/// share tiles), each row's queries in order.
+fn tiles<T: KvElement>(args: &PagedAttentionArgs<'_, T>, run: &[usize]) -> Vec<Query> {
+    let width = args.block_table.len() / args.seq_lens.len();
+    let used = |r: usize| {
+        let blocks = (args.seq_lens[r] as usize).div_ceil(args.block_size);
+        &args.block_table[r * width..r * width + blocks]
+    };
+    let mut rows = run.to_vec();
+    rows.sort_by(|&a, &b| used(a).cmp(used(b)).then(a.cmp(&b)));
+    let q_len = |r: usize| (args.query_start_loc[r + 1] - args.query_start_loc[r]) as usize;
+    rows.iter()
+        .flat_map(|&r| (0..q_len(r)).map(move |i| (r, i)))
+        .collect()
+}
 
 /// One query token's online-softmax state, per head.
 struct QueryState {
@@ -292,9 +316,9 @@ impl Scratch {
     }
 }
 
-fn run_row<T: KvElement>(
+fn run_tile<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
-    row: usize,
+    tile: &[Query],
     loops: Loops,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
@@ -302,34 +326,34 @@ fn run_row<T: KvElement>(
     // SAFETY: `loops` is one of `Loops::supported()`: the CPU has the
     // features each function is built for.
     match loops {
-        Loops::Portable => run_row_impl::<Portable, T>(args, row, scratch, emit),
+        Loops::Portable => run_tile_impl::<Portable, T>(args, tile, scratch, emit),
         #[cfg(target_arch = "x86_64")]
-        Loops::Avx2 => unsafe { run_row_avx2(args, row, scratch, emit) },
+        Loops::Avx2 => unsafe { run_tile_avx2(args, tile, scratch, emit) },
         #[cfg(target_arch = "x86_64")]
-        Loops::Avx512 => unsafe { run_row_avx512(args, row, scratch, emit) },
+        Loops::Avx512 => unsafe { run_tile_avx512(args, tile, scratch, emit) },
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run_row_avx2<T: KvElement>(
+unsafe fn run_tile_avx2<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
-    row: usize,
+    tile: &[Query],
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
-    run_row_impl::<avx2::Avx2, T>(args, row, scratch, emit)
+    run_tile_impl::<avx2::Avx2, T>(args, tile, scratch, emit)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn run_row_avx512<T: KvElement>(
+unsafe fn run_tile_avx512<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
-    row: usize,
+    tile: &[Query],
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
-    run_row_impl::<avx512::Avx512, T>(args, row, scratch, emit)
+    run_tile_impl::<avx512::Avx512, T>(args, tile, scratch, emit)
 }
 
 /// The vector loops of the kernel over one block of keys: a portable
@@ -540,14 +564,15 @@ fn fast_exp(x: f32) -> f32 {
     p * f32::from_bits(((n + 127) << 23) as u32)
 }
 
-/// One row (request): every query token, every head. The row's blocks are
-/// visited in order, all KV heads of a block together, so memory is read
-/// sequentially; query heads sharing a KV head reuse its keys from cache,
-/// and up to `QUERY_TILE` query tokens share each block.
+/// One tile of query tokens, every head. Block positions are visited in
+/// order; at each, every query whose keys reach into it takes its chunk from
+/// its own row's block, all KV heads of a block together, so memory is read
+/// sequentially; query heads sharing a KV head reuse its keys from cache, and
+/// the tile's queries that read the same physical block read it once.
 #[inline(always)]
-fn run_row_impl<V: VectorOps, T: KvElement>(
+fn run_tile_impl<V: VectorOps, T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
-    row: usize,
+    tile: &[Query],
     s: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
@@ -559,95 +584,117 @@ fn run_row_impl<V: VectorOps, T: KvElement>(
     );
     let group = h / hkv;
     let width = args.block_table.len() / args.seq_lens.len();
-    let table = &args.block_table[row * width..(row + 1) * width];
-    let q_start = args.query_start_loc[row] as usize;
-    let q_len = args.query_start_loc[row + 1] as usize - q_start;
-    let seq_len = args.seq_lens[row] as usize;
-    let ctx = seq_len - q_len;
-    // Query i sees keys [first_key(i), ctx + i + 1).
-    let first_key = |i: usize| match args.window {
-        0 => 0,
-        w => (ctx + i + 1).saturating_sub(w),
+    // Per query: its token, its row's table, and the keys it sees,
+    // [first, end): up to itself, within the window if there is one.
+    let queries: Vec<(usize, &[i32], usize, usize)> = tile
+        .iter()
+        .map(|&(row, i)| {
+            let q_start = args.query_start_loc[row] as usize;
+            let q_len = args.query_start_loc[row + 1] as usize - q_start;
+            let end = args.seq_lens[row] as usize - q_len + i + 1;
+            let first = match args.window {
+                0 => 0,
+                w => end.saturating_sub(w),
+            };
+            let table = &args.block_table[row * width..(row + 1) * width];
+            (q_start + i, table, first, end)
+        })
+        .collect();
+    for state in &mut s.states[..tile.len()] {
+        match args.sinks {
+            // A sink is a key of score `sink` whose value is zero.
+            Some(sinks) => {
+                state.max.copy_from_slice(sinks);
+                state.sum.fill(1.0);
+            }
+            None => {
+                state.max.fill(f32::NEG_INFINITY);
+                state.sum.fill(0.0);
+            }
+        }
+        state.acc.fill(0.0);
+    }
+    // A query's chunk of block position `block`, as offsets in the block.
+    let chunk = |&(_, _, first, end): &(usize, &[i32], usize, usize), block: usize| {
+        let lo = (block * bs).max(first);
+        let hi = ((block + 1) * bs).min(end);
+        (lo < hi).then(|| (lo - block * bs, hi - block * bs))
     };
-    let mut tile_start = 0;
-    while tile_start < q_len {
-        let tile = (q_len - tile_start).min(QUERY_TILE);
-        for state in &mut s.states[..tile] {
-            match args.sinks {
-                // A sink is a key of score `sink` whose value is zero.
-                Some(sinks) => {
-                    state.max.copy_from_slice(sinks);
-                    state.sum.fill(1.0);
+    let first_block = queries.iter().map(|q| q.2 / bs).min().unwrap_or(0);
+    let blocks = queries.iter().map(|q| q.3.div_ceil(bs)).max().unwrap_or(0);
+    let token = hkv * d;
+    for block in first_block..blocks {
+        // The float16 keys and values in `s.keys` / `s.values`: the
+        // physical block and the offsets widened.
+        let mut widened: Option<(i32, usize, usize)> = None;
+        for (e, query) in queries.iter().enumerate() {
+            let Some((lo, hi)) = chunk(query, block) else {
+                continue;
+            };
+            let (t, table, _, _) = *query;
+            let physical = table[block];
+            let at = physical as usize * bs * token;
+            if T::HALF && !widened.is_some_and(|(p, a, b)| p == physical && a <= lo && hi <= b) {
+                // Widened once for every later query of the tile that
+                // reads this physical block.
+                let (mut a, mut b) = (lo, hi);
+                for other in &queries[e + 1..] {
+                    if let Some((olo, ohi)) = chunk(other, block) {
+                        if other.1[block] == physical {
+                            (a, b) = (a.min(olo), b.max(ohi));
+                        }
+                    }
                 }
-                None => {
-                    state.max.fill(f32::NEG_INFINITY);
-                    state.sum.fill(0.0);
-                }
+                let span = a * token..b * token;
+                V::widen(
+                    &args.k_cache[at + span.start..at + span.end],
+                    &mut s.keys[span.clone()],
+                );
+                V::widen(
+                    &args.v_cache[at + span.start..at + span.end],
+                    &mut s.values[span],
+                );
+                widened = Some((physical, a, b));
             }
-            state.acc.fill(0.0);
-        }
-        let first_block = first_key(tile_start) / bs;
-        let end_key = ctx + tile_start + tile; // the tile's last query's keys end here
-        let blocks = end_key.div_ceil(bs);
-        for (block, &physical) in table.iter().enumerate().take(blocks).skip(first_block) {
-            let block_keys = block * bs..((block + 1) * bs).min(end_key);
-            let at = physical as usize * bs * hkv * d;
+            let (n, offset) = (hi - lo, lo * token);
+            let q_row = &args.q[t * h * d..(t + 1) * h * d];
+            let state = &mut s.states[e];
             if T::HALF {
-                // Widened once here for every query and query head.
-                let lo = block_keys.start.max(first_key(tile_start)) - block * bs;
-                let len = block_keys.len() * hkv * d;
-                let skip = lo * hkv * d;
-                V::widen(&args.k_cache[at + skip..at + len], &mut s.keys[skip..len]);
-                V::widen(&args.v_cache[at + skip..at + len], &mut s.values[skip..len]);
-            }
-            for i in tile_start..tile_start + tile {
-                // This query's chunk of the block, as it would be alone.
-                let lo = block_keys.start.max(first_key(i));
-                let hi = block_keys.end.min(ctx + i + 1);
-                if lo >= hi {
-                    continue;
-                }
-                let (n, offset) = (hi - lo, (lo - block * bs) * hkv * d);
-                let q_row = &args.q[(q_start + i) * h * d..(q_start + i + 1) * h * d];
-                let state = &mut s.states[i - tile_start];
-                if T::HALF {
-                    let (keys, values) = (&s.keys[..], &s.values[..]);
-                    attend_block::<V, f32>(
-                        keys,
-                        values,
-                        offset,
-                        n,
-                        q_row,
-                        group,
-                        args,
-                        &mut s.scores,
-                        state,
-                    );
-                } else {
-                    let (keys, values) = (args.k_cache, args.v_cache);
-                    attend_block::<V, T>(
-                        keys,
-                        values,
-                        at + offset,
-                        n,
-                        q_row,
-                        group,
-                        args,
-                        &mut s.scores,
-                        state,
-                    );
-                }
+                let (keys, values) = (&s.keys[..], &s.values[..]);
+                attend_block::<V, f32>(
+                    keys,
+                    values,
+                    offset,
+                    n,
+                    q_row,
+                    group,
+                    args,
+                    &mut s.scores,
+                    state,
+                );
+            } else {
+                let (keys, values) = (args.k_cache, args.v_cache);
+                attend_block::<V, T>(
+                    keys,
+                    values,
+                    at + offset,
+                    n,
+                    q_row,
+                    group,
+                    args,
+                    &mut s.scores,
+                    state,
+                );
             }
         }
-        for (i, state) in s.states[..tile].iter_mut().enumerate() {
-            for head in 0..h {
-                let inv = 1.0 / state.sum[head];
-                let acc = &mut state.acc[head * d..(head + 1) * d];
-                acc.iter_mut().for_each(|a| *a *= inv);
-                emit(q_start + tile_start + i, head, acc);
-            }
+    }
+    for (&(t, _, _, _), state) in queries.iter().zip(&mut s.states) {
+        for head in 0..h {
+            let inv = 1.0 / state.sum[head];
+            let acc = &mut state.acc[head * d..(head + 1) * d];
+            acc.iter_mut().for_each(|a| *a *= inv);
+            emit(t, head, acc);
         }
-        tile_start += tile;
     }
 }
 

@@ -216,7 +216,8 @@ fn check_case<T: KvElement>(c: &Case, q: &[f32], k: &[T], v: &[T], table: &[i32]
             assert!((a - b).abs() < 1e-5, "{loops:?}, element {i}: {a} vs {b}");
         }
         // Each query token alone (a row of one query over the same keys)
-        // gives the same bits as among its row's other queries.
+        // gives the same bits as among the call's other queries: its row's
+        // and, in the same tiles, those of rows that share its blocks.
         let width = table.len() / c.rows.len();
         for (r, &(q_len, seq_len)) in c.rows.iter().enumerate() {
             for i in 0..q_len {
