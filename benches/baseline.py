@@ -3,11 +3,13 @@ benchmarks that run both side by side (`--baseline REF`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,3 +42,16 @@ def current_commit() -> str:
     return subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
+
+
+def run_child(script: str, python_path: Path, argv: list[str], env: dict[str, str | None]) -> Any:
+    """`script argv` in a fresh interpreter that imports ferrox from
+    `python_path`, with `env` on top of this one's (None: unset); returns
+    the JSON its last line of output holds."""
+    full = {k: v for k, v in os.environ.items() if env.get(k, v) is not None}
+    full.update({k: v for k, v in env.items() if v is not None})
+    full["PYTHONPATH"] = f"{python_path}{os.pathsep}{Path(script).resolve().parent}"
+    out = subprocess.run([sys.executable, script, *argv], env=full, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the run with {python_path} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,3 +51,9 @@ def cpu_description() -> dict[str, Any]:
         # what ferrox's kernels use: the CPU's widest, or FERROX_CPU_ISA's cap
         "ferrox_isa": cpu_isa(),
     }
+
+
+def spread(values: list[float], unit: str = "", digits: int = 1) -> str:
+    """median (min-max) of `values`."""
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"

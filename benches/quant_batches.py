@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from baseline import ROOT, build_baseline, remove_baseline  # isort: skip
-from machine import write_record  # isort: skip
+from baseline import ROOT, build_baseline, remove_baseline, run_child  # isort: skip
+from machine import spread, write_record  # isort: skip
 
 NUM_REQUESTS = 64
 OUTPUT_LEN = 128
@@ -68,24 +65,14 @@ def measure() -> dict[str, object]:
     }
 
 
-def run_child(python_path: Path, isa: str) -> dict[str, object]:
-    env = dict(os.environ, PYTHONPATH=f"{python_path}{os.pathsep}{Path(__file__).parent}")
+def measure_in_child(python_path: Path, isa: str) -> dict[str, object]:
     # (torch's caps too: ferrox sets them from FERROX_CPU_ISA in each child)
-    for name in ("FERROX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
-        env.pop(name, None)
+    caps = ("FERROX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+    env: dict[str, str | None] = dict.fromkeys(caps)
     if isa != "native":
         env["FERROX_CPU_ISA"] = isa
-    out = subprocess.run(
-        [sys.executable, __file__, "--child"], env=env, capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"the run with {python_path} ({isa}) failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def spread(values: list[float], unit: str = "", digits: int = 1) -> str:
-    low, mid, high = min(values), statistics.median(values), max(values)
-    return f"{mid:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
+    result: dict[str, object] = run_child(__file__, python_path, ["--child"], env)
+    return result
 
 
 def main() -> int:
@@ -111,7 +98,7 @@ def main() -> int:
         for r in range(args.repeats):
             for cap in caps:
                 for name, path in versions.items():
-                    result = run_child(path, cap)
+                    result = measure_in_child(path, cap)
                     runs[cap][name].append(result)
                     print(f"run {r + 1} {cap:>6} {name:>8}: {result}", flush=True)
         print(f"\n{'cap':>6} {'version':>8} {'offline tok/s':>24} {'single tok/s':>24} invariant")
