@@ -43,6 +43,7 @@ FAMILIES = {
     # (Mistral's window is not in llama.cpp's files: they run as full attention)
     "llama-gqa-tied": {},
     "phi3": {},
+    "granite": {},
     "qwen3.5": {},
     "qwen3.5-moe": {},
     # (llama.cpp's qwen3next graph makes every layer sparse and renormalises)

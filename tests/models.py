@@ -12,6 +12,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -127,6 +128,22 @@ TINY_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
             num_attention_heads=4,
             num_key_value_heads=2,
             tie_word_embeddings=False,
+            pad_token_id=None,
+        ),
+    ),
+    # Granite's four scalars, each far from 1 (a multiplier left out moves
+    # every logprob); the logits' divisor small, so greedy picks stay clear.
+    "granite": (
+        GraniteConfig,
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            embedding_multiplier=6.0,
+            attention_multiplier=0.4,
+            residual_multiplier=0.3,
+            logits_scaling=1.5,
             pad_token_id=None,
         ),
     ),

@@ -400,6 +400,59 @@ def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -
     _assert_tracks_transformers(llm, hf, prompts)
 
 
+def _granite_gguf(tmp_path: Path, types: dict[str, Q] | None = None) -> tuple[Path, Path]:
+    """A tiny Granite checkpoint and the GGUF llama.cpp's converter would
+    write from it (Llama's tensors and Q/K row order, the four scalars)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from tests import models
+
+    source = models.build_tiny_model(tmp_path / "hf", "granite", vocab_size=258)
+    config = AutoConfig.from_pretrained(source)
+    tensors = {}
+    for name, weight in load_file(source / "model.safetensors").items():
+        if ".q_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_attention_heads)
+        elif ".k_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_key_value_heads)
+        tensors[_gguf_name(name)] = weight.numpy()
+    scalars = {
+        "embedding_scale": config.embedding_multiplier,
+        "attention.scale": config.attention_multiplier,
+        "residual_scale": config.residual_multiplier,
+        "logit_scale": config.logits_scaling,
+    }
+    path = tmp_path / "granite.gguf"
+    _write_gguf(path, "granite", config, tensors, types, extra_metadata=scalars)
+    return source, path
+
+
+def test_granite_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -> None:
+    """A float Granite GGUF: the four scalars read from the metadata, greedy
+    tokens and logprobs equal to transformers' on the checkpoint's weights."""
+    from ferrox import LLM
+    from tests import models
+
+    source, path = _granite_gguf(tmp_path)
+    config = load_gguf(path).config
+    assert (config.embedding_multiplier, config.residual_multiplier) == pytest.approx((6.0, 0.3))
+    hf = models.hf_model(source)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4)
+    prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40)), [200, 4]]
+    _assert_tracks_transformers(llm, hf, prompts)
+
+
+def test_granite_gguf_with_block_format_branch_ends_is_refused(tmp_path: Path) -> None:
+    """The residual multiplier is folded into float weights only: an
+    attn_output in Q8_0 blocks is refused by name."""
+    from ferrox import LLM
+
+    _, path = _granite_gguf(tmp_path, {"blk.0.attn_output.weight": Q.Q8_0})
+    with pytest.raises(UnsupportedModelError, match=r"o_proj\.weight is in a block format"):
+        LLM(str(path), num_kv_blocks=64, block_size=4)
+
+
 def _round_expert_inputs(hf: torch.nn.Module) -> None:
     """transformers' experts (3-D parameters, `F.linear` inside their
     forward) with each projection's input rounded as the block kernel rounds

@@ -74,7 +74,8 @@ def test_tiny_models_match_transformers(tiny_models: dict[str, Path], name: str)
     ],
 )
 @pytest.mark.parametrize(
-    "name", ["llama-gqa-tied", "qwen3-moe", "gemma3-window", "mistral-window", "gpt-oss"]
+    "name",
+    ["llama-gqa-tied", "qwen3-moe", "gemma3-window", "mistral-window", "gpt-oss", "granite"],
 )
 def test_scheduling_regimes_match_transformers(
     tiny_models: dict[str, Path], label: str, options: dict, name: str

@@ -351,7 +351,7 @@ def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt:
 # (float experts run one expert at a time, not natively: no fused MoE case without blocks)
 _FUSED_CASES = [
     (name, quantization, kv_cache_dtype)
-    for name in ("llama-gqa-tied", "qwen2", "qwen3", "qwen3-moe")
+    for name in ("llama-gqa-tied", "qwen2", "qwen3", "qwen3-moe", "granite")
     # auto: float16 under blocks
     for quantization, kv_cache_dtype in (("q8_0", "float32"), (None, "auto"), ("q8_0", "auto"))
     if not (name == "qwen3-moe" and quantization is None)
@@ -368,7 +368,8 @@ def test_fused_decode_layers_match_the_module_path(
 ) -> None:
     """Decode steps run each layer in one native call; the same kernels one
     module at a time give the same tokens and logprobs (Qwen2: q/k/v bias;
-    Qwen3: q/k norms; Qwen3-MoE: block-format experts in a second native
+    Qwen3: q/k norms; Granite: its attention scale and folded residual
+    multiplier; Qwen3-MoE: block-format experts in a second native
     call, against one call per expert and projection), over blocks and over
     float32 weights (a small model keeps them as well as their oneDNN
     packing), with a float32 or a float16 KV cache."""

@@ -8,6 +8,7 @@ from typing import Any
 from ferrox.common.errors import UnsupportedModelError
 from ferrox.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from ferrox.models.gpt_oss import GptOssForCausalLM
+from ferrox.models.granite import GraniteForCausalLM
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.phi3 import Phi3ForCausalLM
 from ferrox.models.qwen2 import Qwen2ForCausalLM
@@ -36,6 +37,7 @@ MODEL_CLASSES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen2MoeForCausalLM,
     SmolLM3ForCausalLM,
     Phi3ForCausalLM,
+    GraniteForCausalLM,
     Gemma3ForCausalLM,
     GptOssForCausalLM,
     Qwen3_5ForCausalLM,

@@ -1,0 +1,107 @@
+"""Granite (IBM's `GraniteForCausalLM`, Granite 3.x dense): the Llama decoder
+with four scalars of its own (transformers' names):
+
+- `embedding_multiplier`: the token embeddings are scaled by it;
+- `attention_multiplier`: the attention scores' scale (instead of
+  head_dim ** -0.5);
+- `residual_multiplier`: each layer adds its attention and MLP outputs to
+  the residual stream scaled by it. Folded at load into the last
+  projection of each branch (`o_proj`, `down_proj`, and their biases), so
+  the decoder, the CPU's fused decode included, runs as Llama's;
+- `logits_scaling`: the logits are divided by it.
+
+GGUF (llama.cpp's `granite`): Llama's tensors, names and Q/K row order, the
+four scalars as `granite.embedding_scale`, `granite.attention.scale`,
+`granite.residual_scale` and `granite.logit_scale`. The residual scale is
+folded into float weights only: a file whose `attn_output` or `ffn_down`
+tensors are in a block format (as a Q4_K_M or Q8_0 file's are) is refused;
+an F32, F16 or BF16 file loads, and `quantization="q8_0"` / `"q4_1"` then
+quantizes it (after the fold). GraniteMoE and Granite 4's hybrids are other
+architectures, not served.
+"""
+
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import GraniteConfig
+
+from ferrox.common.errors import UnsupportedModelError
+from ferrox.layers.attention import AttentionBackend
+from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.models.base import gguf_value
+from ferrox.models.llama import DecoderLayer, LlamaForCausalLM
+
+# The tensors that end a residual branch: the residual multiplier goes there.
+_BRANCH_ENDS = (".self_attn.o_proj.", ".mlp.down_proj.")
+
+# GGUF metadata key (after "granite.") -> transformers' config field.
+_GGUF_SCALARS = {
+    "embedding_scale": "embedding_multiplier",
+    "attention.scale": "attention_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+}
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    supports_lora = False  # (not yet verified against peft)
+    architectures: ClassVar[tuple[str, ...]] = ("GraniteForCausalLM",)
+    gguf_architecture: ClassVar[str | None] = "granite"
+    gguf_config_class: ClassVar[Any] = GraniteConfig
+
+    def __init__(self, config: Any, backend: type[AttentionBackend]) -> None:
+        super().__init__(config, backend)
+        self.embed_scale = float(config.embedding_multiplier)
+        self.residual_scale = float(config.residual_multiplier)
+        self.logits_scale = float(config.logits_scaling)
+        if self.logits_scale == 0.0:
+            raise UnsupportedModelError("Granite's logits_scaling must not be 0")
+
+    def decoder_layer(
+        self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend], index: int
+    ) -> nn.Module:
+        layer = super().decoder_layer(config, rotary, backend, index)
+        assert isinstance(layer, DecoderLayer)
+        attn = layer.self_attn
+        scale = float(config.attention_multiplier)
+        attn.attn = backend(attn.num_heads, attn.num_kv_heads, attn.head_dim, scale)
+        return layer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().embed(input_ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) / self.logits_scale
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._fold_residual_scale(weights))
+
+    def _fold_residual_scale(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """o_proj and down_proj (weights and biases) times the residual
+        multiplier: residual + m * (W x + b) = residual + (m W) x + m b."""
+        for name, tensor in weights:
+            if any(end in name for end in _BRANCH_ENDS) and self.residual_scale != 1.0:
+                if tensor.dtype == torch.uint8:
+                    raise UnsupportedModelError(
+                        f"Granite's {name} is in a block format: its residual multiplier "
+                        f"({self.residual_scale}) is folded into float weights only. Use an "
+                        "F32, F16 or BF16 GGUF file or the safetensors checkpoint (with "
+                        'quantization="q8_0" or "q4_1" to run it in blocks)'
+                    )
+                tensor = tensor * torch.tensor(self.residual_scale, dtype=tensor.dtype)
+            yield name, tensor
+
+    @classmethod
+    def _gguf_config_extra(cls, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+        scalars = {}
+        for key, field in _GGUF_SCALARS.items():
+            value = gguf_value(metadata, "granite", key)
+            if value is None:
+                raise UnsupportedModelError(f"this Granite GGUF file has no granite.{key}")
+            scalars[field] = float(value)
+        return super()._gguf_config_extra(metadata, tensor_names) | scalars
