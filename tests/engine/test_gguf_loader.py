@@ -443,14 +443,36 @@ def test_granite_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -
     _assert_tracks_transformers(llm, hf, prompts)
 
 
-def test_granite_gguf_with_block_format_branch_ends_is_refused(tmp_path: Path) -> None:
-    """The residual multiplier is folded into float weights only: an
-    attn_output in Q8_0 blocks is refused by name."""
+def test_granite_gguf_with_block_format_branch_ends_tracks_transformers(tmp_path: Path) -> None:
+    """attn_output and ffn_down in Q8_0 blocks: the residual multiplier goes
+    into the blocks' scales, and greedy tokens track transformers on the
+    weights the blocks hold (those layers' inputs rounded as the kernel
+    rounds them). Leaving the multiplier out of the blocks fails it."""
     from ferrox import LLM
+    from ferrox.layers.quant_linear import QuantLinear
+    from tests import models
 
-    _, path = _granite_gguf(tmp_path, {"blk.0.attn_output.weight": Q.Q8_0})
-    with pytest.raises(UnsupportedModelError, match=r"o_proj\.weight is in a block format"):
-        LLM(str(path), num_kv_blocks=64, block_size=4)
+    types = {
+        f"blk.{i}.{stem}.weight": Q.Q8_0 for i in range(2) for stem in ("attn_output", "ffn_down")
+    }
+    source, path = _granite_gguf(tmp_path, types)
+    hf = models.hf_model(source)
+    dense = load_gguf(path).state_dict  # the blocks' values, dequantized
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        for module, name in ((layer.self_attn.o_proj, "self_attn.o_proj"),
+                             (layer.mlp.down_proj, "mlp.down_proj")):  # fmt: skip
+            with torch.no_grad():
+                module.weight.copy_(dense[f"model.layers.{i}.{name}.weight"])
+            hooks.append(
+                module.register_forward_pre_hook(
+                    lambda _, args: (models.round_like_the_block_kernel(args[0]),)
+                )
+            )
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4)
+    assert isinstance(llm.engine.runner.model.layers[1].mlp.down_proj, QuantLinear)
+    prompts = [[5, 9, 33, 40, 2, 7], list(range(3, 40)), [200, 4]]
+    _assert_tracks_transformers(llm, hf, prompts, tolerance=0.03)
 
 
 def _round_expert_inputs(hf: torch.nn.Module) -> None:

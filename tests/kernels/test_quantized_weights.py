@@ -25,6 +25,7 @@ from ferrox.layers.quant_linear import (
     QuantLinear,
     dequantize,
     quantize,
+    scale_blocks,
 )
 from ferrox.loader.gguf import load_gguf
 from ferrox.loader.gguf_dequant import BlockTensor
@@ -108,6 +109,26 @@ def test_quant_linear_matches_float_linear(
         assert bool((diff <= bound).all()), float((diff - bound).max())
         # and not vacuously: the bound is well below the outputs' size
         assert float(bound.mean()) < 0.25 * float(expected.abs().mean())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scaled_blocks_hold_the_scaled_weight(fmt: str) -> None:
+    """scale_blocks: the codes kept, each scale (and q4_1 offset) times the
+    factor, rounded to float16 again; the input untouched."""
+    weight = torch.randn(6, 96, generator=torch.Generator().manual_seed(8))
+    blocks = quantize(weight, fmt)
+    before = blocks.clone()
+    scaled = scale_blocks(blocks, fmt, 0.3)
+    assert torch.equal(blocks, before)
+    want = dequantize(blocks, fmt, 96) * 0.3
+    got = dequantize(scaled, fmt, 96)
+    # per block: |scale| and |offset| each within 2^-11 relative
+    assert torch.allclose(got, want, rtol=0, atol=want.abs().max().item() * 2**-10)
+    codes = slice(4, None) if fmt == "q4_1" else slice(2, None)
+    width = quant_linear.BLOCK_BYTES[fmt]
+    assert torch.equal(
+        scaled.reshape(6, -1, width)[..., codes], blocks.reshape(6, -1, width)[..., codes]
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

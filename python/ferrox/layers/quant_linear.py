@@ -127,6 +127,19 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.from_numpy(out.reshape(n, -1))
 
 
+def scale_blocks(weight: torch.Tensor, fmt: str, factor: float) -> torch.Tensor:
+    """A block-format weight [N, row bytes] times `factor`: each block's
+    float16 scale (and q4_1's offset) multiplied, the codes kept; each
+    scale rounds to float16 again (within 2^-11 of it, relatively)."""
+    row_bytes(fmt, BLOCK)  # (a known format)
+    blocks = weight.numpy().reshape(weight.shape[0], -1, BLOCK_BYTES[fmt]).copy()
+    fields = 2 if fmt == "q4_1" else 1  # float16 values at each block's start
+    head = np.ascontiguousarray(blocks[..., : 2 * fields]).view(np.float16)
+    scaled = (head.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    blocks[..., : 2 * fields] = scaled.view(np.uint8)
+    return torch.from_numpy(blocks.reshape(weight.shape[0], -1))
+
+
 class QuantLinear(nn.Module):
     """`nn.Linear`'s forward (float32 in and out) over a block-format weight."""
 

@@ -12,12 +12,13 @@ with four scalars of its own (transformers' names):
 
 GGUF (llama.cpp's `granite`): Llama's tensors, names and Q/K row order, the
 four scalars as `granite.embedding_scale`, `granite.attention.scale`,
-`granite.residual_scale` and `granite.logit_scale`. The residual scale is
-folded into float weights only: a file whose `attn_output` or `ffn_down`
-tensors are in a block format (as a Q4_K_M or Q8_0 file's are) is refused;
-an F32, F16 or BF16 file loads, and `quantization="q8_0"` / `"q4_1"` then
-quantizes it (after the fold). GraniteMoE and Granite 4's hybrids are other
-architectures, not served.
+`granite.residual_scale` and `granite.logit_scale`. Where `attn_output` or
+`ffn_down` stay in blocks (Q8_0, Q4_0, Q4_1, Q4_K as Q4_1 blocks), the
+residual scale goes into each block's float16 scale and offset
+(`quant_linear.scale_blocks`: the codes as stored, each scale within 2^-11
+of the exact product, where llama.cpp scales the branch's output instead);
+formats that load dequantized take it in float. GraniteMoE and Granite 4's
+hybrids are other architectures, not served.
 """
 
 from collections.abc import Iterable, Iterator
@@ -29,6 +30,7 @@ from transformers import GraniteConfig
 
 from ferrox.common.errors import UnsupportedModelError
 from ferrox.layers.attention import AttentionBackend
+from ferrox.layers.quant_linear import QuantLinear, scale_blocks
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.models.base import gguf_value
 from ferrox.models.llama import DecoderLayer, LlamaForCausalLM
@@ -86,14 +88,12 @@ class GraniteForCausalLM(LlamaForCausalLM):
         multiplier: residual + m * (W x + b) = residual + (m W) x + m b."""
         for name, tensor in weights:
             if any(end in name for end in _BRANCH_ENDS) and self.residual_scale != 1.0:
-                if tensor.dtype == torch.uint8:
-                    raise UnsupportedModelError(
-                        f"Granite's {name} is in a block format: its residual multiplier "
-                        f"({self.residual_scale}) is folded into float weights only. Use an "
-                        "F32, F16 or BF16 GGUF file or the safetensors checkpoint (with "
-                        'quantization="q8_0" or "q4_1" to run it in blocks)'
-                    )
-                tensor = tensor * torch.tensor(self.residual_scale, dtype=tensor.dtype)
+                if tensor.dtype == torch.uint8:  # block-format bytes
+                    module = self.get_submodule(name.removeprefix("model.").rpartition(".")[0])
+                    assert isinstance(module, QuantLinear)
+                    tensor = scale_blocks(tensor, module.fmt, self.residual_scale)
+                else:
+                    tensor = tensor * torch.tensor(self.residual_scale, dtype=tensor.dtype)
             yield name, tensor
 
     @classmethod
