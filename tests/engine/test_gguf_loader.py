@@ -366,21 +366,12 @@ def test_hybrid_gguf_in_llama_cpp_layout_matches_transformers(
     assert llm.engine.stats().prefix_hit_tokens > 0  # (the third prompt's first 24 tokens)
 
 
-def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -> None:
-    """A SmolLM3 GGUF as llama.cpp's converter writes it (Llama's tensors and
-    Q/K row order, no NoPE pattern in the metadata: llama.cpp's graph puts
-    it at every fourth layer): ferrox's greedy tokens and logprobs equal
-    transformers' on the checkpoint's weights."""
+def _llama_cpp_tensors(source: Path) -> tuple[Any, dict[str, np.ndarray]]:
+    """A Llama-layout checkpoint's config, and its tensors as llama.cpp's
+    converter writes them (GGUF names, Q/K rows interleaved per head)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from ferrox import LLM
-    from tests import models
-
-    source = models.build_tiny_model(
-        tmp_path / "hf", "smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
-        vocab_size=258,
-    )  # fmt: skip
     config = AutoConfig.from_pretrained(source)
     tensors = {}
     for name, weight in load_file(source / "model.safetensors").items():
@@ -389,6 +380,23 @@ def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -
         elif ".k_proj." in name:
             weight = _llama_cpp_permute(weight, config.num_key_value_heads)
         tensors[_gguf_name(name)] = weight.numpy()
+    return config, tensors
+
+
+def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -> None:
+    """A SmolLM3 GGUF as llama.cpp's converter writes it (Llama's tensors and
+    Q/K row order, no NoPE pattern in the metadata: llama.cpp's graph puts
+    it at every fourth layer): ferrox's greedy tokens and logprobs equal
+    transformers' on the checkpoint's weights."""
+
+    from ferrox import LLM
+    from tests import models
+
+    source = models.build_tiny_model(
+        tmp_path / "hf", "smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
+        vocab_size=258,
+    )  # fmt: skip
+    config, tensors = _llama_cpp_tensors(source)
     path = tmp_path / "smollm3.gguf"
     theta = config.rope_parameters["rope_theta"]
     _write_gguf(path, "smollm3", config, tensors, rope_freq_base=theta)
@@ -403,20 +411,11 @@ def test_smollm3_gguf_in_llama_cpp_layout_matches_transformers(tmp_path: Path) -
 def _granite_gguf(tmp_path: Path, types: dict[str, Q] | None = None) -> tuple[Path, Path]:
     """A tiny Granite checkpoint and the GGUF llama.cpp's converter would
     write from it (Llama's tensors and Q/K row order, the four scalars)."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
 
     from tests import models
 
     source = models.build_tiny_model(tmp_path / "hf", "granite", vocab_size=258)
-    config = AutoConfig.from_pretrained(source)
-    tensors = {}
-    for name, weight in load_file(source / "model.safetensors").items():
-        if ".q_proj." in name:
-            weight = _llama_cpp_permute(weight, config.num_attention_heads)
-        elif ".k_proj." in name:
-            weight = _llama_cpp_permute(weight, config.num_key_value_heads)
-        tensors[_gguf_name(name)] = weight.numpy()
+    config, tensors = _llama_cpp_tensors(source)
     scalars = {
         "embedding_scale": config.embedding_multiplier,
         "attention.scale": config.attention_multiplier,
