@@ -25,15 +25,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 from transformers import GraniteConfig
 
 from ferrox.common.errors import UnsupportedModelError
 from ferrox.layers.attention import AttentionBackend
 from ferrox.layers.quant_linear import QuantLinear, scale_blocks
-from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.models.base import gguf_value
-from ferrox.models.llama import DecoderLayer, LlamaForCausalLM
+from ferrox.models.llama import LlamaForCausalLM
 
 # The tensors that end a residual branch: the residual multiplier goes there.
 _BRANCH_ENDS = (".self_attn.o_proj.", ".mlp.down_proj.")
@@ -61,15 +59,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         if self.logits_scale == 0.0:
             raise UnsupportedModelError("Granite's logits_scaling must not be 0")
 
-    def decoder_layer(
-        self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend], index: int
-    ) -> nn.Module:
-        layer = super().decoder_layer(config, rotary, backend, index)
-        assert isinstance(layer, DecoderLayer)
-        attn = layer.self_attn
-        scale = float(config.attention_multiplier)
-        attn.attn = backend(attn.num_heads, attn.num_kv_heads, attn.head_dim, scale)
-        return layer
+    def attention_scale(self, config: Any) -> float | None:
+        return float(config.attention_multiplier)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().embed(input_ids)

@@ -154,9 +154,13 @@ class DecoderLayer(nn.Module):
         backend: type[AttentionBackend],
         qkv_bias: bool,
         qk_norm: bool,
+        attention_scale: float | None = None,
     ) -> None:
+        """`attention_scale`: of the scores (default head_dim ** -0.5)."""
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, backend, qkv_bias, qk_norm)
+        self.self_attn = DecoderAttention(
+            config, rotary, backend, qkv_bias, qk_norm, attention_scale
+        )
         self.mlp: nn.Module = GatedMlp(config)  # (a family may put experts here)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -278,7 +282,12 @@ class LlamaForCausalLM(CausalLM):
     ) -> nn.Module:
         """Decoder layer `index`, rotating by `rotary`."""
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        return DecoderLayer(config, rotary, backend, qkv_bias, self.qk_norm)
+        scale = self.attention_scale(config)
+        return DecoderLayer(config, rotary, backend, qkv_bias, self.qk_norm, scale)
+
+    def attention_scale(self, config: Any) -> float | None:
+        """The attention scores' scale; None: head_dim ** -0.5."""
+        return None
 
     def rotary_tables(self, context_length: int | None) -> list[RotaryEmbedding]:
         """Each layer's rotary table, for the engine's `context_length`
