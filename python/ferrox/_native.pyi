@@ -25,7 +25,9 @@ __all__ = [
     "cpu_isa",
     "dequantize_rows_cpu",
     "gated_delta_decode_cpu",
+    "pack_blocks_cpu",
     "paged_attention_cpu",
+    "quant_layout_cpu",
     "quant_matmul_cpu",
     "quant_matmul_kernel_cpu",
     "rotary_in_place_cpu",
@@ -343,8 +345,11 @@ def quant_matmul_cpu(
     bias: npt.NDArray[np.float32] | None,
     fmt: str,
     num_threads: int,
+    packed: bool = False,
 ) -> None: ...
 def quant_matmul_kernel_cpu() -> str: ...
+def pack_blocks_cpu(out: npt.NDArray[np.uint8], w: npt.NDArray[np.uint8], fmt: str) -> None: ...
+def quant_layout_cpu() -> str: ...
 def cpu_isa() -> str: ...
 def dequantize_rows_cpu(
     out: npt.NDArray[np.float32],
@@ -352,14 +357,18 @@ def dequantize_rows_cpu(
     fmt: str,
     rows: npt.NDArray[np.int64],
     num_threads: int,
+    packed: bool = False,
 ) -> None: ...
 
 # A KV cache: float32, or float16 viewed as int16 (`tensor.view(torch.int16)`).
 _KvArray: TypeAlias = npt.NDArray[np.float32] | npt.NDArray[np.int16]
 
-# (weight bytes, bias, format): "q8_0" / "q4_1" blocks [N, row bytes], or
-# "f32" for a float32 [N, K] weight viewed as uint8 [N, 4 K].
-_LayerLinear: TypeAlias = tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32] | None, str]
+# (weight bytes, bias, format, packed): "q8_0" / "q4_1" blocks [N, row bytes]
+# (in the kernels' panels if packed), or "f32" for a float32 [N, K] weight
+# viewed as uint8 [N, 4 K].
+_LayerLinear: TypeAlias = tuple[
+    npt.NDArray[np.uint8], npt.NDArray[np.float32] | None, str, bool
+]
 
 @final
 class CpuDecoderLayer:
@@ -418,6 +427,7 @@ class CpuMoeExperts:
         router_bias: Sequence[float] | None = None,
         expert_biases: tuple[Sequence[float], Sequence[float]] | None = None,
         clamped_swiglu: tuple[float, float] | None = None,
+        packed: bool = False,
     ) -> CpuMoeExperts: ...
     def forward(
         self,

@@ -71,10 +71,10 @@ def _linear(layer: torch.nn.Module) -> tuple:
     bias_tensor: torch.Tensor | None = getattr(layer, "bias", None)
     bias = None if bias_tensor is None else bias_tensor.detach().numpy()
     if isinstance(layer, QuantLinear):
-        return layer.weight.detach().numpy(), bias, layer.fmt
+        return layer.weight.detach().numpy(), bias, layer.fmt, layer.packed
     weight = _float_weight(layer)
     assert weight is not None
-    return weight.numpy().view(np.uint8), bias, "f32"
+    return weight.numpy().view(np.uint8), bias, "f32", False
 
 
 def _dense_mlp(layer: DecoderLayer) -> bool:

@@ -132,7 +132,8 @@ class SparseMoe(nn.Module):
             ):
                 return False
             pairs.append((cast(QuantLinear, gate_up), cast(QuantLinear, down)))
-        if len({(g.fmt, d.fmt, g.bias is None, d.bias is None) for g, d in pairs}) != 1:
+        kinds = {(g.fmt, d.fmt, g.bias is None, d.bias is None, g.packed, d.packed) for g, d in pairs}
+        if len(kinds) != 1 or pairs[0][0].packed != pairs[0][1].packed:
             return False
         router = self.gate.weight.detach()
         if router.dtype != torch.float32 or router.device.type != "cpu":
@@ -169,6 +170,7 @@ class SparseMoe(nn.Module):
             router_bias,
             biases,
             clamped,
+            gate_up.packed,
         )
         return True
 

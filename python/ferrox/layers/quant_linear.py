@@ -12,9 +12,13 @@ kernel is slower there (`DEQUANTIZE_ABOVE_ROWS`). With AVX2 or AVX-512
 VNNI every row count runs the one integer kernel, so that a row's result
 does not depend on the size of its batch.
 
-On a GPU the blocks are split once at load (`split_for_triton`) and every
-call runs the Triton dequantize-GEMM (`triton_kernels/quant_matmul.py`) in the
-model's dtype.
+On the CPU the blocks are rearranged once at load into the panels the
+kernels read (`pack_for_cpu`: sixteen output columns interleaved four
+weights at a time, `ferrox_cpu::quant_pack`), where the kernel would
+otherwise rearrange them on every call; the bytes are the same, their order
+is not llama.cpp's any more. On a GPU the blocks are split once at load
+(`split_for_triton`) and every call runs the Triton dequantize-GEMM
+(`triton_kernels/quant_matmul.py`) in the model's dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrox._native import dequantize_rows_cpu, quant_matmul_cpu, quant_matmul_kernel_cpu
+from ferrox._native import (
+    dequantize_rows_cpu,
+    pack_blocks_cpu,
+    quant_layout_cpu,
+    quant_matmul_cpu,
+    quant_matmul_kernel_cpu,
+)
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers.cpu_linear import packed_linear_supported
 from ferrox.layers.native import kernel_threads
@@ -47,6 +57,9 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 # portable code) up to about 32.
 DEQUANTIZE_ABOVE_ROWS = 32 if quant_matmul_kernel_cpu() == "pairs" else sys.maxsize
 DEQUANTIZE_CHUNK_ELEMENTS = 2 << 20
+# Whether this CPU's kernel reads weights packed into panels (AVX2 and
+# AVX-512 VNNI) rather than llama.cpp's rows (the portable kernel).
+PACK_FOR_CPU = quant_layout_cpu() == "panels"
 
 _scratch = torch.empty(0)
 _ONEDNN = packed_linear_supported()
@@ -88,13 +101,26 @@ def dequantize(
     in_features: int,
     out: torch.Tensor | None = None,
     num_threads: int | None = None,
+    packed: bool = False,
+    rows: range | None = None,
 ) -> torch.Tensor:
-    """A block-format weight [N, row bytes] as float32 [N, in_features]."""
+    """A block-format weight [N, row bytes] (`packed` by `pack_blocks`, or
+    not) as float32 [N, in_features], or only its `rows`."""
+    picked = np.arange(weight.shape[0], dtype=np.int64) if rows is None else np.arange(
+        rows.start, rows.stop, dtype=np.int64
+    )
     if out is None:
-        out = torch.empty(weight.shape[0], in_features, dtype=torch.float32)
-    rows = np.arange(weight.shape[0], dtype=np.int64)
+        out = torch.empty(len(picked), in_features, dtype=torch.float32)
     threads = kernel_threads() if num_threads is None else num_threads
-    dequantize_rows_cpu(out.numpy(), weight.numpy(), fmt, rows, threads)
+    dequantize_rows_cpu(out.numpy(), weight.numpy(), fmt, picked, threads, packed)
+    return out
+
+
+def pack_blocks(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A block-format weight [N, row bytes] in llama.cpp's rows, rearranged
+    into the panels the CPU kernels read (same shape and bytes)."""
+    out = torch.empty_like(weight, device="cpu")
+    pack_blocks_cpu(out.numpy(), weight.detach().cpu().contiguous().numpy(), fmt)
     return out
 
 
@@ -153,6 +179,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._views: tuple[np.ndarray, np.ndarray | None] | None = None
         self._split: SplitBlocks | None = None
+        # The weight is in the CPU kernels' panels (`pack_for_cpu`).
+        self.packed = False
         # This layer's own DEQUANTIZE_ABOVE_ROWS (None: the module's);
         # `batch_invariant` sets no limit, one kernel for every row count.
         self.dequantize_above: int | None = None
@@ -174,6 +202,14 @@ class QuantLinear(nn.Module):
         self._split = _split_weight(self.weight, self.fmt, self.in_features, shared)
         self.weight = _released(self.weight)
 
+    def pack_for_cpu(self, shared: dict[int, nn.Parameter]) -> None:
+        """On the CPU, once loaded: the weight in the kernels' panels (a
+        tied LM head and its embedding share one packed copy through
+        `shared`)."""
+        self.weight = _packed(self.weight, self.fmt, shared)
+        self.packed = True
+        self._views = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._split is not None:
             from ferrox.triton_kernels.quant_matmul import dequant_matmul
@@ -194,7 +230,9 @@ class QuantLinear(nn.Module):
                 bias = None if self.bias is None else self.bias.detach().numpy()
                 self._views = (self.weight.detach().numpy(), bias)
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
-            quant_matmul_cpu(out.numpy(), x2.numpy(), *self._views, self.fmt, kernel_threads())
+            quant_matmul_cpu(
+                out.numpy(), x2.numpy(), *self._views, self.fmt, kernel_threads(), self.packed
+            )
         return out.view(*shape[:-1], self.out_features)
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +244,8 @@ class QuantLinear(nn.Module):
         if step >= n:
             # On one thread: the kernel pool's workers would still be
             # spinning when torch's threads start the GEMM.
-            weight = dequantize(self.weight, self.fmt, k, _scratch_buffer(n * k).view(n, k), 1)
+            scratch = _scratch_buffer(n * k).view(n, k)
+            weight = dequantize(self.weight, self.fmt, k, scratch, 1, self.packed)
             return _float_linear(x, weight, self.bias)
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         scratch = _scratch_buffer(step * k)
@@ -214,7 +253,7 @@ class QuantLinear(nn.Module):
             end = min(n, start + step)
             rows = end - start
             chunk = scratch[: rows * k].view(rows, k)
-            dequantize(self.weight[start:end], self.fmt, k, chunk, 1)
+            dequantize(self.weight, self.fmt, k, chunk, 1, self.packed, range(start, end))
             bias = None if self.bias is None else self.bias[start:end]
             # (F.linear here: oneDNN's op on a new weight slice every call
             # runs several times slower, benches/quant_linear.py's LM head)
@@ -238,6 +277,12 @@ class QuantEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
         self._split: SplitBlocks | None = None
         self._dtype = torch.float32
+        self.packed = False
+
+    def pack_for_cpu(self, shared: dict[int, nn.Parameter]) -> None:
+        """As `QuantLinear.pack_for_cpu` (rows are looked up from the panels)."""
+        self.weight = _packed(self.weight, self.fmt, shared)
+        self.packed = True
 
     def split_for_triton(self, shared: dict[int, SplitBlocks], dtype: torch.dtype) -> None:
         """As `QuantLinear.split_for_triton`; rows come out in `dtype`."""
@@ -253,7 +298,8 @@ class QuantEmbedding(nn.Module):
             rows = dequantize_split(self._split, flat).to(self._dtype)
             return rows.view(*ids.shape, self.embedding_dim)
         out = torch.empty(flat.shape[0], self.embedding_dim, dtype=torch.float32)
-        dequantize_rows_cpu(out.numpy(), self.weight.numpy(), self.fmt, flat.numpy(), 1)
+        weight = self.weight.numpy()
+        dequantize_rows_cpu(out.numpy(), weight, self.fmt, flat.numpy(), 1, self.packed)
         return out.view(*ids.shape, self.embedding_dim)
 
 
@@ -265,6 +311,13 @@ def _split_weight(
     key = weight.data_ptr()
     if key not in shared:
         shared[key] = split_blocks(weight.detach(), fmt, in_features)
+    return shared[key]
+
+
+def _packed(weight: torch.Tensor, fmt: str, shared: dict[int, nn.Parameter]) -> nn.Parameter:
+    key = weight.data_ptr()
+    if key not in shared:
+        shared[key] = nn.Parameter(pack_blocks(weight, fmt), requires_grad=False)
     return shared[key]
 
 

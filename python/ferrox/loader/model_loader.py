@@ -18,6 +18,7 @@ from ferrox.common.config import EngineConfig, parse_overrides
 from ferrox.common.errors import InvalidArgumentError, ModelLoadError
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
+from ferrox.layers import quant_linear
 from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize
 from ferrox.loader.gguf import load_gguf
 from ferrox.loader.gguf_dequant import BlockTensor
@@ -138,6 +139,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         quantize_linear_layers(model, quantize_to)
     if _block_kernels(config) == "triton":
         split_block_layers(model, torch_dtype(config))
+    if _block_kernels(config) == "native":
+        pack_block_layers(model)  # blocks in the CPU kernels' panels (quant_linear.py)
     if torch_device(config).type == "cpu" and torch_dtype(config) == torch.float32:
         pack_linear_layers(model)  # weights in oneDNN's layout (see cpu_linear.py)
     model.prepare_fused_decode()
@@ -244,6 +247,19 @@ def split_block_layers(model: torch.nn.Module, dtype: torch.dtype) -> int:
             module.split_for_triton(shared, dtype)
         else:
             module.split_for_triton(shared)
+    return len(layers)
+
+
+def pack_block_layers(model: torch.nn.Module) -> int:
+    """On the CPU: every block-format layer's weight in the panels this
+    CPU's kernel reads, if it reads panels (see layers/quant_linear.py)."""
+    if not quant_linear.PACK_FOR_CPU:
+        return 0
+    shared: dict[int, torch.nn.Parameter] = {}
+    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    for module in layers:
+        if module.weight.device.type == "cpu" and not module.packed:
+            module.pack_for_cpu(shared)
     return len(layers)
 
 

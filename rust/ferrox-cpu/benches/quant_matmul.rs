@@ -13,7 +13,9 @@
 
 use std::time::Instant;
 
-use ferrox_cpu::{quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs};
+use ferrox_cpu::{
+    pack_blocks, quant_matmul_with, BlockLayout, QuantFormat, QuantKernel, QuantMatmulArgs,
+};
 
 /// SmolLM2-135M's layers in its GGUF formats (the LM head is the Q8_0
 /// embedding): name, K, N, format.
@@ -74,14 +76,24 @@ fn main() {
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
     let repeats = arg("--repeats", 7);
-    let kernels: Vec<QuantKernel> = QuantKernel::ALL
+    // Each kernel on the rows layout (a panel kernel then packs per call),
+    // and each panel kernel on weights packed ahead.
+    let kernels: Vec<(QuantKernel, BlockLayout)> = QuantKernel::ALL
         .into_iter()
         .filter(|k| k.supported())
+        .flat_map(|k| {
+            let packed = (k.layout() == BlockLayout::Panels).then_some((k, BlockLayout::Panels));
+            std::iter::once((k, BlockLayout::Rows)).chain(packed)
+        })
         .collect();
     println!("{threads} threads, {repeats} repeats; microseconds per call, median (min-max)");
     print!("{:<26}{:>5}", "shape", "rows");
-    for kernel in &kernels {
-        print!("{:>26}", format!("{kernel:?}"));
+    for (kernel, layout) in &kernels {
+        let name = match layout {
+            BlockLayout::Rows => format!("{kernel:?}"),
+            BlockLayout::Panels => format!("{kernel:?} packed"),
+        };
+        print!("{name:>26}");
     }
     println!("{:>9}{:>10}", "speedup", "GMAC/s");
     let rows: Vec<usize> = option("--rows").map_or(ROWS.to_vec(), |list| {
@@ -95,26 +107,34 @@ fn main() {
             continue;
         }
         let w = weights(fmt, n, k);
+        let mut packed = vec![0; w.len()];
+        pack_blocks(&w, fmt, k, &mut packed).unwrap();
         for &m in &rows {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 250.0)
                 .collect();
             let mut out = vec![0.0; m * n];
-            let args = QuantMatmulArgs {
+            let args = |layout| QuantMatmulArgs {
                 x: &x,
-                w: &w,
+                w: if layout == BlockLayout::Panels {
+                    &packed
+                } else {
+                    &w
+                },
                 bias: None,
                 m,
                 k,
                 n,
                 fmt,
+                layout,
                 num_threads: threads,
             };
             // Calls per sample: 2e8 multiply-adds (about 1-3 ms), at least one.
             let calls = (2e8 / (m * k * n) as f64).ceil() as usize;
             let mut times = vec![Vec::new(); kernels.len()];
             for _ in 0..repeats {
-                for (which, &kernel) in kernels.iter().enumerate() {
+                for (which, &(kernel, layout)) in kernels.iter().enumerate() {
+                    let args = args(layout);
                     quant_matmul_with(&args, &mut out, kernel).unwrap();
                     let start = Instant::now();
                     for _ in 0..calls {

@@ -17,11 +17,12 @@ use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::kv_element::KvElement;
 use crate::paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 use crate::quant_matmul::{quant_matmul, QuantFormat, QuantMatmulArgs};
+use crate::quant_pack::BlockLayout;
 
-/// A linear layer's weight: block-format bytes ([N, row bytes]) or float32
-/// ([N, K]).
+/// A linear layer's weight: block-format bytes ([N, row bytes], in a
+/// layout) or float32 ([N, K]).
 pub enum LinearWeight<'a> {
-    Blocks(&'a [u8], QuantFormat),
+    Blocks(&'a [u8], QuantFormat, BlockLayout),
     F32(&'a [f32]),
 }
 
@@ -96,7 +97,7 @@ fn linear(
     let (m, n) = (x.len() / k, layer.out_features);
     let mut out = vec![0.0; m * n];
     let done = match layer.weight {
-        LinearWeight::Blocks(w, fmt) => {
+        LinearWeight::Blocks(w, fmt, layout) => {
             let args = QuantMatmulArgs {
                 x,
                 w,
@@ -105,6 +106,7 @@ fn linear(
                 k,
                 n,
                 fmt,
+                layout,
                 num_threads: threads,
             };
             quant_matmul(&args, &mut out)
@@ -354,7 +356,7 @@ mod tests {
             zeros(hidden, inter),
         );
         let linear = |w: &'static [u8], n| LayerLinear {
-            weight: LinearWeight::Blocks(w, fmt),
+            weight: LinearWeight::Blocks(w, fmt, BlockLayout::Rows),
             bias: None,
             out_features: n,
         };

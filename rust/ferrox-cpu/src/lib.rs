@@ -18,6 +18,7 @@ mod quant_matmul_avx2;
 mod quant_matmul_panel;
 #[cfg(target_arch = "x86_64")]
 mod quant_matmul_vnni;
+pub mod quant_pack;
 pub mod token_bitmask;
 
 pub use decoder_layer::{
@@ -35,4 +36,5 @@ pub use quant_matmul::{
     dequantize_rows, quant_matmul, quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs,
     QuantShapeError,
 };
+pub use quant_pack::{pack_blocks, unpack_blocks, BlockLayout};
 pub use token_bitmask::{apply_token_bitmask, BitmaskError};

@@ -19,6 +19,7 @@ use crate::quant_matmul::{
     check_k, quantize_activations, run_columns, OutPtr, QuantFormat, QuantKernel, QuantMatmulArgs,
     QuantShapeError, QuantizedActivations,
 };
+use crate::quant_pack::BlockLayout;
 
 /// One expert's weights, in block formats: gate and up stacked
 /// ([2 I, row bytes of hidden]), down ([hidden, row bytes of I]), and their
@@ -47,6 +48,8 @@ pub struct MoeArgs<'a> {
     pub experts: &'a [ExpertWeights<'a>],
     pub gate_up_fmt: QuantFormat,
     pub down_fmt: QuantFormat,
+    /// The layout of every expert's weights.
+    pub layout: BlockLayout,
     pub hidden: usize,
     pub inter: usize,
     pub activation: MoeActivation,
@@ -199,7 +202,7 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
             let e = &args.experts[g.expert];
             (e.gate_up, e.gate_up_bias)
         },
-        args.gate_up_fmt,
+        (args.gate_up_fmt, args.layout),
         hidden,
         2 * inter,
         args.num_threads,
@@ -233,7 +236,7 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
             let e = &args.experts[g.expert];
             (e.down, e.down_bias)
         },
-        args.down_fmt,
+        (args.down_fmt, args.layout),
         inter,
         hidden,
         args.num_threads,
@@ -262,7 +265,7 @@ fn project<'a>(
     groups: &[Group],
     inputs: &[Vec<f32>],
     weight: impl Fn(&Group) -> (&'a [u8], Option<&'a [f32]>),
-    fmt: QuantFormat,
+    (fmt, layout): (QuantFormat, BlockLayout),
     k: usize,
     n: usize,
     threads: usize,
@@ -285,6 +288,7 @@ fn project<'a>(
             k,
             n,
             fmt,
+            layout,
             num_threads: 1,
         })
         .collect();
@@ -356,6 +360,7 @@ mod tests {
             k,
             n,
             fmt: QuantFormat::Q8_0,
+            layout: BlockLayout::Rows,
             num_threads: 1,
         };
         quant_matmul(&args, &mut out).unwrap();
@@ -429,6 +434,7 @@ mod tests {
             experts: &views,
             gate_up_fmt: QuantFormat::Q8_0,
             down_fmt: QuantFormat::Q8_0,
+            layout: BlockLayout::Rows,
             hidden,
             inter,
             activation,
@@ -528,6 +534,7 @@ mod tests {
                 experts,
                 gate_up_fmt: QuantFormat::Q8_0,
                 down_fmt: QuantFormat::Q8_0,
+                layout: BlockLayout::Rows,
                 hidden: 32,
                 inter: 32,
                 activation: MoeActivation::Silu,

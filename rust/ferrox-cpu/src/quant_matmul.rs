@@ -16,6 +16,7 @@
 use std::fmt;
 
 use crate::pool::run_parts;
+use crate::quant_pack::{column_block, BlockLayout, PANEL};
 
 pub const BLOCK: usize = 32;
 
@@ -145,11 +146,13 @@ fn dequantize_block(row: &[u8], fmt: QuantFormat, b: usize, out: &mut [f32]) {
     }
 }
 
-/// Rows `rows` of a quantized `[N, K]` weight as float32 `[rows.len(), K]`
-/// (an embedding lookup, or the whole matrix for a large matmul).
+/// Rows `rows` of a quantized `[N, K]` weight in `layout` as float32
+/// `[rows.len(), K]` (an embedding lookup, or the whole matrix for a large
+/// matmul).
 pub fn dequantize_rows(
     w: &[u8],
     fmt: QuantFormat,
+    layout: BlockLayout,
     k: usize,
     rows: &[usize],
     out: &mut [f32],
@@ -167,7 +170,16 @@ pub fn dequantize_rows(
     }
     let vector = crate::isa::avx2();
     let one_row = |r: usize, dst: &mut [f32]| {
-        let row = &w[r * row_bytes..(r + 1) * row_bytes];
+        let mut gathered = Vec::new();
+        let row = if layout == BlockLayout::Panels && r < n / PANEL * PANEL {
+            gathered.resize(row_bytes, 0);
+            for (b, block) in gathered.chunks_exact_mut(fmt.block_bytes()).enumerate() {
+                column_block(w, layout, fmt, k, r, b, block);
+            }
+            &gathered[..]
+        } else {
+            &w[r * row_bytes..(r + 1) * row_bytes]
+        };
         #[cfg(target_arch = "x86_64")]
         if vector {
             // SAFETY: the features were detected; `row` holds K / 32 blocks.
@@ -202,14 +214,16 @@ pub(crate) fn check_k(fmt: QuantFormat, k: usize) -> Result<usize, QuantShapeErr
     Ok(fmt.row_bytes(k))
 }
 
+#[derive(Clone, Copy)]
 pub struct QuantMatmulArgs<'a> {
     pub x: &'a [f32],            // [M, K]
-    pub w: &'a [u8],             // [N, row_bytes]
+    pub w: &'a [u8],             // [N, row_bytes], in `layout`
     pub bias: Option<&'a [f32]>, // [N]
     pub m: usize,
     pub k: usize,
     pub n: usize,
     pub fmt: QuantFormat,
+    pub layout: BlockLayout,
     pub num_threads: usize,
 }
 
@@ -228,9 +242,9 @@ impl OutPtr {
 
 /// The kernels of the block matmul. `Pairs` runs everywhere (portable code
 /// where the CPU lacks AVX2, FMA and F16C); the panel kernels need AVX2
-/// (`Panels`, eight columns per panel) or AVX-512 VNNI (`WidePanels`,
-/// sixteen) and take whole panels, the columns past the last one going to
-/// `Pairs`.
+/// (`Panels`, a panel as two halves of eight columns) or AVX-512 VNNI
+/// (`WidePanels`, all sixteen at once) and take whole packed panels
+/// (`quant_pack`), the columns past the last one going to `Pairs`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantKernel {
     Pairs,
@@ -259,9 +273,10 @@ impl QuantKernel {
     /// every row count and format, so that a row's result never
     /// depends on how many rows share its call (the kernels round
     /// differently). By `rust/ferrox-cpu/benches/quant_matmul.rs`, the
-    /// panels' interleaving of the weight per call repays itself from one
-    /// row: AVX2 panels against the pair kernel, 1.11-1.34x at one row and
-    /// 1.26-1.86x at two or three, on every shape of the bundled model.
+    /// panels beat the pair kernel from one row even when they pack a
+    /// rows-layout weight per call: AVX2 panels against the pair kernel,
+    /// 1.11-1.34x at one row and 1.26-1.86x at two or three, on every shape
+    /// of the bundled model.
     pub fn best() -> Self {
         if Self::WidePanels.supported() {
             Self::WidePanels
@@ -272,18 +287,24 @@ impl QuantKernel {
         }
     }
 
-    /// (the kernel for any columns, the panel kernel and its width)
-    fn functions(self) -> (Kernel, Option<(Kernel, usize)>) {
+    /// The layout this kernel reads without rearranging the weight per
+    /// call: what a loader should pack a weight into (`quant_pack`).
+    pub fn layout(self) -> BlockLayout {
+        match self {
+            Self::Pairs => BlockLayout::Rows,
+            Self::Panels | Self::WidePanels => BlockLayout::Panels,
+        }
+    }
+
+    /// (the kernel for rows-layout columns, the panel kernel)
+    fn functions(self) -> (Kernel, Option<PanelKernel>) {
         #[cfg(target_arch = "x86_64")]
         if crate::isa::avx2() {
             let pairs: Kernel = crate::quant_matmul_avx2::columns;
-            let panels: Option<(Kernel, usize)> = match self {
+            let panels: Option<PanelKernel> = match self {
                 Self::Pairs => None,
-                Self::Panels => Some((crate::quant_matmul_panel::columns, PANEL)),
-                Self::WidePanels => Some((
-                    crate::quant_matmul_vnni::columns,
-                    crate::quant_matmul_vnni::WIDE_PANEL,
-                )),
+                Self::Panels => Some(crate::quant_matmul_panel::panel),
+                Self::WidePanels => Some(crate::quant_matmul_vnni::panel),
             };
             return (pairs, panels);
         }
@@ -349,18 +370,21 @@ impl QuantKernel {
     /// The column count a thread's share of the output is a multiple of
     /// (a panel, or a pair of rows).
     pub(crate) fn column_unit(self) -> usize {
-        self.functions().1.map_or(2, |(_, width)| width)
+        self.functions().1.map_or(2, |_| PANEL)
     }
 }
 
 /// Columns `start..end` of `out` = x @ W^T for the activations `acts` of
-/// `args.m` rows: whole panels through the panel kernel, the columns past
-/// the last one through the pair kernel.
+/// `args.m` rows: whole panels through the panel kernel (a rows-layout
+/// weight packed a panel at a time first), the columns past the last one
+/// through the pair kernel. Without a panel kernel, the pair kernel reads a
+/// rows-layout weight, and the portable loop any other.
 ///
 /// # Safety
 /// `out` points to M * N floats, and no other thread writes these columns;
-/// the CPU has `kernel` (`QuantKernel::supported`); `args.w` holds N rows
-/// of `args.fmt` blocks for K inputs.
+/// `start` is a multiple of `kernel.column_unit()`; the CPU has `kernel`
+/// (`QuantKernel::supported`); `args.w` holds N columns of `args.fmt`
+/// blocks for K inputs in `args.layout`.
 pub(crate) unsafe fn run_columns(
     kernel: QuantKernel,
     args: &QuantMatmulArgs<'_>,
@@ -372,28 +396,47 @@ pub(crate) unsafe fn run_columns(
     if start >= end {
         return;
     }
-    let (pairs, panels) = kernel.functions();
-    let whole = match panels {
-        Some((panel, width)) => {
-            let whole = start + (end - start) / width * width;
-            if whole > start {
-                unsafe { panel(args, acts, start, whole, out.get()) };
+    let (pairs, panel) = kernel.functions();
+    // columns from `whole` on are in the rows layout whatever `layout` says
+    let whole = (args.n / PANEL * PANEL).clamp(start, end);
+    match panel {
+        Some(panel) => {
+            debug_assert_eq!(start % PANEL, 0);
+            let row_bytes = args.fmt.row_bytes(args.k);
+            let mut packed = Vec::new();
+            for col in (start..whole).step_by(PANEL) {
+                let at = match args.layout {
+                    BlockLayout::Panels => unsafe { args.w.as_ptr().add(col * row_bytes) },
+                    BlockLayout::Rows => {
+                        packed.resize(PANEL * row_bytes, 0);
+                        #[cfg(target_arch = "x86_64")]
+                        unsafe {
+                            crate::quant_matmul_panel::pack_panel(args, col, &mut packed)
+                        };
+                        packed.as_ptr()
+                    }
+                };
+                unsafe { panel(args, acts, at, col, out.get()) };
             }
-            whole
         }
-        None => start,
-    };
+        None if args.layout == BlockLayout::Panels && whole > start => unsafe {
+            columns_portable(args, acts, start, whole, out.get())
+        },
+        None => return unsafe { pairs(args, acts, start, end, out.get()) },
+    }
     if whole < end {
         unsafe { pairs(args, acts, whole, end, out.get()) };
     }
 }
 
-/// Output columns per panel of the AVX2 panel kernel.
-pub(crate) const PANEL: usize = 8;
-
 type Kernel = unsafe fn(&QuantMatmulArgs<'_>, &QuantizedActivations, usize, usize, *mut f32);
 
-/// Columns `start..end` of the output, one block dot product at a time.
+/// Every row of one panel's sixteen columns from the panel's packed bytes.
+type PanelKernel =
+    unsafe fn(&QuantMatmulArgs<'_>, &QuantizedActivations, *const u8, usize, *mut f32);
+
+/// Columns `start..end` of the output, one block dot product at a time,
+/// from a weight in either layout.
 ///
 /// # Safety
 /// `out` points to M * N floats; no other thread writes these columns.
@@ -404,14 +447,18 @@ pub unsafe fn columns_portable(
     end: usize,
     out: *mut f32,
 ) {
-    let row_bytes = args.fmt.row_bytes(args.k);
     let blocks = args.k / BLOCK;
+    let block_bytes = args.fmt.block_bytes();
+    let mut row = vec![0u8; args.fmt.row_bytes(args.k)];
     for col in start..end {
-        let row = &args.w[col * row_bytes..(col + 1) * row_bytes];
+        for (b, block) in row.chunks_exact_mut(block_bytes).enumerate() {
+            column_block(args.w, args.layout, args.fmt, args.k, col, b, block);
+        }
+        let row = &row;
         for i in 0..args.m {
             let mut acc = 0f32;
             for b in 0..blocks {
-                let at = b * args.fmt.block_bytes();
+                let at = b * block_bytes;
                 let xb = i * blocks + b;
                 let xq = &acts.q[xb * BLOCK..(xb + 1) * BLOCK];
                 match args.fmt {

@@ -1,39 +1,40 @@
-//! The AVX2 quantized matmul for several activation rows: eight weight rows
-//! (output columns) at a time, their blocks first interleaved into a panel
-//! so that one 32-byte vector holds four consecutive weights of each of the
-//! eight columns.
+//! The AVX2 quantized matmul for several activation rows over packed panels
+//! (`quant_pack`): sixteen weight rows (output columns) per panel, taken as
+//! two halves of eight, one 32-byte vector holding four consecutive weights
+//! of each of a half's eight columns.
 //!
 //! Against that vector, four activation bytes broadcast to every lane give
 //! in one `maddubs` + the block's sums eight columns' partial dot products
 //! side by side: the block's scales then apply as vectors (eight weight
 //! scales times one activation scale), the sums stay in the lanes of one
 //! register per activation row, and the eight results leave in one store;
-//! no horizontal sum, no scalar scale per block and column. The panel is
-//! built once per eight columns and serves every row of the call (it stays
-//! in L1: 320 bytes per block), so the interleaving costs little when
-//! several rows share it; the pair kernel (`quant_matmul_avx2`) stays for
-//! one or two Q4_1 rows and for the columns past the last whole panel.
+//! no horizontal sum, no scalar scale per block and column.
 //!
-//! Q4_1 nibbles are unsigned, so `maddubs` takes them as they are, and the
-//! 16-bit sums of a whole block cannot overflow (8 groups x 2 x 15 x 127 =
-//! 30480): one `madd` per block. Q8_0 weights are signed: each group moves
+//! Q4_1 nibbles are unsigned, so `maddubs` takes them as they are (the low
+//! nibbles masked, the high ones shifted down), and the 16-bit sums of a
+//! whole block cannot overflow (8 groups x 2 x 15 x 127 = 30480, in any
+//! order): one `madd` per block. Q8_0 weights are signed: each group moves
 //! the weight's sign onto the activation (`sign`) and widens at once (two
 //! products of 127 x 127 already fill 16 bits).
+//!
+//! A weight in the rows layout is packed here a panel at a time, per call
+//! (`pack_panel`), into the same layout: the loop and its results are the
+//! same for both layouts.
 
 use std::arch::x86_64::*;
 
-use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK, PANEL};
+use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK};
+use crate::quant_pack::PANEL;
 
-/// Activation rows per pass over a panel (two registers each).
+/// Activation rows per pass over a half panel (two registers each).
 const ROWS: usize = 4;
-/// Vectors per block of a panel: 8 weight groups, then the scales and (Q4_1)
-/// the offsets as eight floats each.
-const PANEL_BLOCK: usize = 10;
+/// Columns of a half panel.
+const HALF: usize = PANEL / 2;
 
 /// Transposes four dwords of each of eight 16-byte rows: `out[g]` holds
 /// dword `g` of rows 0..8 (row r in dword r).
 #[inline(always)]
-pub(crate) unsafe fn transpose(rows: &[__m128i; PANEL]) -> [__m256i; 4] {
+unsafe fn transpose(rows: &[__m128i; HALF]) -> [__m256i; 4] {
     // (plain loops, no closures, in these helpers: a closure is not
     // compiled with the caller's target features, and its intrinsics would
     // not be inlined)
@@ -55,115 +56,121 @@ pub(crate) unsafe fn transpose(rows: &[__m128i; PANEL]) -> [__m256i; 4] {
 
 /// Sixteen bytes at `offset` past each of eight pointers.
 #[inline(always)]
-pub(crate) unsafe fn load_rows(at: &[*const u8], offset: usize) -> [__m128i; PANEL] {
-    let mut rows = [_mm_setzero_si128(); PANEL];
-    for c in 0..PANEL {
+unsafe fn load_rows(at: &[*const u8], offset: usize) -> [__m128i; HALF] {
+    let mut rows = [_mm_setzero_si128(); HALF];
+    for c in 0..HALF {
         rows[c] = _mm_loadu_si128(at[c].add(offset) as *const __m128i);
     }
     rows
 }
 
-/// `N` float16 values, at `offset` past each pointer, as float bits.
-#[inline(always)]
-pub(crate) unsafe fn half_bits<const N: usize>(at: &[*const u8; N], offset: usize) -> [u16; N] {
-    let mut bits = [0u16; N];
-    for c in 0..N {
-        bits[c] = std::ptr::read_unaligned(at[c].add(offset) as *const u16);
-    }
-    bits
-}
-
-/// The pointers to block `b` of `N` consecutive weight rows from `first`.
-#[inline(always)]
-pub(crate) unsafe fn block_pointers<const N: usize>(
-    first: *const u8,
-    row_bytes: usize,
-    block_offset: usize,
-) -> [*const u8; N] {
-    let mut at = [std::ptr::null(); N];
-    for (c, p) in at.iter_mut().enumerate() {
-        *p = first.add(c * row_bytes + block_offset);
-    }
-    at
-}
-
-/// Eight float16 values, at `offset` past each pointer, as floats.
-#[inline(always)]
-unsafe fn halves(at: &[*const u8; PANEL], offset: usize) -> __m256 {
-    let bits = half_bits(at, offset);
-    _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i))
-}
-
-/// Interleaves columns `col..col + 8` of the weight into `panel`
-/// (`PANEL_BLOCK` vectors per block).
-#[inline(always)]
-unsafe fn build_panel<const Q4: bool>(
-    args: &QuantMatmulArgs<'_>,
-    col: usize,
-    panel: &mut [__m256i],
-) {
-    let block_bytes = args.fmt.block_bytes();
-    let row_bytes = args.fmt.row_bytes(args.k);
+/// Columns `col..col + 16` of a rows-layout weight, packed into `panel`
+/// (`K / 32` panel blocks, the layout `quant_pack::pack_blocks` writes).
+///
+/// # Safety
+/// The CPU has AVX2; the weight holds columns `col..col + 16`; `panel` has
+/// `K / 32 * fmt.panel_block_bytes()` bytes.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn pack_panel(args: &QuantMatmulArgs<'_>, col: usize, panel: &mut [u8]) {
+    let fmt = args.fmt;
+    let (block_bytes, row_bytes) = (fmt.block_bytes(), fmt.row_bytes(args.k));
+    let (panel_block, scales) = (fmt.panel_block_bytes(), fmt.panel_scales_at());
     let first = args.w.as_ptr().add(col * row_bytes);
-    let mask = _mm256_set1_epi8(0x0f);
+    let (quants_at, halves) = match fmt {
+        QuantFormat::Q4_1 => (4, 1), // 16 nibble bytes: one transpose a half
+        QuantFormat::Q8_0 => (2, 2), // 32 bytes: two
+    };
     for b in 0..args.k / BLOCK {
-        let at: [*const u8; PANEL] = block_pointers(first, row_bytes, b * block_bytes);
+        let mut at = [std::ptr::null(); PANEL];
+        for (c, p) in at.iter_mut().enumerate() {
+            *p = first.add(c * row_bytes + b * block_bytes);
+        }
         // The next panel's block, while this one is rearranged.
         for p in at {
             _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PANEL * row_bytes) as *const i8);
         }
-        let out = &mut panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
-        if Q4 {
-            // weights 4g..4g+4 are the low nibbles of bytes 4g..4g+4, weights
-            // 16+4g.. their high nibbles
-            let nibbles = transpose(&load_rows(&at, 4));
-            for g in 0..4 {
-                out[g] = _mm256_and_si256(nibbles[g], mask);
-                out[g + 4] = _mm256_and_si256(_mm256_srli_epi16(nibbles[g], 4), mask);
+        let dst = panel.as_mut_ptr().add(b * panel_block);
+        for part in 0..halves {
+            for h in 0..2 {
+                let groups = transpose(&load_rows(&at[HALF * h..], quants_at + 16 * part));
+                for (g, v) in groups.iter().enumerate() {
+                    let to = dst.add((4 * part + g) * 4 * PANEL + 32 * h);
+                    _mm256_storeu_si256(to as *mut __m256i, *v);
+                }
             }
-            out[8] = _mm256_castps_si256(halves(&at, 0));
-            out[9] = _mm256_castps_si256(halves(&at, 2));
-        } else {
-            for half in 0..2 {
-                let bytes = transpose(&load_rows(&at, 2 + 16 * half));
-                out[4 * half..4 * half + 4].copy_from_slice(&bytes);
+        }
+        // the float16 scales (and Q4_1's offsets), sixteen in a row
+        let heads = if fmt == QuantFormat::Q4_1 { 2 } else { 1 };
+        for h in 0..heads {
+            for (c, p) in at.iter().enumerate() {
+                let bits = std::ptr::read_unaligned(p.add(2 * h) as *const u16);
+                std::ptr::write_unaligned(
+                    dst.add(scales + 2 * PANEL * h + 2 * c) as *mut u16,
+                    bits,
+                );
             }
-            out[8] = _mm256_castps_si256(halves(&at, 0));
         }
     }
 }
 
-/// Rows `i0..i0 + R` of the panel's eight columns.
+/// Four activation bytes at `q + at`, in every lane.
 #[inline(always)]
-unsafe fn panel_rows<const R: usize, const Q4: bool>(
+unsafe fn broadcast(q: *const i8, at: usize) -> __m256i {
+    _mm256_set1_epi32(std::ptr::read_unaligned(q.add(at) as *const i32))
+}
+
+/// Rows `i0..i0 + R` of a half panel's eight columns.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn half_rows<const R: usize, const Q4: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
-    panel: &[__m256i],
+    panel: *const u8,
+    half: usize,
     col: usize,
     i0: usize,
     out: *mut f32,
 ) {
     let blocks = args.k / BLOCK;
+    let (panel_block, scales) = (args.fmt.panel_block_bytes(), args.fmt.panel_scales_at());
     let ones = _mm256_set1_epi16(1);
+    let mask = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..blocks {
-        let vectors = panel.as_ptr().add(b * PANEL_BLOCK);
+        let p = panel.add(b * panel_block + 32 * half);
+        let q = acts.q.as_ptr().add((i0 * blocks + b) * BLOCK);
         let mut sums = [_mm256_setzero_si256(); R];
-        for g in 0..8 {
-            let w = *vectors.add(g);
-            let magnitude = if Q4 { w } else { _mm256_sign_epi8(w, w) };
-            for (r, sum) in sums.iter_mut().enumerate() {
-                let x = acts.q.as_ptr().add(((i0 + r) * blocks + b) * BLOCK + 4 * g);
-                let x = _mm256_set1_epi32(std::ptr::read_unaligned(x as *const i32));
-                if Q4 {
-                    *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(w, x));
-                } else {
-                    let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w));
+        if Q4 {
+            for g in 0..4 {
+                let v = _mm256_loadu_si256(p.add(g * 4 * PANEL) as *const __m256i);
+                let lo = _mm256_and_si256(v, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    *sum = _mm256_add_epi16(
+                        *sum,
+                        _mm256_maddubs_epi16(lo, broadcast(q, r * blocks * BLOCK + 4 * g)),
+                    );
+                    *sum = _mm256_add_epi16(
+                        *sum,
+                        _mm256_maddubs_epi16(hi, broadcast(q, r * blocks * BLOCK + 16 + 4 * g)),
+                    );
+                }
+            }
+        } else {
+            for g in 0..8 {
+                let w = _mm256_loadu_si256(p.add(g * 4 * PANEL) as *const __m256i);
+                let magnitude = _mm256_sign_epi8(w, w);
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    let pairs = _mm256_maddubs_epi16(
+                        magnitude,
+                        _mm256_sign_epi8(broadcast(q, r * blocks * BLOCK + 4 * g), w),
+                    );
                     *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
                 }
             }
         }
-        let d = _mm256_castsi256_ps(*vectors.add(8));
+        let heads = panel.add(b * panel_block + scales + 16 * half);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(heads as *const __m128i));
         for r in 0..R {
             let xb = (i0 + r) * blocks + b;
             let ints = if Q4 {
@@ -174,11 +181,12 @@ unsafe fn panel_rows<const R: usize, const Q4: bool>(
             let scale = _mm256_mul_ps(d, _mm256_set1_ps(*acts.d.get_unchecked(xb)));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, acc[r]);
             if Q4 {
-                let m = _mm256_castsi256_ps(*vectors.add(9));
+                let m = _mm256_cvtph_ps(_mm_loadu_si128(heads.add(2 * PANEL) as *const __m128i));
                 acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(*acts.s.get_unchecked(xb)), acc[r]);
             }
         }
     }
+    let col = col + HALF * half;
     let bias = match args.bias {
         Some(bias) => _mm256_loadu_ps(bias.as_ptr().add(col)),
         None => _mm256_setzero_ps(),
@@ -189,48 +197,44 @@ unsafe fn panel_rows<const R: usize, const Q4: bool>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn panels_of<const Q4: bool>(
+unsafe fn panel_of<const Q4: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
-    start: usize,
-    end: usize,
+    panel: *const u8,
+    col: usize,
     out: *mut f32,
 ) {
-    let mut panel = vec![_mm256_setzero_si256(); args.k / BLOCK * PANEL_BLOCK];
-    let mut col = start;
-    while col < end {
-        build_panel::<Q4>(args, col, &mut panel);
+    for half in 0..2 {
         let mut i = 0;
         while i < args.m {
             let rows = (args.m - i).min(ROWS);
             match rows {
-                1 => panel_rows::<1, Q4>(args, acts, &panel, col, i, out),
-                2 => panel_rows::<2, Q4>(args, acts, &panel, col, i, out),
-                3 => panel_rows::<3, Q4>(args, acts, &panel, col, i, out),
-                _ => panel_rows::<ROWS, Q4>(args, acts, &panel, col, i, out),
+                1 => half_rows::<1, Q4>(args, acts, panel, half, col, i, out),
+                2 => half_rows::<2, Q4>(args, acts, panel, half, col, i, out),
+                3 => half_rows::<3, Q4>(args, acts, panel, half, col, i, out),
+                _ => half_rows::<ROWS, Q4>(args, acts, panel, half, col, i, out),
             }
             i += rows;
         }
-        col += PANEL;
     }
 }
 
-/// Columns `start..end` of the output; `end - start` is a multiple of
-/// `PANEL`.
+/// Every row of columns `col..col + 16` of the output, from their packed
+/// panel.
 ///
 /// # Safety
-/// The CPU has AVX2, FMA and F16C; `out` points to M * N floats; no other
-/// thread writes these columns.
-pub unsafe fn columns(
+/// The CPU has AVX2, FMA and F16C; `panel` holds the columns' `K / 32`
+/// panel blocks; `out` points to M * N floats; no other thread writes these
+/// columns.
+pub unsafe fn panel(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
-    start: usize,
-    end: usize,
+    panel: *const u8,
+    col: usize,
     out: *mut f32,
 ) {
-    debug_assert_eq!((end - start) % PANEL, 0);
     match args.fmt {
-        QuantFormat::Q4_1 => panels_of::<true>(args, acts, start, end, out),
-        QuantFormat::Q8_0 => panels_of::<false>(args, acts, start, end, out),
+        QuantFormat::Q4_1 => panel_of::<true>(args, acts, panel, col, out),
+        QuantFormat::Q8_0 => panel_of::<false>(args, acts, panel, col, out),
     }
 }

@@ -1,5 +1,20 @@
 use super::*;
+use crate::quant_pack::pack_blocks;
 use proptest::prelude::*;
+
+const LAYOUTS: [BlockLayout; 2] = [BlockLayout::Rows, BlockLayout::Panels];
+
+/// A rows-layout weight in `layout`.
+fn laid_out(w: &[u8], fmt: QuantFormat, k: usize, layout: BlockLayout) -> Vec<u8> {
+    match layout {
+        BlockLayout::Rows => w.to_vec(),
+        BlockLayout::Panels => {
+            let mut packed = vec![0; w.len()];
+            pack_blocks(w, fmt, k, &mut packed).unwrap();
+            packed
+        }
+    }
+}
 
 /// float16 bits of a positive normal value with a random mantissa and an
 /// exponent in 2^-6 .. 2^-2, with the given sign.
@@ -38,7 +53,7 @@ fn weight_bytes(fmt: QuantFormat, n: usize, k: usize, seed: &[u16]) -> Vec<u8> {
 fn dense(fmt: QuantFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0.0; n * k];
     let rows: Vec<usize> = (0..n).collect();
-    dequantize_rows(w, fmt, k, &rows, &mut out, 1).unwrap();
+    dequantize_rows(w, fmt, BlockLayout::Rows, k, &rows, &mut out, 1).unwrap();
     out
 }
 
@@ -86,7 +101,10 @@ proptest! {
             let wf = dense(fmt, &w, n, k);
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
             let bias = with_bias.then_some(bias.as_slice());
-            let got = run(&QuantMatmulArgs { x: &x, w: &w, bias, m, k, n, fmt, num_threads: threads });
+            // (in the layout a loader packs into for this CPU's kernel)
+            let layout = QuantKernel::best().layout();
+            let packed = laid_out(&w, fmt, k, layout);
+            let got = run(&QuantMatmulArgs { x: &x, w: &packed, bias, m, k, n, fmt, layout, num_threads: threads });
             let acts = quantize_activations(&x, k);
             for i in 0..m {
                 for j in 0..n {
@@ -124,12 +142,18 @@ proptest! {
             let w = weight_bytes(fmt, n, k, &seed);
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
             let bias = with_bias.then_some(bias.as_slice());
-            let args = QuantMatmulArgs { x: &x, w: &w, bias, m, k, n, fmt, num_threads: threads };
+            let args = QuantMatmulArgs {
+                x: &x, w: &w, bias, m, k, n, fmt, layout: BlockLayout::Rows, num_threads: threads,
+            };
             let acts = quantize_activations(&x, k);
             let mut want = vec![0.0; m * n];
             unsafe { columns_portable(&args, &acts, 0, n, want.as_mut_ptr()) };
             let wf = dense(fmt, &w, n, k);
-            for kernel in QuantKernel::ALL.into_iter().filter(|k| k.supported()) {
+            let packed = laid_out(&w, fmt, k, BlockLayout::Panels);
+            let supported = QuantKernel::ALL.into_iter().filter(|k| k.supported());
+            for (kernel, layout) in supported.flat_map(|k| LAYOUTS.map(|l| (k, l))) {
+                let w = if layout == BlockLayout::Panels { &packed } else { &w };
+                let args = QuantMatmulArgs { w, layout, ..args };
                 let mut got = vec![f32::NAN; m * n];
                 quant_matmul_with(&args, &mut got, kernel).unwrap();
                 for i in 0..m {
@@ -140,7 +164,7 @@ proptest! {
                             .sum();
                         let b_abs = bias.map_or(0.0, |b| b[j].abs());
                         prop_assert!((a - b).abs() <= 1e-5 * (1.0 + magnitude + b_abs),
-                            "{kernel:?} {fmt:?} m={m} k={k} n={n} ({i},{j}): {a} vs {b}");
+                            "{kernel:?} {layout:?} {fmt:?} m={m} k={k} n={n} ({i},{j}): {a} vs {b}");
                     }
                 }
             }
@@ -154,19 +178,25 @@ proptest! {
     /// Batch invariance: every row of an M-row call equals, bit for bit,
     /// that row computed alone and computed among other rows in another
     /// order, under each kernel this CPU has and under the default choice
-    /// (which must not depend on the row count), whatever the threads.
+    /// (which must not depend on the row count), whatever the threads; and
+    /// a weight packed ahead gives the panel kernels the bits of the same
+    /// weight in rows.
     #[test]
     fn a_row_is_the_same_in_any_batch((m, k, n, x, seed, with_bias, threads) in case()) {
         for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
             let w = weight_bytes(fmt, n, k, &seed);
+            let packed = laid_out(&w, fmt, k, BlockLayout::Panels);
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
             let bias = with_bias.then_some(bias.as_slice());
-            let args = QuantMatmulArgs { x: &x, w: &w, bias, m, k, n, fmt, num_threads: threads };
+            let rows_args = QuantMatmulArgs {
+                x: &x, w: &w, bias, m, k, n, fmt, layout: BlockLayout::Rows, num_threads: threads,
+            };
+            let packed_args = QuantMatmulArgs { w: &packed, layout: BlockLayout::Panels, ..rows_args };
             let reversed: Vec<f32> = (0..m).rev().flat_map(|i| x[i * k..(i + 1) * k].to_vec()).collect();
             let kernels: Vec<Option<QuantKernel>> = std::iter::once(None)
                 .chain(QuantKernel::ALL.into_iter().filter(|k| k.supported()).map(Some))
                 .collect();
-            for kernel in kernels {
+            for (kernel, args) in kernels.into_iter().flat_map(|k| [(k, rows_args), (k, packed_args)]) {
                 let call = |args: &QuantMatmulArgs| {
                     let mut out = vec![f32::NAN; args.m * args.n];
                     match kernel {
@@ -186,6 +216,14 @@ proptest! {
                     prop_assert!(row.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{kernel:?} {fmt:?} m={m} k={k} n={n} row {i}: order changed it");
                 }
+                // (the pair kernel reads packed panels through the portable
+                // loop, and rows through its AVX2 one where the CPU has it)
+                if kernel == Some(QuantKernel::Pairs) {
+                    continue;
+                }
+                let in_rows = call(&rows_args);
+                prop_assert!(batch.iter().zip(&in_rows).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{kernel:?} {fmt:?} m={m} k={k} n={n}: {:?} differs from the rows layout", args.layout);
             }
         }
     }
@@ -205,8 +243,9 @@ proptest! {
         for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
             let w = weight_bytes(fmt, n, k, &seed);
             let rows: Vec<usize> = picks.iter().map(|i| i.index(n)).collect();
+            for layout in LAYOUTS {
             let mut got = vec![f32::NAN; rows.len() * k];
-            dequantize_rows(&w, fmt, k, &rows, &mut got, threads).unwrap();
+            dequantize_rows(&laid_out(&w, fmt, k, layout), fmt, layout, k, &rows, &mut got, threads).unwrap();
             for (i, &r) in rows.iter().enumerate() {
                 let row = &w[r * fmt.row_bytes(k)..(r + 1) * fmt.row_bytes(k)];
                 let mut want = vec![0.0; k];
@@ -215,8 +254,9 @@ proptest! {
                 }
                 // fma rounds once where the portable code rounds twice
                 for (a, b) in got[i * k..(i + 1) * k].iter().zip(&want) {
-                    prop_assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{fmt:?}: {a} vs {b}");
+                    prop_assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{fmt:?} {layout:?}: {a} vs {b}");
                 }
+            }
             }
         }
     }
@@ -246,6 +286,7 @@ fn bad_shapes_are_errors() {
         k: 32,
         n: 1,
         fmt: QuantFormat::Q4_1,
+        layout: BlockLayout::Rows,
         num_threads: 1,
     };
     assert!(quant_matmul(&ok, &mut out).is_ok());
@@ -258,7 +299,16 @@ fn bad_shapes_are_errors() {
     let short_w = QuantMatmulArgs { w: &w[..19], ..ok };
     assert!(quant_matmul(&short_w, &mut out).is_err());
     let mut rows_out = vec![0.0; 32];
-    assert!(dequantize_rows(&w, QuantFormat::Q4_1, 32, &[1], &mut rows_out, 1).is_err());
+    assert!(dequantize_rows(
+        &w,
+        QuantFormat::Q4_1,
+        BlockLayout::Rows,
+        32,
+        &[1],
+        &mut rows_out,
+        1
+    )
+    .is_err());
 }
 
 #[test]

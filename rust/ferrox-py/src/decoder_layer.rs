@@ -2,8 +2,8 @@
 //! held once, and its fused decode-step forward (`ferrox_cpu::decoder_layer`).
 
 use ferrox_cpu::{
-    decoder_layer, Activation, DecoderLayerStep, DecoderLayerWeights, DenseMlp, KvElement,
-    LayerLinear, LinearWeight, QuantFormat,
+    decoder_layer, Activation, BlockLayout, DecoderLayerStep, DecoderLayerWeights, DenseMlp,
+    KvElement, LayerLinear, LinearWeight, QuantFormat,
 };
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
@@ -12,7 +12,9 @@ use numpy::{
 use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
-use crate::kernels::{borrowed, contiguous, half_slice_mut, quant_format, CacheArray};
+use crate::kernels::{
+    block_layout, borrowed, contiguous, half_slice_mut, quant_format, CacheArray,
+};
 
 type LinearArrays<'py> = (
     PyReadonlyArray2<'py, u8>,
@@ -20,22 +22,25 @@ type LinearArrays<'py> = (
 );
 /// A per-head norm pair: the query heads' and the key heads' weights.
 type HeadNorms<T> = (T, T);
+/// (weight bytes, bias, format: "q4_1" / "q8_0" / "f32", packed: block
+/// weights in the kernels' panels)
 type LinearSpec<'py> = (
     Bound<'py, PyArray2<u8>>,
     Option<Bound<'py, PyArray1<f32>>>,
     String,
+    bool,
 );
 
 struct Linear {
     w: Py<PyArray2<u8>>,
     bias: Option<Py<PyArray1<f32>>>,
-    fmt: Option<QuantFormat>, // None: the bytes are float32 [N, K]
+    fmt: Option<(QuantFormat, BlockLayout)>, // None: the bytes are float32 [N, K]
     out_features: usize,
 }
 
 impl Linear {
     fn new(spec: LinearSpec<'_>) -> PyResult<Self> {
-        let (w, bias, fmt) = spec;
+        let (w, bias, fmt, packed) = spec;
         let out_features = w.shape()[0];
         if bias.as_ref().is_some_and(|b| b.len() != out_features) {
             return Err(invalid_argument(
@@ -50,7 +55,7 @@ impl Linear {
             }
             None
         } else {
-            Some(quant_format(&fmt)?)
+            Some((quant_format(&fmt)?, block_layout(packed)))
         };
         Ok(Self {
             w: w.unbind(),
@@ -72,7 +77,7 @@ impl Linear {
         let (w, bias) = arrays;
         let bytes = contiguous(w.as_slice())?;
         let weight = match self.fmt {
-            Some(fmt) => LinearWeight::Blocks(bytes, fmt),
+            Some((fmt, layout)) => LinearWeight::Blocks(bytes, fmt, layout),
             None => LinearWeight::F32(float_view(bytes)?),
         };
         Ok(LayerLinear {

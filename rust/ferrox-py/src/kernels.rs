@@ -1,9 +1,9 @@
 //! CPU kernels over numpy views of torch tensors.
 
 use ferrox_cpu::{
-    add_rms_norm, apply_token_bitmask, dequantize_rows, gated_delta_decode, paged_attention,
-    quant_matmul, rotary_in_place, GatedDeltaDecode, KvElement, PagedAttentionArgs, QuantFormat,
-    QuantKernel, QuantMatmulArgs, F16,
+    add_rms_norm, apply_token_bitmask, dequantize_rows, gated_delta_decode, pack_blocks,
+    paged_attention, quant_matmul, rotary_in_place, BlockLayout, GatedDeltaDecode, KvElement,
+    PagedAttentionArgs, QuantFormat, QuantKernel, QuantMatmulArgs, F16,
 };
 use numpy::PyReadwriteArray4;
 use numpy::{
@@ -285,10 +285,23 @@ pub(crate) fn quant_format(name: &str) -> PyResult<QuantFormat> {
     }
 }
 
+/// The block layout `packed` names: the kernels' panels (`pack_blocks_cpu`)
+/// or llama.cpp's rows.
+pub(crate) fn block_layout(packed: bool) -> BlockLayout {
+    if packed {
+        BlockLayout::Panels
+    } else {
+        BlockLayout::Rows
+    }
+}
+
 /// `out[M, N] = x[M, K] @ W^T (+ bias)` for a weight `W` kept in a block
-/// format (`w`: [N, K / 32 * block bytes] uint8; see ferrox_cpu::quant_matmul).
+/// format (`w`: [N, K / 32 * block bytes] uint8, in llama.cpp's rows or,
+/// with `packed`, as `pack_blocks_cpu` wrote it; see
+/// ferrox_cpu::quant_matmul).
 #[pyfunction]
-#[pyo3(signature = (out, x, w, bias, fmt, num_threads))]
+#[pyo3(signature = (out, x, w, bias, fmt, num_threads, packed=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn quant_matmul_cpu(
     py: Python<'_>,
     mut out: PyReadwriteArray2<'_, f32>,
@@ -297,6 +310,7 @@ pub fn quant_matmul_cpu(
     bias: Option<PyReadonlyArray1<'_, f32>>,
     fmt: &str,
     num_threads: usize,
+    packed: bool,
 ) -> PyResult<()> {
     let fmt = quant_format(fmt)?;
     let [m, k] = dims::<2>(x.shape(), "x")?;
@@ -318,10 +332,49 @@ pub fn quant_matmul_cpu(
         k,
         n,
         fmt,
+        layout: block_layout(packed),
         num_threads,
     };
     py.detach(|| quant_matmul(&args, out))
         .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// `out` = the block-format weight `w` ([N, row bytes] uint8, llama.cpp's
+/// rows) in the panels the kernels read (ferrox_cpu::quant_pack): the same
+/// bytes rearranged, for `packed=True` calls.
+#[pyfunction]
+pub fn pack_blocks_cpu(
+    py: Python<'_>,
+    mut out: PyReadwriteArray2<'_, u8>,
+    w: PyReadonlyArray2<'_, u8>,
+    fmt: &str,
+) -> PyResult<()> {
+    let fmt = quant_format(fmt)?;
+    let row_bytes = w.shape()[1];
+    if out.shape() != w.shape() || !row_bytes.is_multiple_of(fmt.block_bytes()) {
+        return Err(invalid_argument(format!(
+            "out must have the weight's shape {:?}, whole {fmt:?} blocks a row",
+            w.shape()
+        )));
+    }
+    let k = row_bytes / fmt.block_bytes() * 32;
+    let w = contiguous(w.as_slice())?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    py.detach(|| pack_blocks(w, fmt, k, out))
+        .map_err(|e| invalid_argument(e.to_string()))
+}
+
+/// Whether block weights should be packed at load (`pack_blocks_cpu`): the
+/// kernel this CPU runs reads panels ("panels"), or rows as they are
+/// ("rows").
+#[pyfunction]
+pub fn quant_layout_cpu() -> &'static str {
+    match QuantKernel::best().layout() {
+        BlockLayout::Rows => "rows",
+        BlockLayout::Panels => "panels",
+    }
 }
 
 /// Which kernel `quant_matmul_cpu` runs on this CPU (for every row count):
@@ -346,9 +399,10 @@ pub fn cpu_isa() -> &'static str {
     }
 }
 
-/// Rows `rows` of a block-format weight (`w`: [N, row bytes] uint8) as
-/// float32 into `out` ([len(rows), K]).
+/// Rows `rows` of a block-format weight (`w`: [N, row bytes] uint8, packed
+/// or not) as float32 into `out` ([len(rows), K]).
 #[pyfunction]
+#[pyo3(signature = (out, w, fmt, rows, num_threads, packed=false))]
 pub fn dequantize_rows_cpu(
     py: Python<'_>,
     mut out: PyReadwriteArray2<'_, f32>,
@@ -356,6 +410,7 @@ pub fn dequantize_rows_cpu(
     fmt: &str,
     rows: PyReadonlyArray1<'_, i64>,
     num_threads: usize,
+    packed: bool,
 ) -> PyResult<()> {
     let fmt = quant_format(fmt)?;
     let k = out.shape()[1];
@@ -368,7 +423,8 @@ pub fn dequantize_rows_cpu(
     let out = out
         .as_slice_mut()
         .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
-    py.detach(|| dequantize_rows(w, fmt, k, &rows, out, num_threads))
+    let layout = block_layout(packed);
+    py.detach(|| dequantize_rows(w, fmt, layout, k, &rows, out, num_threads))
         .map_err(|e| invalid_argument(e.to_string()))
 }
 

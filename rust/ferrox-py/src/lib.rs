@@ -37,6 +37,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::quant_matmul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::dequantize_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_matmul_kernel_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::pack_blocks_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::quant_layout_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::cpu_isa, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -2,12 +2,14 @@
 //! once, and the block's forward on a few tokens (`ferrox_cpu::route`, then
 //! `ferrox_cpu::moe_experts`).
 
-use ferrox_cpu::{moe_experts, route, ExpertWeights, MoeActivation, MoeArgs, QuantFormat, Router};
+use ferrox_cpu::{
+    moe_experts, route, BlockLayout, ExpertWeights, MoeActivation, MoeArgs, QuantFormat, Router,
+};
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
-use crate::kernels::{contiguous, quant_format};
+use crate::kernels::{block_layout, contiguous, quant_format};
 
 #[pyclass(module = "ferrox._native", frozen)]
 pub struct CpuMoeExperts {
@@ -18,6 +20,7 @@ pub struct CpuMoeExperts {
     down: Vec<Py<PyArray2<u8>>>,    // per expert: [hidden, row bytes of I]
     gate_up_fmt: QuantFormat,
     down_fmt: QuantFormat,
+    layout: BlockLayout,
     hidden: usize,
     inter: usize,
     /// gpt-oss: the router's bias [experts], each expert's gate/up [2 I]
@@ -32,11 +35,12 @@ impl CpuMoeExperts {
     /// `router`: float32 [experts, hidden], picking `top_k` experts a
     /// token (their weights rescaled to sum to one with `renormalize`);
     /// `gate_up[e]` and `down[e]`: expert e's block-format weights (uint8),
-    /// in `gate_up_fmt` and `down_fmt` ("q8_0" / "q4_1"). gpt-oss:
+    /// in `gate_up_fmt` and `down_fmt` ("q8_0" / "q4_1"), all in the
+    /// kernels' panels with `packed`. gpt-oss:
     /// `router_bias` [experts], `expert_biases` (gate/up [E, 2 I], down [E,
     /// hidden]), `clamped_swiglu` (alpha, limit) for the experts' gate.
     #[new]
-    #[pyo3(signature = (router, top_k, renormalize, gate_up, down, gate_up_fmt, down_fmt, hidden, inter, router_bias=None, expert_biases=None, clamped_swiglu=None))]
+    #[pyo3(signature = (router, top_k, renormalize, gate_up, down, gate_up_fmt, down_fmt, hidden, inter, router_bias=None, expert_biases=None, clamped_swiglu=None, packed=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         router: Bound<'_, PyArray2<f32>>,
@@ -51,6 +55,7 @@ impl CpuMoeExperts {
         router_bias: Option<Vec<f32>>,
         expert_biases: Option<(Vec<f32>, Vec<f32>)>,
         clamped_swiglu: Option<(f32, f32)>,
+        packed: bool,
     ) -> PyResult<Self> {
         let experts = gate_up.len();
         if router_bias.as_ref().is_some_and(|b| b.len() != experts)
@@ -108,6 +113,7 @@ impl CpuMoeExperts {
             down: down.into_iter().map(Bound::unbind).collect(),
             gate_up_fmt,
             down_fmt,
+            layout: block_layout(packed),
             hidden,
             inter,
             router_bias,
@@ -197,6 +203,7 @@ impl CpuMoeExperts {
             experts: &experts,
             gate_up_fmt: self.gate_up_fmt,
             down_fmt: self.down_fmt,
+            layout: self.layout,
             hidden: self.hidden,
             inter: self.inter,
             activation: self.activation,
