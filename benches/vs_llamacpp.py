@@ -11,6 +11,12 @@ compiles llama.cpp; pip's wheel cache keeps the result) and builds the
 `llama-server` binary from the same vendored source into the ferrox cache
 folder; later runs reuse both. Building needs a C++ compiler; cmake and ninja
 come from pip.
+
+Under `FERROX_CPU_ISA=avx2` (ferrox's kernels and torch's capped to what a
+CPU without AVX-512 runs) the peer is capped too: llama.cpp is built a
+second time for AVX2 only (`GGML_NATIVE=OFF`, AVX2 / FMA / F16C, no
+AVX-512), and both the Python binding (through `LLAMA_CPP_LIB_PATH`) and
+`llama-server` run that build.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import argparse
 import asyncio
 import gc
 import importlib
-import importlib.util
+import importlib.metadata
 import json
 import os
 import statistics
@@ -49,14 +55,25 @@ def pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True)
 
 
+def avx2_only() -> bool:
+    """Whether this run is capped to AVX2 (`FERROX_CPU_ISA=avx2`)."""
+    return os.environ.get("FERROX_CPU_ISA", "").strip().lower() == "avx2"
+
+
 def llama_cpp_module() -> Any:
-    """The peer's Python binding; installed by this script, not by ferrox's extras."""
+    """The peer's Python binding; installed by this script, not by ferrox's extras.
+    Capped to AVX2, it loads the AVX2-only build's library."""
+    if avx2_only():
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(peer_dir() / "build-avx2" / "bin")
     return importlib.import_module("llama_cpp")
 
 
 def ensure_python_binding() -> None:
-    installed = importlib.util.find_spec("llama_cpp") is not None
-    if installed and llama_cpp_module().__version__ == LLAMA_CPP_PYTHON:
+    try:
+        installed = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed == LLAMA_CPP_PYTHON:
         return
     print(f"installing llama-cpp-python {LLAMA_CPP_PYTHON} (compiles llama.cpp once)", flush=True)
     pip("install", "-q", "cmake", "ninja", "scikit-build-core")
@@ -65,9 +82,11 @@ def ensure_python_binding() -> None:
 
 
 def ensure_server() -> Path:
-    """`llama-server` built from the source llama-cpp-python vendors."""
+    """`llama-server` (and its libraries) built from the source
+    llama-cpp-python vendors: for this CPU, or for AVX2 only."""
     root = peer_dir()
-    binary = root / "build" / "bin" / "llama-server"
+    build = root / ("build-avx2" if avx2_only() else "build")
+    binary = build / "bin" / "llama-server"
     if binary.exists():
         return binary
     pip("install", "-q", "cmake", "ninja", "scikit-build-core")
@@ -85,17 +104,23 @@ def ensure_server() -> Path:
     vendored = next(src.glob("*/vendor/llama.cpp"))
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    build = root / "build"
+    isa = (
+        ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+         "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]
+        if avx2_only()
+        else []
+    )  # fmt: skip
     subprocess.run(
         [
             "cmake", "-S", str(vendored), "-B", str(build), "-G", "Ninja",
             "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON",
-            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *isa,
         ],
         check=True, env=env,
     )  # fmt: skip
+    targets = ["llama-server", "llama"]  # (the binding loads the AVX2 build's libllama)
     subprocess.run(
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count())],
+        ["cmake", "--build", str(build), "-j", str(os.cpu_count()), "--target", *targets],
         check=True, env=env,
     )  # fmt: skip
     return binary
@@ -306,6 +331,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "model": gguf.name,
         "llama_cpp_python": LLAMA_CPP_PYTHON, "ferrox_options": options,
+        "llama_cpp_build": "avx2" if avx2_only() else "native",
         "command": " ".join(sys.argv), "cpu": cpu_description(),
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

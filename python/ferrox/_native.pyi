@@ -366,9 +366,7 @@ _KvArray: TypeAlias = npt.NDArray[np.float32] | npt.NDArray[np.int16]
 # (weight bytes, bias, format, packed): "q8_0" / "q4_1" blocks [N, row bytes]
 # (in the kernels' panels if packed), or "f32" for a float32 [N, K] weight
 # viewed as uint8 [N, 4 K].
-_LayerLinear: TypeAlias = tuple[
-    npt.NDArray[np.uint8], npt.NDArray[np.float32] | None, str, bool
-]
+_LayerLinear: TypeAlias = tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32] | None, str, bool]
 
 @final
 class CpuDecoderLayer:

@@ -112,6 +112,43 @@ def test_quant_linear_matches_float_linear(
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_weights_give_the_same_bits(fmt: str) -> None:
+    """A layer packed into the kernels' panels (47 outputs: two panels and
+    fifteen columns left in rows) computes the same bits as in llama.cpp's
+    rows, at every row count; its dequantized weight and an embedding's
+    looked-up rows are the same too; the packed bytes are the same bytes
+    in another order."""
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.nn.Linear(96, 47, bias=True)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(47, 96, generator=gen))
+    rows_layout = QuantLinear.from_linear(dense, fmt)
+    packed = QuantLinear.from_linear(dense, fmt)
+    packed.pack_for_cpu({})
+    assert packed.packed and packed.weight.shape == rows_layout.weight.shape
+    assert not torch.equal(packed.weight, rows_layout.weight)
+    assert torch.equal(
+        packed.weight.flatten().sort().values, rows_layout.weight.flatten().sort().values
+    )
+    for rows in (1, 3, 8, 20):
+        x = torch.randn(rows, 96, generator=gen)
+        assert torch.equal(packed(x), rows_layout(x))
+    assert torch.equal(
+        dequantize(packed.weight, fmt, 96, packed=True), dequantize(rows_layout.weight, fmt, 96)
+    )
+    assert torch.equal(
+        dequantize(packed.weight, fmt, 96, packed=True, rows=range(10, 40)),
+        dequantize(rows_layout.weight, fmt, 96)[10:40],
+    )
+    table = QuantEmbedding(47, 96, fmt)
+    table.weight = rows_layout.weight
+    ids = torch.tensor([[0, 46, 17], [16, 31, 32]])
+    looked_up = table(ids)
+    table.pack_for_cpu({})
+    assert table.packed and torch.equal(table(ids), looked_up)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_scaled_blocks_hold_the_scaled_weight(fmt: str) -> None:
     """scale_blocks: the codes kept, each scale (and q4_1 offset) times the
     factor, rounded to float16 again; the input untouched."""
@@ -305,6 +342,12 @@ def test_gguf_engine_keeps_blocks_and_tracks_transformers(
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert isinstance(model.lm_head, QuantLinear)
+    # Packed at load where the kernel reads panels; a tied head shares its
+    # embedding's one packed copy.
+    assert model.layers[0].self_attn.qkv_proj.packed == quant_linear.PACK_FOR_CPU
+    assert model.embed_tokens.packed == model.lm_head.packed == quant_linear.PACK_FOR_CPU
+    same = model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert same == tied
     _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
     # Dequantized at load ("none"), ferrox matches transformers as closely as on any checkpoint.
     llm, none = _run(path, prompts, quantization="none")

@@ -132,7 +132,9 @@ class SparseMoe(nn.Module):
             ):
                 return False
             pairs.append((cast(QuantLinear, gate_up), cast(QuantLinear, down)))
-        kinds = {(g.fmt, d.fmt, g.bias is None, d.bias is None, g.packed, d.packed) for g, d in pairs}
+        kinds = {
+            (g.fmt, d.fmt, g.bias is None, d.bias is None, g.packed, d.packed) for g, d in pairs
+        }
         if len(kinds) != 1 or pairs[0][0].packed != pairs[0][1].packed:
             return False
         router = self.gate.weight.detach()

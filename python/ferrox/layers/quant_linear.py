@@ -106,8 +106,10 @@ def dequantize(
 ) -> torch.Tensor:
     """A block-format weight [N, row bytes] (`packed` by `pack_blocks`, or
     not) as float32 [N, in_features], or only its `rows`."""
-    picked = np.arange(weight.shape[0], dtype=np.int64) if rows is None else np.arange(
-        rows.start, rows.stop, dtype=np.int64
+    picked = (
+        np.arange(weight.shape[0], dtype=np.int64)
+        if rows is None
+        else np.arange(rows.start, rows.stop, dtype=np.int64)
     )
     if out is None:
         out = torch.empty(len(picked), in_features, dtype=torch.float32)

@@ -16,9 +16,9 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from ferrox.common.config import EngineConfig, parse_overrides
 from ferrox.common.errors import InvalidArgumentError, ModelLoadError
+from ferrox.layers import quant_linear
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
-from ferrox.layers import quant_linear
 from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize
 from ferrox.loader.gguf import load_gguf
 from ferrox.loader.gguf_dequant import BlockTensor

@@ -63,12 +63,13 @@ impl QuantFormat {
 fn pieces(fmt: QuantFormat, c: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     let g = QuantFormat::GROUP_BYTES;
     let scales = fmt.panel_scales_at();
-    let (quants_at, groups, halves) = match fmt {
+    // (where the quants start in a block, their 4-byte groups, float16 heads)
+    let (quants_at, groups, heads) = match fmt {
         QuantFormat::Q4_1 => (4, 4, 2),
         QuantFormat::Q8_0 => (2, 8, 1),
     };
     let quants = (0..groups).map(move |j| (quants_at + 4 * j, j * g + 4 * c, 4));
-    let heads = (0..halves).map(move |h| (2 * h, scales + 2 * PANEL * h + 2 * c, 2));
+    let heads = (0..heads).map(move |h| (2 * h, scales + 2 * PANEL * h + 2 * c, 2));
     quants.chain(heads)
 }
 
