@@ -634,32 +634,42 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
             let (t, table, _, _) = *query;
             let physical = table[block];
             let at = physical as usize * bs * token;
-            if T::HALF && !widened.is_some_and(|(p, a, b)| p == physical && a <= lo && hi <= b) {
+            let mut from_widened =
+                widened.is_some_and(|(p, a, b)| p == physical && a <= lo && hi <= b);
+            if T::HALF && !from_widened {
                 // Widened once for every later query of the tile that
-                // reads this physical block.
+                // reads this physical block; a block no other query of the
+                // tile reads is read as float16 where it lies (a widened
+                // copy would cost a pass over it and save nothing; the
+                // values are the same, so are the results).
                 let (mut a, mut b) = (lo, hi);
+                let mut shared = false;
                 for other in &queries[e + 1..] {
                     if let Some((olo, ohi)) = chunk(other, block) {
                         if other.1[block] == physical {
                             (a, b) = (a.min(olo), b.max(ohi));
+                            shared = true;
                         }
                     }
                 }
-                let span = a * token..b * token;
-                V::widen(
-                    &args.k_cache[at + span.start..at + span.end],
-                    &mut s.keys[span.clone()],
-                );
-                V::widen(
-                    &args.v_cache[at + span.start..at + span.end],
-                    &mut s.values[span],
-                );
-                widened = Some((physical, a, b));
+                if shared {
+                    let span = a * token..b * token;
+                    V::widen(
+                        &args.k_cache[at + span.start..at + span.end],
+                        &mut s.keys[span.clone()],
+                    );
+                    V::widen(
+                        &args.v_cache[at + span.start..at + span.end],
+                        &mut s.values[span],
+                    );
+                    widened = Some((physical, a, b));
+                    from_widened = true;
+                }
             }
             let (n, offset) = (hi - lo, lo * token);
             let q_row = &args.q[t * h * d..(t + 1) * h * d];
             let state = &mut s.states[e];
-            if T::HALF {
+            if from_widened {
                 let (keys, values) = (&s.keys[..], &s.values[..]);
                 attend_block::<V, f32>(
                     keys,

@@ -1,8 +1,16 @@
 //! The AVX2/FMA vector loops of the CPU paged-attention kernel.
+//!
+//! The scores of the query heads that share a KV head are taken together
+//! where their partial sums fit the sixteen registers: each key is then
+//! loaded (and widened from float16) once for all of them, and each head's
+//! arithmetic is the one it has alone, so the results are the same bits.
+//! The values stay head by head: taken together, eight of a head's outputs
+//! at a time, the few accumulator chains wait on the FMA latency, which
+//! measured slower than widening each value once per head.
 
 use std::arch::x86_64::*;
 
-use super::{Portable, VectorOps};
+use super::{scores_by_head, Portable, VectorOps};
 use crate::kv_element::KvElement;
 
 pub struct Avx2;
@@ -110,6 +118,91 @@ unsafe fn accumulate_regs<const R: usize, T: KvElement>(
     }
 }
 
+/// `scores` for `G` query heads of `8 * R` floats (queries `8 R` apart in
+/// `q`, scores `bs` apart): each key is loaded once for every head; per
+/// head the same four-key chains, sums and maximum as `scores_regs`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register tiles
+unsafe fn scores_group_regs<const R: usize, const G: usize, T: KvElement>(
+    q: &[f32],
+    keys: &[T],
+    base: usize,
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+    bs: usize,
+    n: usize,
+    maxes: &mut [f32],
+) {
+    let d = 8 * R;
+    let q = q.as_ptr();
+    let scale4 = _mm_set1_ps(scale);
+    let mut max4 = [_mm_set1_ps(f32::NEG_INFINITY); G];
+    let mut j = 0;
+    while j + 4 <= n {
+        let k = keys.as_ptr().add(base + j * stride);
+        let mut a = [[_mm256_setzero_ps(); 4]; G];
+        for r in 0..R {
+            for key in 0..4 {
+                let kv = load8(k.add(key * stride + 8 * r));
+                for g in 0..G {
+                    let qv = _mm256_loadu_ps(q.add(g * d + 8 * r));
+                    a[g][key] = _mm256_fmadd_ps(qv, kv, a[g][key]);
+                }
+            }
+        }
+        for g in 0..G {
+            let [a0, a1, a2, a3] = a[g];
+            let s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            let s = _mm_mul_ps(
+                _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)),
+                scale4,
+            );
+            _mm_storeu_ps(scores.as_mut_ptr().add(g * bs + j), s);
+            max4[g] = _mm_max_ps(max4[g], s);
+        }
+        j += 4;
+    }
+    for g in 0..G {
+        let pair = _mm_max_ps(max4[g], _mm_movehl_ps(max4[g], max4[g]));
+        maxes[g] = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    }
+    for i in j..n {
+        let k = keys.as_ptr().add(base + i * stride);
+        let mut acc = [_mm256_setzero_ps(); G];
+        for r in 0..R {
+            let kv = load8(k.add(8 * r));
+            for g in 0..G {
+                let qv = _mm256_loadu_ps(q.add(g * d + 8 * r));
+                acc[g] = _mm256_fmadd_ps(qv, kv, acc[g]);
+            }
+        }
+        for g in 0..G {
+            let score = hsum(acc[g]) * scale;
+            scores[g * bs + i] = score;
+            maxes[g] = maxes[g].max(score);
+        }
+    }
+}
+
+/// `$f::<R, G, T>(args)` for the head sizes (8 R) of 32, 64 and 128 and
+/// `G` of 2 or 3 (four-key chains of three heads fill twelve registers),
+/// else `$fallback` (head by head).
+macro_rules! grouped {
+    ($d:expr, $g:expr, $f:ident($($arg:expr),* $(,)?), $fallback:expr) => {
+        match ($d, $g) {
+            // SAFETY (each arm): as for every method below.
+            (32, 2) => unsafe { $f::<4, 2, T>($($arg),*) },
+            (32, 3) => unsafe { $f::<4, 3, T>($($arg),*) },
+            (64, 2) => unsafe { $f::<8, 2, T>($($arg),*) },
+            (64, 3) => unsafe { $f::<8, 3, T>($($arg),*) },
+            (128, 2) => unsafe { $f::<16, 2, T>($($arg),*) },
+            (128, 3) => unsafe { $f::<16, 3, T>($($arg),*) },
+            _ => $fallback,
+        }
+    };
+}
+
 // SAFETY (every method): only reached from `run_row_avx2`, where AVX2,
 // FMA and F16C are enabled; `validate` has checked that every key and value
 // row `base + j * stride .. + d` lies inside the cache, and `d == 8 * R`.
@@ -160,6 +253,33 @@ impl VectorOps for Avx2 {
         }
     }
 
+    /// Heads in groups of up to three (four: two and two).
+    #[inline(always)]
+    fn scores_group<T: KvElement>(
+        q: &[f32],
+        keys: &[T],
+        base: usize,
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+        shape: (usize, usize, usize),
+        maxes: &mut [f32],
+    ) {
+        let (d, bs, n) = shape;
+        let mut first = 0;
+        for size in head_groups(maxes.len()) {
+            let (q, scores) = (&q[first * d..], &mut scores[first * bs..]);
+            let maxes = &mut maxes[first..first + size];
+            grouped!(
+                d,
+                size,
+                scores_group_regs(q, keys, base, stride, scale, scores, bs, n, maxes),
+                scores_by_head::<Self, T>(q, keys, base, stride, scale, scores, shape, maxes)
+            );
+            first += size;
+        }
+    }
+
     #[inline(always)]
     fn widen<T: KvElement>(src: &[T], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
@@ -174,4 +294,21 @@ impl VectorOps for Avx2 {
             dst[j] = src[j].to_f32();
         }
     }
+}
+
+/// The sizes `heads` query heads are taken in: threes, a four as two twos
+/// (one head alone takes the per-head loops, which read each key again).
+fn head_groups(heads: usize) -> impl Iterator<Item = usize> {
+    let threes = match heads % 3 {
+        1 if heads >= 4 => (heads - 4) / 3,
+        _ => heads / 3,
+    };
+    let rest = heads - 3 * threes;
+    let tail: &[usize] = match rest {
+        0 => &[],
+        1 => &[1],
+        2 => &[2],
+        _ => &[2, 2],
+    };
+    std::iter::repeat_n(3, threes).chain(tail.iter().copied())
 }

@@ -306,3 +306,61 @@ fn fast_exp_is_accurate() {
     }
     assert_eq!(fast_exp(f32::NEG_INFINITY), fast_exp(-87.0));
 }
+
+/// The AVX2 scores loop that takes the query heads of a KV head together
+/// gives each head the bits of its own loop, for every group size (threes,
+/// twos, one alone), head size (and one it does not group) and key count.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_grouped_heads_equal_head_by_head() {
+    if crate::isa::avx2() {
+        // SAFETY: the CPU has the features.
+        unsafe { grouped_heads_on_avx2::<f32>() };
+        unsafe { grouped_heads_on_avx2::<crate::kv_element::F16>() };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn grouped_heads_on_avx2<T: KvElement>() {
+    use super::avx2::Avx2;
+    for d in [32, 64, 128, 48] {
+        for heads in 1..=8 {
+            for n in [1, 3, 4, 7, 16, 17] {
+                let (stride, bs, base) = (2 * d, n + 3, d / 2);
+                let q = values(heads * d, (d + heads + n) as u64);
+                let keys: Vec<T> = values(base + n * stride, 3)
+                    .iter()
+                    .map(|&x| T::from_f32(x))
+                    .collect();
+                let shape = (d, bs, n);
+                let (mut grouped, mut alone) = (vec![0.0; heads * bs], vec![0.0; heads * bs]);
+                let (mut max_g, mut max_a) = (vec![0.0; heads], vec![0.0; heads]);
+                Avx2::scores_group(
+                    &q,
+                    &keys,
+                    base,
+                    stride,
+                    0.3,
+                    &mut grouped,
+                    shape,
+                    &mut max_g,
+                );
+                scores_by_head::<Avx2, T>(
+                    &q, &keys, base, stride, 0.3, &mut alone, shape, &mut max_a,
+                );
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&grouped),
+                    bits(&alone),
+                    "scores d={d} heads={heads} n={n}"
+                );
+                assert_eq!(
+                    bits(&max_g),
+                    bits(&max_a),
+                    "maxes d={d} heads={heads} n={n}"
+                );
+            }
+        }
+    }
+}

@@ -81,15 +81,21 @@ pub struct QuantizedActivations {
 
 pub fn quantize_activations(x: &[f32], k: usize) -> QuantizedActivations {
     #[cfg(target_arch = "x86_64")]
-    if crate::quant_matmul_vnni::quantize_supported() {
-        // SAFETY: the CPU has the features.
-        return unsafe { crate::quant_matmul_vnni::quantize_activations(x, k) };
+    {
+        if crate::quant_matmul_vnni::quantize_supported() {
+            // SAFETY: the CPU has the features.
+            return unsafe { crate::quant_matmul_vnni::quantize_activations(x, k) };
+        }
+        if crate::isa::avx2() {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { crate::quant_matmul_avx2::quantize_activations(x, k) };
+        }
     }
     quantize_activations_impl(x, k)
 }
 
-/// `quantize_activations` in plain code, which the AVX-512 version matches
-/// bit for bit.
+/// `quantize_activations` in plain code, which the AVX2 and AVX-512
+/// versions match bit for bit.
 pub(crate) fn quantize_activations_impl(x: &[f32], k: usize) -> QuantizedActivations {
     let blocks = x.len() / BLOCK;
     debug_assert_eq!(x.len() % k, 0);

@@ -5,7 +5,9 @@
 use std::arch::x86_64::*;
 
 use crate::paged_attention::avx2::hsum;
-use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK};
+use crate::quant_matmul::{
+    quantize_activations_impl, QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK,
+};
 
 /// How many weight rows ahead of the current tile to prefetch.
 const PREFETCH_ROWS: usize = 16;
@@ -188,4 +190,68 @@ pub unsafe fn dequantize_row(row: &[u8], fmt: QuantFormat, out: &mut [f32]) {
             }
         }
     }
+}
+
+/// `quant_matmul::quantize_activations` a block (four vectors) at a time:
+/// the same scale, rounding (the conversion's round-to-nearest-even) and
+/// sums, bit for bit.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn quantize_activations(x: &[f32], k: usize) -> QuantizedActivations {
+    let blocks = x.len() / BLOCK;
+    if blocks * BLOCK != x.len() {
+        return quantize_activations_impl(x, k);
+    }
+    let mut out = QuantizedActivations {
+        q: vec![0; x.len()],
+        d: vec![0.0; blocks],
+        s: vec![0.0; blocks],
+    };
+    let sign = _mm256_set1_ps(-0.0);
+    // (the two packs leave each lane's dwords as rows 0..4 of r0, r1, r2,
+    // r3, then rows 4..8: back into order)
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for b in 0..blocks {
+        let p = x.as_ptr().add(b * BLOCK);
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let magnitude = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+        );
+        let quad = _mm_max_ps(
+            _mm256_castps256_ps128(magnitude),
+            _mm256_extractf128_ps(magnitude, 1),
+        );
+        let pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
+        let amax = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+        let d = amax / 127.0;
+        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let mut r = [_mm256_setzero_si256(); 4];
+        for (r, v) in r.iter_mut().zip(v) {
+            *r = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+        }
+        let bytes = _mm256_packs_epi16(
+            _mm256_packs_epi32(r[0], r[1]),
+            _mm256_packs_epi32(r[2], r[3]),
+        );
+        let bytes = _mm256_permutevar8x32_epi32(bytes, order);
+        _mm256_storeu_si256(out.q.as_mut_ptr().add(b * BLOCK) as *mut __m256i, bytes);
+        let sum = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        let sum = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256(sum, 1),
+        );
+        let sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b01_00_11_10));
+        let sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b10_11_00_01));
+        *out.d.get_unchecked_mut(b) = d;
+        *out.s.get_unchecked_mut(b) = d * _mm_cvtsi128_si32(sum) as f32;
+    }
+    out
 }

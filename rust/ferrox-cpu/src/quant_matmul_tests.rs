@@ -325,10 +325,17 @@ fn vector_quantization_matches_plain() {
         (seed >> 8) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
     }));
     let want = quantize_activations_impl(&x, 32);
-    let got = quantize_activations(&x, 32);
-    assert_eq!(got.q, want.q);
-    assert_eq!(got.d, want.d);
-    assert_eq!(got.s, want.s);
+    let mut versions = vec![quantize_activations(&x, 32)];
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::avx2() {
+        // (the AVX2 version too where the dispatch picks AVX-512's)
+        versions.push(unsafe { crate::quant_matmul_avx2::quantize_activations(&x, 32) });
+    }
+    for got in versions {
+        assert_eq!(got.q, want.q);
+        assert_eq!(got.d, want.d);
+        assert_eq!(got.s, want.s);
+    }
 }
 
 #[test]
