@@ -64,9 +64,13 @@ def float_checkpoint() -> Path:
 
     gguf = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # (dequantized on load: a plain float32 model, saved as one)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())

@@ -16,15 +16,15 @@
 //! float32 or float16 (`KvElement`); queries and outputs are float32.
 
 use std::fmt;
-use std::sync::{Mutex, OnceLock};
+use std::ops::Range;
+use std::sync::OnceLock;
 
 use crate::kv_element::KvElement;
 use crate::pool::run_parts;
+use crate::quant_matmul::OutPtr;
 
 /// A run of rows, the slice of the output its tokens own, and where that
 /// slice starts in the whole output.
-type Piece<'a> = (&'a [usize], &'a mut [f32], usize);
-
 /// Shapes and data of one call. Layouts are row-major:
 /// `q`, `out`: [T, H, D]; caches: [N, BS, Hkv, D]; `block_table`: [B, W].
 pub struct PagedAttentionArgs<'a, T: KvElement = f32> {
@@ -195,8 +195,7 @@ fn paged_attention_on<T: KvElement>(
         let q_len = (args.query_start_loc[r + 1] - args.query_start_loc[r]) as usize;
         (q_len * args.seq_lens[r] as usize).max(1)
     };
-    // Contiguous runs of rows of about equal cost, one per thread; each run
-    // owns the slice of `out` its tokens occupy.
+    // Contiguous runs of rows of about equal cost, one per thread.
     let parts = args.num_threads.clamp(1, rows.len().max(1));
     let total: usize = rows.iter().map(|&r| cost(r)).sum();
     let share = total.div_ceil(parts);
@@ -209,36 +208,43 @@ fn paged_attention_on<T: KvElement>(
         acc += cost(r);
         runs.last_mut().expect("a run").push(r);
     }
+    // With fewer runs than threads (a decode step of one or a few rows),
+    // each run's KV heads are split between threads too: a head's result
+    // does not depend on which thread computes it.
+    let runs: Vec<Vec<usize>> = runs.into_iter().filter(|r| !r.is_empty()).collect();
+    let head_parts = (args.num_threads / runs.len().max(1)).clamp(1, args.num_kv_heads.max(1));
+    let pieces: Vec<(&[usize], Range<usize>)> = runs
+        .iter()
+        .flat_map(|run| {
+            (0..head_parts).map(move |p| {
+                let heads =
+                    p * args.num_kv_heads / head_parts..(p + 1) * args.num_kv_heads / head_parts;
+                (run.as_slice(), heads)
+            })
+        })
+        .collect();
     let token_width = args.num_heads * args.head_dim;
-    let mut pieces: Vec<Piece<'_>> = Vec::new();
-    let mut rest = out;
-    let mut offset = 0;
-    for run in runs.iter().filter(|r| !r.is_empty()) {
-        let first = args.query_start_loc[run[0]] as usize * token_width;
-        let last = args.query_start_loc[run[run.len() - 1] + 1] as usize * token_width;
-        let (_, tail) = rest.split_at_mut(first - offset);
-        let (mine, tail) = tail.split_at_mut(last - first);
-        pieces.push((run.as_slice(), mine, first));
-        rest = tail;
-        offset = last;
-    }
-    let work = |run: &[usize], out: &mut [f32], base: usize| {
+    let out = OutPtr(out.as_mut_ptr());
+    run_parts(pieces.len(), &|part| {
+        let (run, ref kv_heads) = pieces[part];
         let mut scratch = Scratch::new(args);
         for tile in tiles(args, run).chunks(QUERY_TILE) {
-            run_tile(args, tile, loops, &mut scratch, &mut |t, h, v| {
-                let at = t * token_width + h * args.head_dim - base;
-                out[at..at + args.head_dim].copy_from_slice(v);
-            });
-        }
-    };
-    // The kernel pool's workers (no thread spawned per call); each part
-    // takes its own piece of `out` once.
-    let pieces: Vec<Mutex<Option<Piece<'_>>>> =
-        pieces.into_iter().map(|p| Mutex::new(Some(p))).collect();
-    run_parts(pieces.len(), &|part| {
-        let piece = pieces[part].lock().map(|mut p| p.take());
-        if let Ok(Some((run, out, base))) = piece {
-            work(run, out, base);
+            run_tile(
+                args,
+                tile,
+                kv_heads.clone(),
+                loops,
+                &mut scratch,
+                &mut |t, h, v| {
+                    // SAFETY: `out` holds T * H * D floats (`validate`); each
+                    // (token, head) is written by the one piece whose run holds
+                    // the token's row and whose KV heads hold the head.
+                    unsafe {
+                        let at = out.get().add(t * token_width + h * args.head_dim);
+                        std::ptr::copy_nonoverlapping(v.as_ptr(), at, args.head_dim);
+                    }
+                },
+            );
         }
     });
     Ok(())
@@ -319,6 +325,7 @@ impl Scratch {
 fn run_tile<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     tile: &[Query],
+    kv_heads: Range<usize>,
     loops: Loops,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
@@ -326,11 +333,11 @@ fn run_tile<T: KvElement>(
     // SAFETY: `loops` is one of `Loops::supported()`: the CPU has the
     // features each function is built for.
     match loops {
-        Loops::Portable => run_tile_impl::<Portable, T>(args, tile, scratch, emit),
+        Loops::Portable => run_tile_impl::<Portable, T>(args, tile, kv_heads, scratch, emit),
         #[cfg(target_arch = "x86_64")]
-        Loops::Avx2 => unsafe { run_tile_avx2(args, tile, scratch, emit) },
+        Loops::Avx2 => unsafe { run_tile_avx2(args, tile, kv_heads, scratch, emit) },
         #[cfg(target_arch = "x86_64")]
-        Loops::Avx512 => unsafe { run_tile_avx512(args, tile, scratch, emit) },
+        Loops::Avx512 => unsafe { run_tile_avx512(args, tile, kv_heads, scratch, emit) },
     }
 }
 
@@ -339,10 +346,11 @@ fn run_tile<T: KvElement>(
 unsafe fn run_tile_avx2<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     tile: &[Query],
+    kv_heads: Range<usize>,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
-    run_tile_impl::<avx2::Avx2, T>(args, tile, scratch, emit)
+    run_tile_impl::<avx2::Avx2, T>(args, tile, kv_heads, scratch, emit)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -350,10 +358,11 @@ unsafe fn run_tile_avx2<T: KvElement>(
 unsafe fn run_tile_avx512<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     tile: &[Query],
+    kv_heads: Range<usize>,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
-    run_tile_impl::<avx512::Avx512, T>(args, tile, scratch, emit)
+    run_tile_impl::<avx512::Avx512, T>(args, tile, kv_heads, scratch, emit)
 }
 
 /// The vector loops of the kernel over one block of keys: a portable
@@ -380,6 +389,13 @@ trait VectorOps: Sized {
     );
     /// dst = src as float32.
     fn widen<T: KvElement>(src: &[T], dst: &mut [f32]);
+
+    /// Whether `scores` and `accumulate` have vector loops for heads of `d`
+    /// floats (the others fall back to plain code, which widens float16
+    /// elements one at a time: such blocks are widened before they are read).
+    fn has_loop(_d: usize) -> bool {
+        false
+    }
 
     /// `scores` for the query heads that share one KV head (`maxes.len()`
     /// of them, queries `d` apart in `q`, scores `bs` apart in `scores`, `n`
@@ -573,6 +589,7 @@ fn fast_exp(x: f32) -> f32 {
 fn run_tile_impl<V: VectorOps, T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     tile: &[Query],
+    kv_heads: Range<usize>,
     s: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
@@ -639,9 +656,10 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
             if T::HALF && !from_widened {
                 // Widened once for every later query of the tile that
                 // reads this physical block; a block no other query of the
-                // tile reads is read as float16 where it lies (a widened
-                // copy would cost a pass over it and save nothing; the
-                // values are the same, so are the results).
+                // tile reads is read as float16 where it lies, by the
+                // vector loops (a widened copy would cost a pass over it
+                // and save nothing; the values are the same, so are the
+                // results).
                 let (mut a, mut b) = (lo, hi);
                 let mut shared = false;
                 for other in &queries[e + 1..] {
@@ -652,7 +670,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
                         }
                     }
                 }
-                if shared {
+                if shared || !V::has_loop(d) {
                     let span = a * token..b * token;
                     V::widen(
                         &args.k_cache[at + span.start..at + span.end],
@@ -677,7 +695,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
                     offset,
                     n,
                     q_row,
-                    group,
+                    kv_heads.clone(),
                     args,
                     &mut s.scores,
                     state,
@@ -690,7 +708,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
                     at + offset,
                     n,
                     q_row,
-                    group,
+                    kv_heads.clone(),
                     args,
                     &mut s.scores,
                     state,
@@ -699,7 +717,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
         }
     }
     for (&(t, _, _, _), state) in queries.iter().zip(&mut s.states) {
-        for head in 0..h {
+        for head in kv_heads.start * group..kv_heads.end * group {
             let inv = 1.0 / state.sum[head];
             let acc = &mut state.acc[head * d..(head + 1) * d];
             acc.iter_mut().for_each(|a| *a *= inv);
@@ -709,7 +727,8 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
 }
 
 /// One block of `n` keys (at `first` in `keys` / `values`, laid out
-/// [BS, Hkv, D]) for every query head: the online softmax's update.
+/// [BS, Hkv, D]) for the query heads of `kv_heads`: the online softmax's
+/// update.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn attend_block<V: VectorOps, E: KvElement>(
@@ -718,13 +737,14 @@ fn attend_block<V: VectorOps, E: KvElement>(
     first: usize,
     n: usize,
     q_row: &[f32],
-    group: usize,
+    kv_heads: Range<usize>,
     args: &PagedAttentionArgs<'_, impl KvElement>,
     scores: &mut [f32],
     s: &mut QueryState,
 ) {
     let (hkv, d, bs) = (args.num_kv_heads, args.head_dim, args.block_size);
-    for kv_head in 0..hkv {
+    let group = args.num_heads / hkv;
+    for kv_head in kv_heads {
         let base = first + kv_head * d;
         let heads = kv_head * group..(kv_head + 1) * group;
         let scores = &mut scores[heads.start * bs..heads.end * bs];

@@ -280,6 +280,10 @@ impl VectorOps for Avx2 {
         }
     }
 
+    fn has_loop(d: usize) -> bool {
+        matches!(d, 8 | 16 | 32 | 64 | 80 | 96 | 128)
+    }
+
     #[inline(always)]
     fn widen<T: KvElement>(src: &[T], dst: &mut [f32]) {
         let n = src.len().min(dst.len());

@@ -264,6 +264,7 @@ impl VectorOps for Avx512 {
                 80 => scores_regs::<5, T>(q, keys, base, stride, scale, scores),
                 96 => scores_regs::<6, T>(q, keys, base, stride, scale, scores),
                 128 => scores_regs::<8, T>(q, keys, base, stride, scale, scores),
+                256 => scores_regs::<16, T>(q, keys, base, stride, scale, scores),
                 _ => Avx2::scores(q, keys, base, stride, scale, scores),
             }
         }
@@ -286,6 +287,7 @@ impl VectorOps for Avx512 {
                 80 => accumulate_regs::<5, T>(acc, correction, probs, values, base, stride),
                 96 => accumulate_regs::<6, T>(acc, correction, probs, values, base, stride),
                 128 => accumulate_regs::<8, T>(acc, correction, probs, values, base, stride),
+                256 => accumulate_regs::<16, T>(acc, correction, probs, values, base, stride),
                 _ => Avx2::accumulate(acc, correction, probs, values, base, stride),
             }
         }
@@ -328,6 +330,10 @@ impl VectorOps for Avx512 {
             accumulate_group_regs(acc, corrections, probs, values, base, stride, bs, n),
             accumulate_by_head::<Self, T>(acc, corrections, probs, values, base, stride, shape)
         )
+    }
+
+    fn has_loop(d: usize) -> bool {
+        matches!(d, 16 | 32 | 64 | 80 | 96 | 128 | 256) || Avx2::has_loop(d)
     }
 
     #[inline(always)]

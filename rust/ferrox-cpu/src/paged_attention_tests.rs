@@ -109,6 +109,7 @@ fn case() -> impl Strategy<Value = Case> {
             Just(64),
             Just(80),
             Just(128),
+            Just(256),
             Just(13)
         ],
         prop_oneof![Just(1usize), Just(4), Just(16)],
