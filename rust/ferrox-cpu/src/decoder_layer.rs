@@ -12,6 +12,7 @@
 //! fused, a layer costs one call from Python instead of about twenty tensor
 //! operations, which at one token per step cost more than the arithmetic.
 
+use crate::activation::{gate_rows, Gate};
 use crate::elementwise::{add_rms_norm, rotary_in_place};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::kv_element::KvElement;
@@ -126,24 +127,6 @@ fn linear(
     };
     done.map_err(|e| ShapeError(e.to_string()))?;
     Ok(out)
-}
-
-fn gated(gate_up: &[f32], inter: usize, activation: Activation) -> Vec<f32> {
-    // sqrt(2 / pi), for tanh's GELU: 0.5 g (1 + tanh(c (g + 0.044715 g^3)))
-    const C: f32 = 0.797_884_6;
-    let mut out = Vec::with_capacity(gate_up.len() / 2);
-    for row in gate_up.chunks_exact(2 * inter) {
-        let (gate, up) = row.split_at(inter);
-        let pairs = gate.iter().zip(up);
-        match activation {
-            Activation::Silu => out.extend(pairs.map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)),
-            Activation::GeluTanh => out
-                .extend(pairs.map(|(&g, &u)| {
-                    0.5 * g * (1.0 + (C * (g + 0.044_715 * g * g * g)).tanh()) * u
-                })),
-        }
-    }
-    out
 }
 
 /// RMSNorm of each row of `x` by `weight`, in place.
@@ -306,7 +289,11 @@ pub fn decoder_layer<T: KvElement>(
     };
     let inter = mlp.gate_up.out_features / 2;
     let gate_up = linear(&mlp.gate_up, &normed, hidden, threads)?;
-    let act = gated(&gate_up, inter, weights.activation);
+    let gate = match weights.activation {
+        Activation::Silu => Gate::Silu,
+        Activation::GeluTanh => Gate::GeluTanh,
+    };
+    let act = gate_rows(gate, &gate_up, inter);
     let mut out = linear(&mlp.down, &act, inter, threads)?;
     if let Some(norm) = weights.mlp_out_norm {
         rms_norm_rows(&mut out, norm, weights.eps, threads)?;

@@ -1,6 +1,7 @@
 //! CPU kernels for the ferrox model runner. Pure Rust on plain slices; the
 //! Python bindings hand in numpy views of torch tensors.
 
+pub mod activation;
 pub mod decoder_layer;
 pub mod elementwise;
 pub mod f32_matmul;

@@ -13,6 +13,7 @@
 //! block, the kernel chosen by its row count), so the result equals running
 //! the experts one `quant_matmul` at a time up to the SiLU's rounding.
 
+use crate::activation::{gate_rows, Gate};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::pool::run_parts;
 use crate::quant_matmul::{
@@ -207,27 +208,13 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
         2 * inter,
         args.num_threads,
     );
+    let gate = match args.activation {
+        MoeActivation::Silu => Gate::Silu,
+        MoeActivation::ClampedSwiGlu { alpha, limit } => Gate::ClampedSwiGlu { alpha, limit },
+    };
     let activated: Vec<Vec<f32>> = gate_up
         .iter()
-        .map(|rows| {
-            let mut act = Vec::with_capacity(rows.len() / 2);
-            for row in rows.chunks_exact(2 * inter) {
-                let (gate, up) = row.split_at(inter);
-                let pairs = gate.iter().zip(up);
-                match args.activation {
-                    MoeActivation::Silu => {
-                        act.extend(pairs.map(|(&g, &u)| g / (1.0 + (-g).exp()) * u))
-                    }
-                    MoeActivation::ClampedSwiGlu { alpha, limit } => {
-                        act.extend(pairs.map(|(&g, &u)| {
-                            let g = g.min(limit);
-                            (u.clamp(-limit, limit) + 1.0) * g / (1.0 + (-alpha * g).exp())
-                        }))
-                    }
-                }
-            }
-            act
-        })
+        .map(|rows| gate_rows(gate, rows, inter))
         .collect();
     let down = project(
         &groups,
@@ -367,13 +354,10 @@ mod tests {
         out
     }
 
-    fn gated(g: f32, u: f32, activation: MoeActivation) -> f32 {
+    fn gate(activation: MoeActivation) -> Gate {
         match activation {
-            MoeActivation::Silu => g / (1.0 + (-g).exp()) * u,
-            MoeActivation::ClampedSwiGlu { alpha, limit } => {
-                let g = g.min(limit);
-                (u.clamp(-limit, limit) + 1.0) * g / (1.0 + (-alpha * g).exp())
-            }
+            MoeActivation::Silu => Gate::Silu,
+            MoeActivation::ClampedSwiGlu { alpha, limit } => Gate::ClampedSwiGlu { alpha, limit },
         }
     }
 
@@ -457,16 +441,7 @@ mod tests {
                 continue;
             }
             let h = matmul(&rows, gu, bias(e).map(|b| b.0), hidden, 2 * inter);
-            let act: Vec<f32> = h
-                .chunks_exact(2 * inter)
-                .flat_map(|r| {
-                    let (g, u) = r.split_at(inter);
-                    g.iter()
-                        .zip(u)
-                        .map(|(&g, &u)| gated(g, u, activation))
-                        .collect::<Vec<_>>()
-                })
-                .collect();
+            let act = gate_rows(gate(activation), &h, inter);
             let y = matmul(&act, d, bias(e).map(|b| b.1), inter, hidden);
             for (row, &i) in y.chunks_exact(hidden).zip(&chosen) {
                 let t = i / top_k;
