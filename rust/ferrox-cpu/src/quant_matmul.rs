@@ -20,6 +20,9 @@ use crate::quant_pack::{column_block, BlockLayout, PANEL};
 
 pub const BLOCK: usize = 32;
 
+/// Parts a matmul's columns are cut into per thread (see `quant_matmul`).
+const PARTS_PER_THREAD: usize = 4;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[allow(non_camel_case_types)]
 pub enum QuantFormat {
@@ -356,12 +359,16 @@ pub fn quant_matmul_with(
         return Ok(());
     }
     let acts = quantize_activations(args.x, args.k);
-    // Column ranges of about equal size, in whole panels (or row pairs).
+    // Column ranges of about equal size, in whole panels (or row pairs):
+    // PARTS_PER_THREAD a thread, claimed as threads come free, so that a
+    // worker woken late (after torch ops between two calls, it sleeps)
+    // leaves the caller parts to take instead of a share to wait for.
     let unit = kernel.column_unit();
-    let threads = args.num_threads.clamp(1, args.n.div_ceil(16));
-    let per = args.n.div_ceil(unit).div_ceil(threads) * unit;
+    let parts = (args.num_threads.max(1) * PARTS_PER_THREAD).clamp(1, args.n.div_ceil(unit));
+    let per = args.n.div_ceil(unit).div_ceil(parts) * unit;
+    let parts = args.n.div_ceil(per);
     let ptr = OutPtr(out.as_mut_ptr());
-    run_parts(threads, &|part| {
+    run_parts(parts, &|part| {
         let start = part * per;
         let end = ((part + 1) * per).min(args.n);
         // SAFETY: each part writes only columns start..end of `out`,
