@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -190,6 +191,27 @@ def tool_server(model: Path, folder: Path, *extra: str, name: str = "smol") -> S
         "qwen3",
         *extra,
         served_names=(name,),
+    )
+
+
+def warm_prefix(
+    server: Server, messages: list[dict[str, Any]], model: str = "smol", **extra: Any
+) -> None:
+    """Caches the prompt of `messages` with the block its last token falls in.
+
+    Greedy tokens are equal for equal computations, and a prompt computed
+    after a prefix-cache hit is another computation than the same prompt
+    computed whole (other matmul shapes, keys and values already rounded to
+    the cache's dtype), which on a small model can turn a near tie. Requests
+    compared token for token are sent after this one has generated past a
+    whole block (32 tokens, EOS ignored): each then hits the same prefix,
+    whatever it generates itself."""
+    server.client().chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=32,
+        temperature=0,
+        extra_body={"ignore_eos": True, **extra},
     )
 
 

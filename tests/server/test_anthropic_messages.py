@@ -26,7 +26,7 @@ from ferrox.server import anthropic_protocol as ap
 from ferrox.server.anthropic_messages import BlockEvents, chat_request, content_blocks
 from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.openai_protocol import BadRequest
-from tests.live_server import API_KEY, WEATHER_TOOLS, Server, tool_server
+from tests.live_server import API_KEY, WEATHER_TOOLS, Server, tool_server, warm_prefix
 
 MODEL = "smol"
 TOOLS = [
@@ -71,16 +71,15 @@ def test_a_reply_equals_the_chat_completion_of_the_same_conversation(server: Ser
         {"role": "assistant", "content": [{"type": "text", "text": "Blue."}]},
         {"role": "user", "content": [{"type": "text", "text": "Another one, please."}]},
     ]
+    as_chat = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one, please."},
+    ]
+    warm_prefix(server, as_chat)
     chat = server.client().chat.completions.create(
-        model=MODEL,
-        messages=[
-            {"role": "system", "content": system},
-            {"role": "user", "content": "Name a colour."},
-            {"role": "assistant", "content": "Blue."},
-            {"role": "user", "content": "Another one, please."},
-        ],
-        max_tokens=12,
-        temperature=0,
+        model=MODEL, messages=as_chat, max_tokens=12, temperature=0
     )
     reply = client.messages.create(
         model=MODEL, system=system, messages=turns, max_tokens=12, extra_body=GREEDY
@@ -116,13 +115,11 @@ def test_a_reply_equals_the_chat_completion_of_the_same_conversation(server: Ser
 def test_prefill_and_stop_sequences(server: Server) -> None:
     client = _client(server)
     prefill = [*QUESTION, {"role": "assistant", "content": "The weather in Paris is"}]
+    continued = {"continue_final_message": True, "add_generation_prompt": False}
+    warm_prefix(server, prefill, **continued)
     reply = client.messages.create(model=MODEL, messages=prefill, max_tokens=10, extra_body=GREEDY)
     chat = server.client().chat.completions.create(
-        model=MODEL,
-        messages=[*QUESTION, {"role": "assistant", "content": "The weather in Paris is"}],
-        max_tokens=10,
-        temperature=0,
-        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        model=MODEL, messages=prefill, max_tokens=10, temperature=0, extra_body=continued
     )
     assert reply.content[0].text == chat.choices[0].message.content
     text = reply.content[0].text

@@ -25,7 +25,7 @@ from ferrox.server.openai_protocol import BadRequest
 from ferrox.server.responses_api import ResponseStore, StoredResponse
 from ferrox.server.responses_input import input_messages
 from ferrox.server.responses_output import OutputItems
-from tests.live_server import WEATHER_TOOLS, Server, tool_server
+from tests.live_server import WEATHER_TOOLS, Server, tool_server, warm_prefix
 
 MODEL = "smol"
 TOOLS = [{"type": "function", **t["function"]} for t in WEATHER_TOOLS]
@@ -68,17 +68,15 @@ def test_a_response_equals_the_chat_completion_of_the_same_conversation(server: 
         "max_output_tokens": 12,
         "temperature": 0,
     }
+    as_chat = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "More?"},
+    ]
+    warm_prefix(server, as_chat)
     reply = client.responses.create(**request)
-    chat = _chat_text(
-        server,
-        [
-            {"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name a colour."},
-            {"role": "assistant", "content": "Blue."},
-            {"role": "user", "content": "More?"},
-        ],
-        12,
-    )
+    chat = _chat_text(server, as_chat, 12)
     assert reply.object == "response" and reply.id.startswith("resp_")
     assert reply.output_text == chat.choices[0].message.content
     assert [item.type for item in reply.output] == ["message"]
@@ -103,6 +101,12 @@ def test_stored_responses_continue_and_can_be_deleted(server: Server) -> None:
         model=MODEL, input="Name a colour.", max_output_tokens=6, temperature=0
     )
     assert first.store
+    as_chat = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Another one, please."},
+    ]
+    warm_prefix(server, as_chat)
     second = client.responses.create(
         model=MODEL,
         previous_response_id=first.id,
@@ -110,15 +114,7 @@ def test_stored_responses_continue_and_can_be_deleted(server: Server) -> None:
         max_output_tokens=6,
         temperature=0,
     )
-    chat = _chat_text(
-        server,
-        [
-            {"role": "user", "content": "Name a colour."},
-            {"role": "assistant", "content": first.output_text},
-            {"role": "user", "content": "Another one, please."},
-        ],
-        6,
-    )
+    chat = _chat_text(server, as_chat, 6)
     assert second.output_text == chat.choices[0].message.content
     assert second.previous_response_id == first.id
     got = client.responses.retrieve(first.id)
