@@ -4,13 +4,15 @@
 //! where their partial sums fit the sixteen registers: each key is then
 //! loaded (and widened from float16) once for all of them, and each head's
 //! arithmetic is the one it has alone, so the results are the same bits.
-//! The values stay head by head: taken together, eight of a head's outputs
-//! at a time, the few accumulator chains wait on the FMA latency, which
-//! measured slower than widening each value once per head.
+//! For heads of 96 and 128 the values are taken together the same way,
+//! four registers of each head's output at a time (one pass over the
+//! block's values per four registers): eight or twelve independent
+//! accumulator chains, enough to cover the FMA latency, and each value
+//! widened once per pass, not once per head.
 
 use std::arch::x86_64::*;
 
-use super::{scores_by_head, Portable, VectorOps};
+use super::{accumulate_by_head, scores_by_head, Portable, VectorOps};
 use crate::kv_element::KvElement;
 
 pub struct Avx2;
@@ -118,6 +120,53 @@ unsafe fn accumulate_regs<const R: usize, T: KvElement>(
     }
 }
 
+/// `accumulate` for `G` query heads of `8 * R` floats (accumulators `8 R`
+/// apart, probabilities `bs` apart), `C` registers of each head at a time:
+/// each value is loaded once per pass for every head, and each lane sums
+/// its products in the order `accumulate_regs` does.
+#[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register tiles
+unsafe fn accumulate_group_regs<const R: usize, const C: usize, const G: usize, T: KvElement>(
+    acc: &mut [f32],
+    corrections: &[f32],
+    probs: &[f32],
+    values: &[T],
+    base: usize,
+    stride: usize,
+    bs: usize,
+    n: usize,
+) {
+    let d = 8 * R;
+    for part in (0..R).step_by(C) {
+        let mut av = [[_mm256_setzero_ps(); C]; G];
+        for (g, head) in av.iter_mut().enumerate() {
+            let c = _mm256_set1_ps(corrections[g]);
+            for (r, v) in head.iter_mut().enumerate() {
+                let at = acc.as_ptr().add(g * d + 8 * (part + r));
+                *v = _mm256_mul_ps(_mm256_loadu_ps(at), c);
+            }
+        }
+        for j in 0..n {
+            let x = values.as_ptr().add(base + j * stride + 8 * part);
+            let mut p = [_mm256_setzero_ps(); G];
+            for (g, p) in p.iter_mut().enumerate() {
+                *p = _mm256_set1_ps(*probs.get_unchecked(g * bs + j));
+            }
+            for r in 0..C {
+                let v = load8(x.add(8 * r));
+                for g in 0..G {
+                    av[g][r] = _mm256_fmadd_ps(p[g], v, av[g][r]);
+                }
+            }
+        }
+        for (g, head) in av.iter().enumerate() {
+            for (r, v) in head.iter().enumerate() {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(g * d + 8 * (part + r)), *v);
+            }
+        }
+    }
+}
+
 /// `scores` for `G` query heads of `8 * R` floats (queries `8 R` apart in
 /// `q`, scores `bs` apart): each key is loaded once for every head; per
 /// head the same four-key chains, sums and maximum as `scores_regs`.
@@ -188,6 +237,25 @@ unsafe fn scores_group_regs<const R: usize, const G: usize, T: KvElement>(
 /// `$f::<R, G, T>(args)` for the head sizes (8 R) of 32, 64 and 128 and
 /// `G` of 2 or 3 (four-key chains of three heads fill twelve registers),
 /// else `$fallback` (head by head).
+/// `accumulate_group_regs::<R, 4, G, T>(args)` for the head sizes (8 R)
+/// of 96 and 128 and `G` of 2 or 3 (4 G accumulators, the value and the
+/// probabilities within sixteen registers), else `$fallback`. Heads of 64
+/// and less stay head by head: there a head's accumulators are one pass of
+/// eight registers or fewer, and grouping measured no faster (SmolLM2's
+/// three heads of 64 a KV head).
+macro_rules! grouped_accumulate {
+    ($d:expr, $g:expr, ($($arg:expr),* $(,)?), $fallback:expr) => {
+        match ($d, $g) {
+            // SAFETY (each arm): as for every method below.
+            (96, 2) => unsafe { accumulate_group_regs::<12, 4, 2, T>($($arg),*) },
+            (96, 3) => unsafe { accumulate_group_regs::<12, 4, 3, T>($($arg),*) },
+            (128, 2) => unsafe { accumulate_group_regs::<16, 4, 2, T>($($arg),*) },
+            (128, 3) => unsafe { accumulate_group_regs::<16, 4, 3, T>($($arg),*) },
+            _ => $fallback,
+        }
+    };
+}
+
 macro_rules! grouped {
     ($d:expr, $g:expr, $f:ident($($arg:expr),* $(,)?), $fallback:expr) => {
         match ($d, $g) {
@@ -275,6 +343,32 @@ impl VectorOps for Avx2 {
                 size,
                 scores_group_regs(q, keys, base, stride, scale, scores, bs, n, maxes),
                 scores_by_head::<Self, T>(q, keys, base, stride, scale, scores, shape, maxes)
+            );
+            first += size;
+        }
+    }
+
+    /// Heads in the groups `scores_group` takes.
+    #[inline(always)]
+    fn accumulate_group<T: KvElement>(
+        acc: &mut [f32],
+        corrections: &[f32],
+        probs: &[f32],
+        values: &[T],
+        base: usize,
+        stride: usize,
+        shape: (usize, usize, usize),
+    ) {
+        let (d, bs, n) = shape;
+        let mut first = 0;
+        for size in head_groups(corrections.len()) {
+            let (acc, probs) = (&mut acc[first * d..], &probs[first * bs..]);
+            let corrections = &corrections[first..first + size];
+            grouped_accumulate!(
+                d,
+                size,
+                (acc, corrections, probs, values, base, stride, bs, n),
+                accumulate_by_head::<Self, T>(acc, corrections, probs, values, base, stride, shape)
             );
             first += size;
         }

@@ -180,11 +180,78 @@ unsafe fn scores_group_regs<const R: usize, const G: usize, T: KvElement>(
     }
 }
 
-/// `accumulate_group` for `G` query heads of `16 * R` floats: each value
-/// row is loaded once for every head.
+/// `scores_group_regs` for heads whose queries do not fit in registers
+/// beside the partial sums (`G * (R + 4)` over 31): the queries are read
+/// from memory (the first level of cache) as the products need them, each
+/// key still once for every head; per head the same four-key chains, sums
+/// and maximum as `scores_regs`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register tiles
-unsafe fn accumulate_group_regs<const R: usize, const G: usize, T: KvElement>(
+unsafe fn scores_group_mem<const R: usize, const G: usize, T: KvElement>(
+    q: &[f32],
+    keys: &[T],
+    base: usize,
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+    bs: usize,
+    n: usize,
+    maxes: &mut [f32],
+) {
+    let d = 16 * R;
+    let q = q.as_ptr();
+    let scale4 = _mm_set1_ps(scale);
+    let mut max4 = [_mm_set1_ps(f32::NEG_INFINITY); G];
+    let mut j = 0;
+    while j + 4 <= n {
+        let k = keys.as_ptr().add(base + j * stride);
+        let mut a = [[_mm512_setzero_ps(); 4]; G];
+        for r in 0..R {
+            for key in 0..4 {
+                let kv = load16(k.add(key * stride + 16 * r));
+                for g in 0..G {
+                    let qv = _mm512_loadu_ps(q.add(g * d + 16 * r));
+                    a[g][key] = _mm512_fmadd_ps(qv, kv, a[g][key]);
+                }
+            }
+        }
+        for g in 0..G {
+            let s = _mm_mul_ps(sum4(&a[g]), scale4);
+            _mm_storeu_ps(scores.as_mut_ptr().add(g * bs + j), s);
+            max4[g] = _mm_max_ps(max4[g], s);
+        }
+        j += 4;
+    }
+    for g in 0..G {
+        let pair = _mm_max_ps(max4[g], _mm_movehl_ps(max4[g], max4[g]));
+        maxes[g] = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    }
+    for i in j..n {
+        let k = keys.as_ptr().add(base + i * stride);
+        let mut acc = [_mm512_setzero_ps(); G];
+        for r in 0..R {
+            let kv = load16(k.add(16 * r));
+            for g in 0..G {
+                let qv = _mm512_loadu_ps(q.add(g * d + 16 * r));
+                acc[g] = _mm512_fmadd_ps(qv, kv, acc[g]);
+            }
+        }
+        for g in 0..G {
+            let score = _mm512_reduce_add_ps(acc[g]) * scale;
+            scores[g * bs + i] = score;
+            maxes[g] = maxes[g].max(score);
+        }
+    }
+}
+
+/// `accumulate_group` for `G` query heads of `16 * R` floats: each value
+/// row is loaded once for every head. The head is taken `C` registers at a
+/// time (one pass over the block's values each), so that `G * C` partial
+/// sums, the `G` probabilities and a value fit the 32 registers; each lane
+/// still sums its products in the order `accumulate_regs` does.
+#[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register tiles
+unsafe fn accumulate_group_regs<const R: usize, const C: usize, const G: usize, T: KvElement>(
     acc: &mut [f32],
     corrections: &[f32],
     probs: &[f32],
@@ -195,51 +262,110 @@ unsafe fn accumulate_group_regs<const R: usize, const G: usize, T: KvElement>(
     n: usize,
 ) {
     let d = 16 * R;
-    let mut av = [[_mm512_setzero_ps(); R]; G];
-    for (g, head) in av.iter_mut().enumerate() {
-        let c = _mm512_set1_ps(corrections[g]);
-        for (r, v) in head.iter_mut().enumerate() {
-            *v = _mm512_mul_ps(_mm512_loadu_ps(acc.as_ptr().add(g * d + 16 * r)), c);
-        }
-    }
-    for j in 0..n {
-        let x = values.as_ptr().add(base + j * stride);
-        let mut p = [_mm512_setzero_ps(); G];
-        for (g, p) in p.iter_mut().enumerate() {
-            *p = _mm512_set1_ps(*probs.get_unchecked(g * bs + j));
-        }
-        for r in 0..R {
-            let v = load16(x.add(16 * r));
-            for g in 0..G {
-                av[g][r] = _mm512_fmadd_ps(p[g], v, av[g][r]);
+    for part in (0..R).step_by(C) {
+        let mut av = [[_mm512_setzero_ps(); C]; G];
+        for (g, head) in av.iter_mut().enumerate() {
+            let c = _mm512_set1_ps(corrections[g]);
+            for (r, v) in head.iter_mut().enumerate() {
+                let at = acc.as_ptr().add(g * d + 16 * (part + r));
+                *v = _mm512_mul_ps(_mm512_loadu_ps(at), c);
             }
         }
-    }
-    for (g, head) in av.iter().enumerate() {
-        for (r, v) in head.iter().enumerate() {
-            _mm512_storeu_ps(acc.as_mut_ptr().add(g * d + 16 * r), *v);
+        for j in 0..n {
+            let x = values.as_ptr().add(base + j * stride + 16 * part);
+            let mut p = [_mm512_setzero_ps(); G];
+            for (g, p) in p.iter_mut().enumerate() {
+                *p = _mm512_set1_ps(*probs.get_unchecked(g * bs + j));
+            }
+            for r in 0..C {
+                let v = load16(x.add(16 * r));
+                for g in 0..G {
+                    av[g][r] = _mm512_fmadd_ps(p[g], v, av[g][r]);
+                }
+            }
+        }
+        for (g, head) in av.iter().enumerate() {
+            for (r, v) in head.iter().enumerate() {
+                _mm512_storeu_ps(acc.as_mut_ptr().add(g * d + 16 * (part + r)), *v);
+            }
         }
     }
 }
 
-/// `$f::<R, G, T>(args)` for the head sizes (16 R) and group sizes (G) whose
-/// queries and partial sums fit the 32 registers (G * (R + 4) of them),
-/// else `$fallback` (head by head).
-macro_rules! grouped {
-    ($d:expr, $g:expr, $f:ident($($arg:expr),* $(,)?), $fallback:expr) => {
+/// `scores_group` for `G` heads of `d = 16 R` floats: the queries in
+/// registers where they fit beside the partial sums and a key (at most 31
+/// of `G * (R + 4)` registers), read from memory for the larger heads, else
+/// `$fallback` (head by head).
+macro_rules! grouped_scores {
+    ($d:expr, $g:expr, ($($arg:expr),* $(,)?), $fallback:expr) => {
         match ($d, $g) {
             // SAFETY (each arm): as for every method below.
-            (16, 2) => unsafe { $f::<1, 2, T>($($arg),*) },
-            (16, 3) => unsafe { $f::<1, 3, T>($($arg),*) },
-            (16, 4) => unsafe { $f::<1, 4, T>($($arg),*) },
-            (32, 2) => unsafe { $f::<2, 2, T>($($arg),*) },
-            (32, 3) => unsafe { $f::<2, 3, T>($($arg),*) },
-            (32, 4) => unsafe { $f::<2, 4, T>($($arg),*) },
-            (64, 2) => unsafe { $f::<4, 2, T>($($arg),*) },
-            (64, 3) => unsafe { $f::<4, 3, T>($($arg),*) },
+            (16, 2) => unsafe { scores_group_regs::<1, 2, T>($($arg),*) },
+            (16, 3) => unsafe { scores_group_regs::<1, 3, T>($($arg),*) },
+            (16, 4) => unsafe { scores_group_regs::<1, 4, T>($($arg),*) },
+            (32, 2) => unsafe { scores_group_regs::<2, 2, T>($($arg),*) },
+            (32, 3) => unsafe { scores_group_regs::<2, 3, T>($($arg),*) },
+            (32, 4) => unsafe { scores_group_regs::<2, 4, T>($($arg),*) },
+            (64, 2) => unsafe { scores_group_regs::<4, 2, T>($($arg),*) },
+            (64, 3) => unsafe { scores_group_regs::<4, 3, T>($($arg),*) },
+            (64, 4) => unsafe { scores_group_mem::<4, 4, T>($($arg),*) },
+            (80, 2) => unsafe { scores_group_regs::<5, 2, T>($($arg),*) },
+            (80, 3) => unsafe { scores_group_regs::<5, 3, T>($($arg),*) },
+            (80, 4) => unsafe { scores_group_mem::<5, 4, T>($($arg),*) },
+            (96, 2) => unsafe { scores_group_regs::<6, 2, T>($($arg),*) },
+            (96, 3) => unsafe { scores_group_regs::<6, 3, T>($($arg),*) },
+            (96, 4) => unsafe { scores_group_mem::<6, 4, T>($($arg),*) },
+            (128, 2) => unsafe { scores_group_regs::<8, 2, T>($($arg),*) },
+            (128, 3) => unsafe { scores_group_mem::<8, 3, T>($($arg),*) },
+            (128, 4) => unsafe { scores_group_mem::<8, 4, T>($($arg),*) },
+            (256, 2) => unsafe { scores_group_mem::<16, 2, T>($($arg),*) },
+            (256, 3) => unsafe { scores_group_mem::<16, 3, T>($($arg),*) },
+            (256, 4) => unsafe { scores_group_mem::<16, 4, T>($($arg),*) },
             _ => $fallback,
         }
     };
+}
+
+/// `accumulate_group` for `G` heads of `d = 16 R` floats, `C` registers
+/// of each at a time (`G * C + G + 1` registers, at most 32), else
+/// `$fallback` (head by head).
+macro_rules! grouped_accumulate {
+    ($d:expr, $g:expr, ($($arg:expr),* $(,)?), $fallback:expr) => {
+        match ($d, $g) {
+            // SAFETY (each arm): as for every method below.
+            (16, 2) => unsafe { accumulate_group_regs::<1, 1, 2, T>($($arg),*) },
+            (16, 3) => unsafe { accumulate_group_regs::<1, 1, 3, T>($($arg),*) },
+            (16, 4) => unsafe { accumulate_group_regs::<1, 1, 4, T>($($arg),*) },
+            (32, 2) => unsafe { accumulate_group_regs::<2, 2, 2, T>($($arg),*) },
+            (32, 3) => unsafe { accumulate_group_regs::<2, 2, 3, T>($($arg),*) },
+            (32, 4) => unsafe { accumulate_group_regs::<2, 2, 4, T>($($arg),*) },
+            (64, 2) => unsafe { accumulate_group_regs::<4, 4, 2, T>($($arg),*) },
+            (64, 3) => unsafe { accumulate_group_regs::<4, 4, 3, T>($($arg),*) },
+            (64, 4) => unsafe { accumulate_group_regs::<4, 4, 4, T>($($arg),*) },
+            (80, 2) => unsafe { accumulate_group_regs::<5, 5, 2, T>($($arg),*) },
+            (80, 3) => unsafe { accumulate_group_regs::<5, 5, 3, T>($($arg),*) },
+            (80, 4) => unsafe { accumulate_group_regs::<5, 5, 4, T>($($arg),*) },
+            (96, 2) => unsafe { accumulate_group_regs::<6, 6, 2, T>($($arg),*) },
+            (96, 3) => unsafe { accumulate_group_regs::<6, 6, 3, T>($($arg),*) },
+            (96, 4) => unsafe { accumulate_group_regs::<6, 6, 4, T>($($arg),*) },
+            (128, 2) => unsafe { accumulate_group_regs::<8, 8, 2, T>($($arg),*) },
+            (128, 3) => unsafe { accumulate_group_regs::<8, 8, 3, T>($($arg),*) },
+            (128, 4) => unsafe { accumulate_group_regs::<8, 4, 4, T>($($arg),*) },
+            (256, 2) => unsafe { accumulate_group_regs::<16, 8, 2, T>($($arg),*) },
+            (256, 3) => unsafe { accumulate_group_regs::<16, 8, 3, T>($($arg),*) },
+            (256, 4) => unsafe { accumulate_group_regs::<16, 4, 4, T>($($arg),*) },
+            _ => $fallback,
+        }
+    };
+}
+
+/// The sizes `heads` query heads are taken in by the grouped loops: as few
+/// groups of at most four as cover them, as even as can be (8: 4 + 4, 7:
+/// 4 + 3, 6: 3 + 3, 5: 3 + 2).
+fn head_groups(heads: usize) -> impl Iterator<Item = usize> {
+    let groups = heads.div_ceil(4).max(1);
+    let (size, larger) = (heads / groups, heads % groups);
+    (0..groups).map(move |i| size + usize::from(i < larger))
 }
 
 // SAFETY (every method): only reached from `run_row_avx512`, where AVX-512 F
@@ -305,12 +431,18 @@ impl VectorOps for Avx512 {
         maxes: &mut [f32],
     ) {
         let (d, bs, n) = shape;
-        grouped!(
-            d,
-            maxes.len(),
-            scores_group_regs(q, keys, base, stride, scale, scores, bs, n, maxes),
-            scores_by_head::<Self, T>(q, keys, base, stride, scale, scores, shape, maxes)
-        )
+        let mut first = 0;
+        for size in head_groups(maxes.len()) {
+            let (q, scores) = (&q[first * d..], &mut scores[first * bs..]);
+            let maxes = &mut maxes[first..first + size];
+            grouped_scores!(
+                d,
+                size,
+                (q, keys, base, stride, scale, scores, bs, n, maxes),
+                scores_by_head::<Self, T>(q, keys, base, stride, scale, scores, shape, maxes)
+            );
+            first += size;
+        }
     }
 
     #[inline(always)]
@@ -324,12 +456,18 @@ impl VectorOps for Avx512 {
         shape: (usize, usize, usize),
     ) {
         let (d, bs, n) = shape;
-        grouped!(
-            d,
-            corrections.len(),
-            accumulate_group_regs(acc, corrections, probs, values, base, stride, bs, n),
-            accumulate_by_head::<Self, T>(acc, corrections, probs, values, base, stride, shape)
-        )
+        let mut first = 0;
+        for size in head_groups(corrections.len()) {
+            let (acc, probs) = (&mut acc[first * d..], &probs[first * bs..]);
+            let corrections = &corrections[first..first + size];
+            grouped_accumulate!(
+                d,
+                size,
+                (acc, corrections, probs, values, base, stride, bs, n),
+                accumulate_by_head::<Self, T>(acc, corrections, probs, values, base, stride, shape)
+            );
+            first += size;
+        }
     }
 
     fn has_loop(d: usize) -> bool {

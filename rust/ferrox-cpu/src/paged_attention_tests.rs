@@ -308,36 +308,58 @@ fn fast_exp_is_accurate() {
     assert_eq!(fast_exp(f32::NEG_INFINITY), fast_exp(-87.0));
 }
 
-/// The AVX2 scores loop that takes the query heads of a KV head together
-/// gives each head the bits of its own loop, for every group size (threes,
-/// twos, one alone), head size (and one it does not group) and key count.
+/// The vector loops that take the query heads of a KV head together (AVX2:
+/// threes and twos; AVX-512: up to four, the queries in registers or read
+/// from memory for the larger heads; the values a few registers of a head
+/// at a time) give each head the bits of its own loops, for every group
+/// size up to eight, the head sizes they cover (and one they do not), and
+/// key counts around the four-key chains.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn avx2_grouped_heads_equal_head_by_head() {
+fn grouped_heads_equal_head_by_head() {
     if crate::isa::avx2() {
         // SAFETY: the CPU has the features.
         unsafe { grouped_heads_on_avx2::<f32>() };
         unsafe { grouped_heads_on_avx2::<crate::kv_element::F16>() };
+    }
+    if crate::isa::avx512() {
+        // SAFETY: the CPU has the features.
+        unsafe { grouped_heads_on_avx512::<f32>() };
+        unsafe { grouped_heads_on_avx512::<crate::kv_element::F16>() };
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn grouped_heads_on_avx2<T: KvElement>() {
-    use super::avx2::Avx2;
-    for d in [32, 64, 128, 48] {
+    grouped_equal_by_head::<super::avx2::Avx2, T>(&[32, 64, 96, 128, 48]);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn grouped_heads_on_avx512<T: KvElement>() {
+    grouped_equal_by_head::<super::avx512::Avx512, T>(&[16, 32, 64, 80, 96, 128, 256, 48]);
+}
+
+#[inline(always)]
+fn grouped_equal_by_head<V: VectorOps, T: KvElement>(dims: &[usize]) {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for &d in dims {
         for heads in 1..=8 {
             for n in [1, 3, 4, 7, 16, 17] {
                 let (stride, bs, base) = (2 * d, n + 3, d / 2);
                 let q = values(heads * d, (d + heads + n) as u64);
-                let keys: Vec<T> = values(base + n * stride, 3)
-                    .iter()
-                    .map(|&x| T::from_f32(x))
-                    .collect();
+                let cache = |seed| -> Vec<T> {
+                    values(base + n * stride, seed)
+                        .iter()
+                        .map(|&x| T::from_f32(x))
+                        .collect()
+                };
+                let (keys, vals) = (cache(3), cache(5));
                 let shape = (d, bs, n);
                 let (mut grouped, mut alone) = (vec![0.0; heads * bs], vec![0.0; heads * bs]);
                 let (mut max_g, mut max_a) = (vec![0.0; heads], vec![0.0; heads]);
-                Avx2::scores_group(
+                V::scores_group(
                     &q,
                     &keys,
                     base,
@@ -347,20 +369,27 @@ unsafe fn grouped_heads_on_avx2<T: KvElement>() {
                     shape,
                     &mut max_g,
                 );
-                scores_by_head::<Avx2, T>(
-                    &q, &keys, base, stride, 0.3, &mut alone, shape, &mut max_a,
+                scores_by_head::<V, T>(&q, &keys, base, stride, 0.3, &mut alone, shape, &mut max_a);
+                let case = format!("d={d} heads={heads} n={n}");
+                assert_eq!(bits(&grouped), bits(&alone), "scores {case}");
+                assert_eq!(bits(&max_g), bits(&max_a), "maxes {case}");
+                // the scores as probabilities; each head's accumulator and
+                // correction its own
+                let probs: Vec<f32> = grouped.iter().map(|s| s.abs() * 0.1).collect();
+                let corrections: Vec<f32> = (0..heads).map(|g| 0.5 + 0.1 * g as f32).collect();
+                let start = values(heads * d, 11);
+                let (mut acc_g, mut acc_a) = (start.clone(), start);
+                V::accumulate_group(&mut acc_g, &corrections, &probs, &vals, base, stride, shape);
+                accumulate_by_head::<V, T>(
+                    &mut acc_a,
+                    &corrections,
+                    &probs,
+                    &vals,
+                    base,
+                    stride,
+                    shape,
                 );
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&grouped),
-                    bits(&alone),
-                    "scores d={d} heads={heads} n={n}"
-                );
-                assert_eq!(
-                    bits(&max_g),
-                    bits(&max_a),
-                    "maxes d={d} heads={heads} n={n}"
-                );
+                assert_eq!(bits(&acc_g), bits(&acc_a), "accumulators {case}");
             }
         }
     }
