@@ -641,6 +641,18 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
     let blocks = queries.iter().map(|q| q.3.div_ceil(bs)).max().unwrap_or(0);
     let token = hkv * d;
     for block in first_block..blocks {
+        // The next block of each query's table, asked for while this one
+        // is computed (once per physical block).
+        let mut asked = None;
+        for &(_, table, _, end) in &queries {
+            let physical = table[block + 1..]
+                .first()
+                .filter(|_| (block + 1) * bs < end);
+            if let Some(&physical) = physical.filter(|&&p| asked != Some(p)) {
+                prefetch_block(args, physical as usize, &kv_heads);
+                asked = Some(physical);
+            }
+        }
         // The float16 keys and values in `s.keys` / `s.values`: the
         // physical block and the offsets widened.
         let mut widened: Option<(i32, usize, usize)> = None;
@@ -724,6 +736,42 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
             emit(t, head, acc);
         }
     }
+}
+
+/// Asks the second-level cache for the keys and values of `kv_heads` in
+/// block `physical` (into the first level measured no better: its few
+/// outstanding misses fill up). A block's rows of one KV head lie `Hkv * D`
+/// elements apart and the next block anywhere in the pool, which the
+/// hardware prefetcher does not follow: a decode step's attention otherwise
+/// waits on memory at every key row. A hint only (nothing is read; an
+/// address past the cache is never touched).
+#[inline(always)]
+fn prefetch_block<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    physical: usize,
+    kv_heads: &Range<usize>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let (d, bs) = (args.head_dim, args.block_size);
+        let token = args.num_kv_heads * d;
+        let row_bytes = d * std::mem::size_of::<T>();
+        for j in 0..bs {
+            for head in kv_heads.clone() {
+                let at = (physical * bs + j) * token + head * d;
+                for cache in [args.k_cache, args.v_cache] {
+                    let row = cache.as_ptr().wrapping_add(at) as *const i8;
+                    for line in (0..row_bytes).step_by(64) {
+                        // SAFETY: a prefetch never faults and reads nothing.
+                        unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(line)) };
+                    }
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (args, physical, kv_heads);
 }
 
 /// One block of `n` keys (at `first` in `keys` / `values`, laid out
