@@ -5,12 +5,19 @@ AVX-512 would), every version and cap in its own process, interleaved:
 
   offline   64 requests of 64-256 random prompt tokens, 128 greedy tokens
             each (EOS ignored), one `LLM.generate`: output tok/s
-  single    one 256-token prompt, 128 greedy tokens: tok/s
+  single    one 256-token prompt (`--prompt-len`), 128 greedy tokens: tok/s
+            over the whole request, and of its decode alone (first to last
+            token, from the request's metrics)
 
 Also checks batch invariance: the first offline request's tokens, run
 alone, must equal its tokens in the batch.
 
     python benches/quant_batches.py [--baseline REF] [--isa native,avx2] [--repeats 3] [--json FILE]
+    python benches/quant_batches.py --model FILE --workloads single  # another GGUF, one stream
+
+`--model` takes a GGUF with the bundled model's vocabulary (the files
+`benches/make_bench_gguf.py` writes); `--workloads single` skips the
+offline batch and the invariance check.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ NUM_REQUESTS = 64
 OUTPUT_LEN = 128
 
 
-def measure() -> dict[str, object]:
+def measure(model: str | None, workloads: list[str], prompt_len: int) -> dict[str, object]:
     import numpy as np
 
     import ferrox  # noqa: F401  # isort: skip  (before torch)
@@ -42,36 +49,39 @@ def measure() -> dict[str, object]:
         rng.integers(100, 49000, size=int(rng.integers(64, 257))).tolist()
         for _ in range(NUM_REQUESTS)
     ]
-    llm = LLM(max_num_seqs=NUM_REQUESTS)
+    llm = LLM(model=model, max_num_seqs=NUM_REQUESTS) if model else LLM(max_num_seqs=NUM_REQUESTS)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    offline_s = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    llm.reset_prefix_cache()
-    single = [1, *range(1000, 1255)]
-    start = time.perf_counter()
-    llm.generate([single], params, use_tqdm=False)
-    single_s = time.perf_counter() - start
-    llm.reset_prefix_cache()
-    alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
-    return {
-        "isa": cpu_isa(),
-        "offline_tok_s": produced / offline_s,
-        "single_tok_s": OUTPUT_LEN / single_s,
-        "alone_equals_batch": list(alone) == list(outs[0].outputs[0].token_ids),
-    }
+    result: dict[str, object] = {"isa": cpu_isa()}
+    if "offline" in workloads:
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        offline_s = time.perf_counter() - start
+        result["offline_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / offline_s
+        llm.reset_prefix_cache()
+        alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+        result["alone_equals_batch"] = list(alone) == list(outs[0].outputs[0].token_ids)
+    if "single" in workloads:
+        llm.reset_prefix_cache()
+        single = [1, *range(1000, 1000 + prompt_len - 1)]
+        start = time.perf_counter()
+        out = llm.generate([single], params, use_tqdm=False)[0]
+        result["single_tok_s"] = OUTPUT_LEN / (time.perf_counter() - start)
+        m = out.metrics
+        assert m is not None and m.first_token_time and m.last_token_time
+        decode_s = m.last_token_time - m.first_token_time
+        result["single_decode_tok_s"] = (OUTPUT_LEN - 1) / decode_s
+    return result
 
 
-def measure_in_child(python_path: Path, isa: str) -> dict[str, object]:
+def measure_in_child(python_path: Path, isa: str, child_args: list[str]) -> dict[str, object]:
     # (torch's caps too: ferrox sets them from FERROX_CPU_ISA in each child)
     caps = ("FERROX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
     env: dict[str, str | None] = dict.fromkeys(caps)
     if isa != "native":
         env["FERROX_CPU_ISA"] = isa
-    result: dict[str, object] = run_child(__file__, python_path, ["--child"], env)
+    result: dict[str, object] = run_child(__file__, python_path, ["--child", *child_args], env)
     return result
 
 
@@ -81,11 +91,20 @@ def main() -> int:
     parser.add_argument("--isa", default="native,avx2", help="FERROX_CPU_ISA caps to run under")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled model)")
+    parser.add_argument("--workloads", default="offline,single")
+    parser.add_argument("--prompt-len", type=int, default=256, help="the single stream's prompt")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    workloads = args.workloads.split(",")
+    if not workloads or not set(workloads) <= {"offline", "single"}:
+        parser.error("--workloads: a comma-separated list of offline and single")
     if args.child:
-        print(json.dumps(measure()))
+        print(json.dumps(measure(args.model, workloads, args.prompt_len)))
         return 0
+    child_args = ["--workloads", args.workloads, "--prompt-len", str(args.prompt_len)]
+    if args.model:
+        child_args += ["--model", str(Path(args.model).expanduser().resolve())]
     work = Path(tempfile.mkdtemp(prefix="ferrox-quant-batches-"))
     try:
         versions = {"current": ROOT / "python"}
@@ -98,18 +117,23 @@ def main() -> int:
         for r in range(args.repeats):
             for cap in caps:
                 for name, path in versions.items():
-                    result = measure_in_child(path, cap)
+                    result = measure_in_child(path, cap, child_args)
                     runs[cap][name].append(result)
                     print(f"run {r + 1} {cap:>6} {name:>8}: {result}", flush=True)
-        print(f"\n{'cap':>6} {'version':>8} {'offline tok/s':>24} {'single tok/s':>24} invariant")
+        keys = [f"{w}_tok_s" for w in ("offline", "single") if w in workloads]
+        keys += ["single_decode_tok_s"] if "single" in workloads else []
+        header = "".join(f"{k.replace('_tok_s', ' tok/s'):>24}" for k in keys)
+        print(f"\n{'cap':>6} {'version':>8}{header} invariant")
         for cap in caps:
             for name, results in runs[cap].items():
-                offline = [float(x["offline_tok_s"]) for x in results]  # type: ignore[arg-type]
-                single = [float(x["single_tok_s"]) for x in results]  # type: ignore[arg-type]
-                same = all(x["alone_equals_batch"] for x in results)
-                print(f"{cap:>6} {name:>8} {spread(offline):>24} {spread(single):>24} {same}")
+                cells = "".join(
+                    f"{spread([float(x[k]) for x in results]):>24}"  # type: ignore[arg-type]
+                    for k in keys
+                )
+                same = all(x.get("alone_equals_batch", True) for x in results)
+                print(f"{cap:>6} {name:>8}{cells} {same if 'offline' in workloads else '-'}")
             if args.baseline:
-                for key in ("offline_tok_s", "single_tok_s"):
+                for key in keys:
                     pairs = zip(runs[cap]["current"], runs[cap]["baseline"], strict=True)
                     ratios = [float(c[key]) / float(b[key]) for c, b in pairs]  # type: ignore[arg-type]
                     print(f"{cap:>6} current/baseline {key}: {spread(ratios, 'x', 2)}")
