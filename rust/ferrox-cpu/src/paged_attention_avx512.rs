@@ -116,78 +116,15 @@ unsafe fn sum4(a: &[__m512; 4]) -> __m128 {
 }
 
 /// `scores_group` for `G` query heads of `16 * R` floats: each key is
-/// loaded once and multiplied by every head's query (queries and the
-/// partial sums of four keys for every head stay in registers).
+/// loaded once and multiplied by every head's query. With `HELD` the
+/// queries stay in registers beside the partial sums of four keys for every
+/// head (`G * (R + 4)` registers); without, for heads too large for that,
+/// they are read from memory (the first level of cache) as the products
+/// need them. Per head the same four-key chains, sums and maximum as
+/// `scores_regs`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register tiles
-unsafe fn scores_group_regs<const R: usize, const G: usize, T: KvElement>(
-    q: &[f32],
-    keys: &[T],
-    base: usize,
-    stride: usize,
-    scale: f32,
-    scores: &mut [f32],
-    bs: usize,
-    n: usize,
-    maxes: &mut [f32],
-) {
-    let d = 16 * R;
-    let mut qv = [[_mm512_setzero_ps(); R]; G];
-    for (g, head) in qv.iter_mut().enumerate() {
-        for (r, v) in head.iter_mut().enumerate() {
-            *v = _mm512_loadu_ps(q.as_ptr().add(g * d + 16 * r));
-        }
-    }
-    let scale4 = _mm_set1_ps(scale);
-    let mut max4 = [_mm_set1_ps(f32::NEG_INFINITY); G];
-    let mut j = 0;
-    while j + 4 <= n {
-        let k = keys.as_ptr().add(base + j * stride);
-        let mut a = [[_mm512_setzero_ps(); 4]; G];
-        for r in 0..R {
-            for key in 0..4 {
-                let kv = load16(k.add(key * stride + 16 * r));
-                for g in 0..G {
-                    a[g][key] = _mm512_fmadd_ps(qv[g][r], kv, a[g][key]);
-                }
-            }
-        }
-        for g in 0..G {
-            let s = _mm_mul_ps(sum4(&a[g]), scale4);
-            _mm_storeu_ps(scores.as_mut_ptr().add(g * bs + j), s);
-            max4[g] = _mm_max_ps(max4[g], s);
-        }
-        j += 4;
-    }
-    for g in 0..G {
-        let pair = _mm_max_ps(max4[g], _mm_movehl_ps(max4[g], max4[g]));
-        maxes[g] = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
-    }
-    for i in j..n {
-        let k = keys.as_ptr().add(base + i * stride);
-        let mut acc = [_mm512_setzero_ps(); G];
-        for r in 0..R {
-            let kv = load16(k.add(16 * r));
-            for g in 0..G {
-                acc[g] = _mm512_fmadd_ps(qv[g][r], kv, acc[g]);
-            }
-        }
-        for g in 0..G {
-            let score = _mm512_reduce_add_ps(acc[g]) * scale;
-            scores[g * bs + i] = score;
-            maxes[g] = maxes[g].max(score);
-        }
-    }
-}
-
-/// `scores_group_regs` for heads whose queries do not fit in registers
-/// beside the partial sums (`G * (R + 4)` over 31): the queries are read
-/// from memory (the first level of cache) as the products need them, each
-/// key still once for every head; per head the same four-key chains, sums
-/// and maximum as `scores_regs`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register tiles
-unsafe fn scores_group_mem<const R: usize, const G: usize, T: KvElement>(
+unsafe fn scores_group_regs<const R: usize, const G: usize, const HELD: bool, T: KvElement>(
     q: &[f32],
     keys: &[T],
     base: usize,
@@ -200,6 +137,24 @@ unsafe fn scores_group_mem<const R: usize, const G: usize, T: KvElement>(
 ) {
     let d = 16 * R;
     let q = q.as_ptr();
+    let mut held = [[_mm512_setzero_ps(); R]; G];
+    if HELD {
+        for (g, head) in held.iter_mut().enumerate() {
+            for (r, v) in head.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(q.add(g * d + 16 * r));
+            }
+        }
+    }
+    // (a plain expression, not a closure: see `scores_regs`)
+    macro_rules! query {
+        ($g:expr, $r:expr) => {
+            if HELD {
+                held[$g][$r]
+            } else {
+                _mm512_loadu_ps(q.add($g * d + 16 * $r))
+            }
+        };
+    }
     let scale4 = _mm_set1_ps(scale);
     let mut max4 = [_mm_set1_ps(f32::NEG_INFINITY); G];
     let mut j = 0;
@@ -210,8 +165,7 @@ unsafe fn scores_group_mem<const R: usize, const G: usize, T: KvElement>(
             for key in 0..4 {
                 let kv = load16(k.add(key * stride + 16 * r));
                 for g in 0..G {
-                    let qv = _mm512_loadu_ps(q.add(g * d + 16 * r));
-                    a[g][key] = _mm512_fmadd_ps(qv, kv, a[g][key]);
+                    a[g][key] = _mm512_fmadd_ps(query!(g, r), kv, a[g][key]);
                 }
             }
         }
@@ -232,8 +186,7 @@ unsafe fn scores_group_mem<const R: usize, const G: usize, T: KvElement>(
         for r in 0..R {
             let kv = load16(k.add(16 * r));
             for g in 0..G {
-                let qv = _mm512_loadu_ps(q.add(g * d + 16 * r));
-                acc[g] = _mm512_fmadd_ps(qv, kv, acc[g]);
+                acc[g] = _mm512_fmadd_ps(query!(g, r), kv, acc[g]);
             }
         }
         for g in 0..G {
@@ -300,27 +253,27 @@ macro_rules! grouped_scores {
     ($d:expr, $g:expr, ($($arg:expr),* $(,)?), $fallback:expr) => {
         match ($d, $g) {
             // SAFETY (each arm): as for every method below.
-            (16, 2) => unsafe { scores_group_regs::<1, 2, T>($($arg),*) },
-            (16, 3) => unsafe { scores_group_regs::<1, 3, T>($($arg),*) },
-            (16, 4) => unsafe { scores_group_regs::<1, 4, T>($($arg),*) },
-            (32, 2) => unsafe { scores_group_regs::<2, 2, T>($($arg),*) },
-            (32, 3) => unsafe { scores_group_regs::<2, 3, T>($($arg),*) },
-            (32, 4) => unsafe { scores_group_regs::<2, 4, T>($($arg),*) },
-            (64, 2) => unsafe { scores_group_regs::<4, 2, T>($($arg),*) },
-            (64, 3) => unsafe { scores_group_regs::<4, 3, T>($($arg),*) },
-            (64, 4) => unsafe { scores_group_mem::<4, 4, T>($($arg),*) },
-            (80, 2) => unsafe { scores_group_regs::<5, 2, T>($($arg),*) },
-            (80, 3) => unsafe { scores_group_regs::<5, 3, T>($($arg),*) },
-            (80, 4) => unsafe { scores_group_mem::<5, 4, T>($($arg),*) },
-            (96, 2) => unsafe { scores_group_regs::<6, 2, T>($($arg),*) },
-            (96, 3) => unsafe { scores_group_regs::<6, 3, T>($($arg),*) },
-            (96, 4) => unsafe { scores_group_mem::<6, 4, T>($($arg),*) },
-            (128, 2) => unsafe { scores_group_regs::<8, 2, T>($($arg),*) },
-            (128, 3) => unsafe { scores_group_mem::<8, 3, T>($($arg),*) },
-            (128, 4) => unsafe { scores_group_mem::<8, 4, T>($($arg),*) },
-            (256, 2) => unsafe { scores_group_mem::<16, 2, T>($($arg),*) },
-            (256, 3) => unsafe { scores_group_mem::<16, 3, T>($($arg),*) },
-            (256, 4) => unsafe { scores_group_mem::<16, 4, T>($($arg),*) },
+            (16, 2) => unsafe { scores_group_regs::<1, 2, true, T>($($arg),*) },
+            (16, 3) => unsafe { scores_group_regs::<1, 3, true, T>($($arg),*) },
+            (16, 4) => unsafe { scores_group_regs::<1, 4, true, T>($($arg),*) },
+            (32, 2) => unsafe { scores_group_regs::<2, 2, true, T>($($arg),*) },
+            (32, 3) => unsafe { scores_group_regs::<2, 3, true, T>($($arg),*) },
+            (32, 4) => unsafe { scores_group_regs::<2, 4, true, T>($($arg),*) },
+            (64, 2) => unsafe { scores_group_regs::<4, 2, true, T>($($arg),*) },
+            (64, 3) => unsafe { scores_group_regs::<4, 3, true, T>($($arg),*) },
+            (64, 4) => unsafe { scores_group_regs::<4, 4, false, T>($($arg),*) },
+            (80, 2) => unsafe { scores_group_regs::<5, 2, true, T>($($arg),*) },
+            (80, 3) => unsafe { scores_group_regs::<5, 3, true, T>($($arg),*) },
+            (80, 4) => unsafe { scores_group_regs::<5, 4, false, T>($($arg),*) },
+            (96, 2) => unsafe { scores_group_regs::<6, 2, true, T>($($arg),*) },
+            (96, 3) => unsafe { scores_group_regs::<6, 3, true, T>($($arg),*) },
+            (96, 4) => unsafe { scores_group_regs::<6, 4, false, T>($($arg),*) },
+            (128, 2) => unsafe { scores_group_regs::<8, 2, true, T>($($arg),*) },
+            (128, 3) => unsafe { scores_group_regs::<8, 3, false, T>($($arg),*) },
+            (128, 4) => unsafe { scores_group_regs::<8, 4, false, T>($($arg),*) },
+            (256, 2) => unsafe { scores_group_regs::<16, 2, false, T>($($arg),*) },
+            (256, 3) => unsafe { scores_group_regs::<16, 3, false, T>($($arg),*) },
+            (256, 4) => unsafe { scores_group_regs::<16, 4, false, T>($($arg),*) },
             _ => $fallback,
         }
     };
