@@ -40,15 +40,6 @@ pub struct DenseMlp<'a> {
     pub down: LayerLinear<'a>,    // I -> hidden
 }
 
-/// The gated MLP's activation of its gate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// SwiGLU: silu(gate) * up (Llama).
-    Silu,
-    /// GeGLU with tanh's GELU: gelu_tanh(gate) * up (Gemma).
-    GeluTanh,
-}
-
 /// The layer's parameters and shapes.
 pub struct DecoderLayerWeights<'a> {
     pub input_norm: &'a [f32], // [hidden]
@@ -59,7 +50,7 @@ pub struct DecoderLayerWeights<'a> {
     /// of the MLP output. [hidden] each, or None.
     pub attention_out_norm: Option<&'a [f32]>,
     pub mlp_out_norm: Option<&'a [f32]>,
-    pub activation: Activation,
+    pub activation: Gate,
     pub eps: f32,
     pub qkv: LayerLinear<'a>,      // hidden -> (H + 2 Hkv) D
     pub q_norm: Option<&'a [f32]>, // [D]: each query head's RMSNorm (with `k_norm`)
@@ -289,11 +280,7 @@ pub fn decoder_layer<T: KvElement>(
     };
     let inter = mlp.gate_up.out_features / 2;
     let gate_up = linear(&mlp.gate_up, &normed, hidden, threads)?;
-    let gate = match weights.activation {
-        Activation::Silu => Gate::Silu,
-        Activation::GeluTanh => Gate::GeluTanh,
-    };
-    let act = gate_rows(gate, &gate_up, inter);
+    let act = gate_rows(weights.activation, &gate_up, inter);
     let mut out = linear(&mlp.down, &act, inter, threads)?;
     if let Some(norm) = weights.mlp_out_norm {
         rms_norm_rows(&mut out, norm, weights.eps, threads)?;
@@ -354,7 +341,7 @@ mod tests {
             post_attention_norm: &norm,
             attention_out_norm: None,
             mlp_out_norm: None,
-            activation: Activation::Silu,
+            activation: Gate::Silu,
             eps: 1e-6,
             qkv: linear(leak(wqkv), qkv_outputs),
             q_norm: None,

@@ -22,16 +22,16 @@ mod quant_matmul_vnni;
 pub mod quant_pack;
 pub mod token_bitmask;
 
+pub use activation::Gate;
 pub use decoder_layer::{
-    decoder_layer, Activation, DecoderLayerStep, DecoderLayerWeights, DenseMlp, LayerLinear,
-    LinearWeight,
+    decoder_layer, DecoderLayerStep, DecoderLayerWeights, DenseMlp, LayerLinear, LinearWeight,
 };
 pub use elementwise::{add_rms_norm, rotary_in_place};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};
 pub use gated_delta::{gated_delta_decode, GatedDeltaDecode};
 pub use kv_element::{f32_to_f16, KvElement, F16};
 pub use lora::LoraLayer;
-pub use moe::{moe_experts, route, ExpertWeights, MoeActivation, MoeArgs, Router};
+pub use moe::{moe_experts, route, ExpertWeights, MoeArgs, Router};
 pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 pub use quant_matmul::{
     dequantize_rows, quant_matmul, quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs,

@@ -34,14 +34,6 @@ pub struct ExpertWeights<'a> {
     pub down_bias: Option<&'a [f32]>,
 }
 
-/// The experts' gate: SiLU(gate) * up, or gpt-oss's clamped SwiGLU:
-/// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum MoeActivation {
-    Silu,
-    ClampedSwiGlu { alpha: f32, limit: f32 },
-}
-
 pub struct MoeArgs<'a> {
     pub x: &'a [f32],              // [T, hidden]
     pub expert_ids: &'a [i64],     // [T, k]: each token's chosen experts
@@ -53,7 +45,7 @@ pub struct MoeArgs<'a> {
     pub layout: BlockLayout,
     pub hidden: usize,
     pub inter: usize,
-    pub activation: MoeActivation,
+    pub activation: Gate,
     pub num_threads: usize,
 }
 
@@ -208,13 +200,9 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
         2 * inter,
         args.num_threads,
     );
-    let gate = match args.activation {
-        MoeActivation::Silu => Gate::Silu,
-        MoeActivation::ClampedSwiGlu { alpha, limit } => Gate::ClampedSwiGlu { alpha, limit },
-    };
     let activated: Vec<Vec<f32>> = gate_up
         .iter()
-        .map(|rows| gate_rows(gate, rows, inter))
+        .map(|rows| gate_rows(args.activation, rows, inter))
         .collect();
     let down = project(
         &groups,
@@ -354,27 +342,20 @@ mod tests {
         out
     }
 
-    fn gate(activation: MoeActivation) -> Gate {
-        match activation {
-            MoeActivation::Silu => Gate::Silu,
-            MoeActivation::ClampedSwiGlu { alpha, limit } => Gate::ClampedSwiGlu { alpha, limit },
-        }
-    }
-
     /// The block against each expert run alone, one quant_matmul at a
     /// time; with biases and gpt-oss's clamped SwiGLU too.
     #[test]
     fn equals_the_experts_one_matmul_at_a_time() {
-        let clamped = MoeActivation::ClampedSwiGlu {
+        let clamped = Gate::ClampedSwiGlu {
             alpha: 1.702,
             limit: 0.5,
         };
-        for (activation, with_bias) in [(MoeActivation::Silu, false), (clamped, true)] {
+        for (activation, with_bias) in [(Gate::Silu, false), (clamped, true)] {
             check_against_one_at_a_time(activation, with_bias);
         }
     }
 
-    fn check_against_one_at_a_time(activation: MoeActivation, with_bias: bool) {
+    fn check_against_one_at_a_time(activation: Gate, with_bias: bool) {
         let (hidden, inter, experts, tokens, top_k) = (64, 96, 5, 7, 2);
         let mut seed = 7;
         let weights: Vec<(Vec<u8>, Vec<u8>)> = (0..experts)
@@ -441,7 +422,7 @@ mod tests {
                 continue;
             }
             let h = matmul(&rows, gu, bias(e).map(|b| b.0), hidden, 2 * inter);
-            let act = gate_rows(gate(activation), &h, inter);
+            let act = gate_rows(activation, &h, inter);
             let y = matmul(&act, d, bias(e).map(|b| b.1), inter, hidden);
             for (row, &i) in y.chunks_exact(hidden).zip(&chosen) {
                 let t = i / top_k;
@@ -512,7 +493,7 @@ mod tests {
                 layout: BlockLayout::Rows,
                 hidden: 32,
                 inter: 32,
-                activation: MoeActivation::Silu,
+                activation: Gate::Silu,
                 num_threads: 1,
             };
             moe_experts(&args, &mut [0.0; 32])

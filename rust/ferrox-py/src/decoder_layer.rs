@@ -2,8 +2,8 @@
 //! held once, and its fused decode-step forward (`ferrox_cpu::decoder_layer`).
 
 use ferrox_cpu::{
-    decoder_layer, Activation, BlockLayout, DecoderLayerStep, DecoderLayerWeights, DenseMlp,
-    KvElement, LayerLinear, LinearWeight, QuantFormat,
+    decoder_layer, BlockLayout, DecoderLayerStep, DecoderLayerWeights, DenseMlp, Gate, KvElement,
+    LayerLinear, LinearWeight, QuantFormat,
 };
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
@@ -125,7 +125,7 @@ pub struct CpuDecoderLayer {
     window: usize,
     /// Gemma: the norms of the attention output and of the MLP output.
     output_norms: Option<HeadNorms<Py<PyArray1<f32>>>>,
-    activation: Activation,
+    activation: Gate,
     sinks: Option<Vec<f32>>,
 }
 
@@ -169,8 +169,8 @@ impl CpuDecoderLayer {
             )));
         }
         let activation = match activation {
-            "silu" => Activation::Silu,
-            "gelu_tanh" => Activation::GeluTanh,
+            "silu" => Gate::Silu,
+            "gelu_tanh" => Gate::GeluTanh,
             other => {
                 return Err(invalid_argument(format!(
                     "activation must be 'silu' or 'gelu_tanh', got {other:?}"

@@ -3,7 +3,7 @@
 //! `ferrox_cpu::moe_experts`).
 
 use ferrox_cpu::{
-    moe_experts, route, BlockLayout, ExpertWeights, MoeActivation, MoeArgs, QuantFormat, Router,
+    moe_experts, route, BlockLayout, ExpertWeights, Gate, MoeArgs, QuantFormat, Router,
 };
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -27,7 +27,7 @@ pub struct CpuMoeExperts {
     /// and down [hidden] biases (flattened, expert by expert).
     router_bias: Option<Vec<f32>>,
     expert_biases: Option<(Vec<f32>, Vec<f32>)>,
-    activation: MoeActivation,
+    activation: Gate,
 }
 
 #[pymethods]
@@ -70,8 +70,8 @@ impl CpuMoeExperts {
             )));
         }
         let activation = match clamped_swiglu {
-            None => MoeActivation::Silu,
-            Some((alpha, limit)) => MoeActivation::ClampedSwiGlu { alpha, limit },
+            None => Gate::Silu,
+            Some((alpha, limit)) => Gate::ClampedSwiGlu { alpha, limit },
         };
         let (gate_up_fmt, down_fmt) = (quant_format(gate_up_fmt)?, quant_format(down_fmt)?);
         if gate_up.is_empty() || gate_up.len() != down.len() {
