@@ -23,8 +23,6 @@ use crate::kv_element::KvElement;
 use crate::pool::run_parts;
 use crate::quant_matmul::OutPtr;
 
-/// A run of rows, the slice of the output its tokens own, and where that
-/// slice starts in the whole output.
 /// Shapes and data of one call. Layouts are row-major:
 /// `q`, `out`: [T, H, D]; caches: [N, BS, Hkv, D]; `block_table`: [B, W].
 pub struct PagedAttentionArgs<'a, T: KvElement = f32> {
@@ -645,12 +643,10 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
         // is computed (once per physical block).
         let mut asked = None;
         for &(_, table, _, end) in &queries {
-            let physical = table[block + 1..]
-                .first()
-                .filter(|_| (block + 1) * bs < end);
-            if let Some(&physical) = physical.filter(|&&p| asked != Some(p)) {
-                prefetch_block(args, physical as usize, &kv_heads);
-                asked = Some(physical);
+            // (a query that reads block + 1 has it in its table)
+            if (block + 1) * bs < end && asked != Some(table[block + 1]) {
+                prefetch_block(args, table[block + 1] as usize, &kv_heads);
+                asked = Some(table[block + 1]);
             }
         }
         // The float16 keys and values in `s.keys` / `s.values`: the
