@@ -14,6 +14,7 @@ __all__ = [
     "BlockAllocator",
     "CpuDecoderLayer",
     "CpuLoraLayer",
+    "CpuGatedDeltaLayer",
     "CpuMoeExperts",
     "RadixCache",
     "Scheduler",
@@ -390,6 +391,8 @@ class CpuDecoderLayer:
         output_norms: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
         activation: str = "silu",
         sinks: Sequence[float] | None = None,
+        query_gate: bool = False,
+        rotary_dim: int | None = None,
     ) -> CpuDecoderLayer: ...
     def forward(
         self,
@@ -404,6 +407,45 @@ class CpuDecoderLayer:
         block_table: npt.NDArray[np.int32],
         query_start_loc: npt.NDArray[np.int32],
         seq_lens: npt.NDArray[np.int32],
+        num_threads: int,
+    ) -> None: ...
+
+@final
+class CpuGatedDeltaLayer:
+    """A hybrid model's linear-attention layer (Gated DeltaNet, then its MLP),
+    run whole for decode steps on the state pool."""
+
+    def __new__(
+        cls,
+        input_norm: npt.NDArray[np.float32],
+        post_attention_norm: npt.NDArray[np.float32],
+        eps: float,
+        qkv: _LayerLinear,
+        z: _LayerLinear,
+        b: _LayerLinear,
+        a: _LayerLinear,
+        conv: npt.NDArray[np.float32],
+        dt_bias: npt.NDArray[np.float32],
+        decay_scale: npt.NDArray[np.float32],
+        norm: npt.NDArray[np.float32],
+        out: _LayerLinear,
+        gate_up: _LayerLinear | None,
+        down: _LayerLinear | None,
+        key_heads: int,
+        value_heads: int,
+        k_dim: int,
+        v_dim: int,
+        tiled: bool,
+        activation: str = "silu",
+    ) -> CpuGatedDeltaLayer: ...
+    def forward(
+        self,
+        residual: npt.NDArray[np.float32],
+        x: npt.NDArray[np.float32],
+        conv_states: npt.NDArray[np.float32],
+        states: npt.NDArray[np.float32],
+        slots: npt.NDArray[np.int64],
+        fresh: npt.NDArray[np.bool_],
         num_threads: int,
     ) -> None: ...
 

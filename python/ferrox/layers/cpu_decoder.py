@@ -11,7 +11,13 @@ operations per layer that cost more than the arithmetic at one token a step.
 Qwen3's per-head q/k norms run inside the call too. A mixture-of-experts
 layer (layers/moe.py) runs its attention half in that call and its experts
 in a second native one (`CpuMoeExperts`), where its experts are in block
-formats. Other steps (prefill, large batches) take the module-by-module path.
+formats. A hybrid model's linear-attention layers (Gated DeltaNet,
+models/qwen3_5.py) run whole too (`CpuGatedDeltaLayer`,
+`ferrox_cpu::gated_delta_layer`) on steps of decodes only (one token a row),
+their state read and written in the state pool at the rows' slots; its
+attention layers' output gate and partial rotary embedding run inside
+`CpuDecoderLayer`. Other steps (prefill, large batches) take the
+module-by-module path.
 
 With `batch_invariant` every step takes the native path, prefill included:
 each row then goes through the same kernels in the same order whatever the
@@ -31,12 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferrox._native import CpuDecoderLayer
+from ferrox._native import CpuDecoderLayer, CpuGatedDeltaLayer
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers import quant_linear
 from ferrox.layers.attention.base import AttentionMetadata, KvCache
 from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBackend
 from ferrox.layers.cpu_linear import PackedLinear
+from ferrox.layers.gated_delta import state_rows
 from ferrox.layers.moe import SparseMoe
 from ferrox.layers.native import kernel_threads, kv_array
 from ferrox.layers.quant_linear import QuantLinear
@@ -45,7 +52,12 @@ from ferrox.layers.quant_linear import QuantLinear
 # qkv_proj, o_proj, rotary and a paged-attention backend; mlp with gate_up_proj,
 # down_proj and its `activation` ("silu", "gelu_tanh"); `fused_norms()`: the
 # input norm, the attention output's norm (Gemma) or None, the MLP's input
-# norm, the MLP output's norm (Gemma) or None.
+# norm, the MLP output's norm (Gemma) or None. `query_gate` on self_attn
+# (Qwen3.5): q/k/v's query rows hold each head's query then its output gate.
+# A linear-attention layer (models/qwen3_5.py's, `linear` true) has
+# linear_attn (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d,
+# dt_bias, A_log, norm, out_proj; its head counts and sizes, `tiled`) in
+# place of self_attn.
 DecoderLayer = Any
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -67,7 +79,12 @@ def _fusable(layer: torch.nn.Module) -> bool:
     return isinstance(layer, QuantLinear) or _float_weight(layer) is not None
 
 
-def _linear(layer: torch.nn.Module) -> tuple:
+# A linear layer as the native layers take it: (weight bytes, bias, format,
+# packed).
+_Linear = tuple[np.ndarray, np.ndarray | None, str, bool]
+
+
+def _linear(layer: torch.nn.Module) -> _Linear:
     bias_tensor: torch.Tensor | None = getattr(layer, "bias", None)
     bias = None if bias_tensor is None else bias_tensor.detach().numpy()
     if isinstance(layer, QuantLinear):
@@ -87,17 +104,52 @@ def _native_moe(layer: DecoderLayer) -> SparseMoe | None:
     return mlp if isinstance(mlp, SparseMoe) and mlp.native is not None else None
 
 
+def _linear_attention(layer: DecoderLayer) -> Any | None:
+    """The layer's Gated DeltaNet mixer, if it is a linear-attention layer."""
+    return layer.linear_attn if getattr(layer, "linear", False) else None
+
+
+def _mlp_fits(layer: DecoderLayer) -> bool:
+    """A dense MLP the native layer runs, or experts that run natively."""
+    mlp = layer.mlp
+    if _dense_mlp(layer):
+        return getattr(mlp, "activation", None) in ACTIVATIONS and all(
+            _fusable(m) for m in (mlp.gate_up_proj, mlp.down_proj)
+        )
+    return _native_moe(layer) is not None
+
+
+def _mlp_linears(layer: DecoderLayer) -> tuple[_Linear | None, _Linear | None]:
+    """(gate_up, down) for the native layer: the dense MLP's, or None."""
+    if not _dense_mlp(layer):
+        return None, None
+    return _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 class FusedCpuDecode:
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = [self._native(layer) for layer in layers]
         self.moes = [_native_moe(layer) for layer in layers]
+        self.linear = [_linear_attention(layer) is not None for layer in layers]
+        # A hybrid's steps run here only when every row is a decode.
+        self.hybrid = any(self.linear)
         # A sliding-window layer reads the window pool's tables and slots.
-        self.windowed = [layer.self_attn.sliding_window is not None for layer in layers]
-        # Each layer's rotary table (Gemma's local and global layers differ);
-        # a layer without position encoding (`use_rope` False) rotates by
-        # cos 1, sin 0: exactly the identity.
-        self.tables = []
-        for layer in layers:
+        self.windowed = [
+            not linear and layer.self_attn.sliding_window is not None
+            for layer, linear in zip(layers, self.linear, strict=True)
+        ]
+        # Each attention layer's rotary table (Gemma's local and global layers
+        # differ); a layer without position encoding (`use_rope` False)
+        # rotates by cos 1, sin 0: exactly the identity.
+        self.tables: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for layer, linear in zip(layers, self.linear, strict=True):
+            if linear:
+                self.tables.append(None)
+                continue
             rotary = layer.self_attn.rotary
             cos, sin = rotary.cos_cache.numpy(), rotary.sin_cache.numpy()
             identity = (np.ones_like(cos), np.zeros_like(sin))
@@ -110,6 +162,11 @@ class FusedCpuDecode:
         at every row count; refused where a step would still take a path that
         rounds by batch (float weights: the float GEMMs block by row count;
         an MoE router's float GEMM)."""
+        if self.hybrid:
+            raise InvalidArgumentError(
+                "batch_invariant does not run hybrid (linear-attention) models yet: their "
+                "prefill runs the chunked delta rule, a decode step the recurrent one"
+            )
         layers: list[DecoderLayer] = model.decoder_layers()
         linears = [model.lm_head]
         for layer in layers:
@@ -133,30 +190,40 @@ class FusedCpuDecode:
     @staticmethod
     def supports(layers: list[DecoderLayer]) -> bool:
         def fits(layer: DecoderLayer) -> bool:
-            attn, mlp = layer.self_attn, layer.mlp
-            dense = _dense_mlp(layer)
-            linears = [attn.qkv_proj, attn.o_proj]
-            linears += [mlp.gate_up_proj, mlp.down_proj] if dense else []
+            mixer = _linear_attention(layer)
+            if mixer is not None:
+                return fits_linear(layer, mixer)
+            attn = layer.self_attn
             norms = [n for n in layer.fused_norms() if n is not None]
             norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
             return (
-                (
-                    (dense and getattr(mlp, "activation", None) in ACTIVATIONS)
-                    or _native_moe(layer) is not None
-                )
-                and all(_fusable(m) for m in linears)
+                _mlp_fits(layer)
+                and all(_fusable(m) for m in (attn.qkv_proj, attn.o_proj))
                 and isinstance(attn.attn, CpuAttentionBackend)
                 and (attn.q_norm is None) == (attn.k_norm is None)
                 and all(n.weight.dtype == torch.float32 for n in norms)
                 and len({n.eps for n in norms}) == 1
             )
 
+        def fits_linear(layer: DecoderLayer, mixer: Any) -> bool:
+            projections = [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, mixer.norm]
+            return (
+                _mlp_fits(layer)
+                and all(_fusable(m) for m in [*projections, mixer.out_proj])
+                and _fp32_cpu(mixer.conv1d.weight, mixer.dt_bias, mixer.A_log)
+                and _fp32_cpu(*(n.weight for n in norms))
+                and len({n.eps for n in norms}) == 1
+            )
+
         return bool(layers) and all(fits(layer) for layer in layers)
 
     @staticmethod
-    def _native(layer: DecoderLayer) -> CpuDecoderLayer:
+    def _native(layer: DecoderLayer) -> CpuDecoderLayer | CpuGatedDeltaLayer:
+        mixer = _linear_attention(layer)
+        if mixer is not None:
+            return FusedCpuDecode._native_linear(layer, mixer)
         attn, mlp = layer.self_attn, layer.mlp
-        dense = _dense_mlp(layer)
         head_norms = (
             None
             if attn.q_norm is None
@@ -174,8 +241,7 @@ class FusedCpuDecode:
             input_norm.eps,
             _linear(attn.qkv_proj),
             _linear(attn.o_proj),
-            _linear(mlp.gate_up_proj) if dense else None,
-            _linear(mlp.down_proj) if dense else None,
+            *_mlp_linears(layer),
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
@@ -183,8 +249,37 @@ class FusedCpuDecode:
             head_norms,
             attn.sliding_window or 0,
             output_norms,
-            getattr(mlp, "activation", "silu") if dense else "silu",
+            getattr(mlp, "activation", "silu") if _dense_mlp(layer) else "silu",
             None if attn.sinks is None else attn.sinks.detach().float().tolist(),
+            attn.query_gate,
+            attn.rotary.rotary_dim if attn.use_rope else None,
+        )
+
+    @staticmethod
+    def _native_linear(layer: DecoderLayer, mixer: Any) -> CpuGatedDeltaLayer:
+        def array(t: torch.Tensor) -> np.ndarray:
+            return t.detach().contiguous().numpy()
+
+        return CpuGatedDeltaLayer(
+            array(layer.input_layernorm.weight),
+            array(layer.post_attention_layernorm.weight),
+            layer.input_layernorm.eps,
+            _linear(mixer.in_proj_qkv),
+            _linear(mixer.in_proj_z),
+            _linear(mixer.in_proj_b),
+            _linear(mixer.in_proj_a),
+            array(mixer.conv1d.weight.view(mixer.conv_dim, mixer.conv_kernel)),
+            array(mixer.dt_bias),
+            array(-mixer.A_log.exp()),  # (as the module path computes it)
+            array(mixer.norm.weight),
+            _linear(mixer.out_proj),
+            *_mlp_linears(layer),
+            mixer.num_k_heads,
+            mixer.num_v_heads,
+            mixer.k_head_dim,
+            mixer.v_head_dim,
+            mixer.tiled and mixer.num_v_heads != mixer.num_k_heads,
+            getattr(layer.mlp, "activation", "silu") if _dense_mlp(layer) else "silu",
         )
 
     def _step(self, meta: AttentionMetadata) -> tuple:
@@ -201,8 +296,13 @@ class FusedCpuDecode:
         )
 
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Rows of few query tokens, and few enough tokens that the module
-        path would run the block kernel too (not dequantize and GEMM)."""
+        """Rows of few query tokens (a hybrid's: decodes only), and few
+        enough tokens that the module path would run the block kernel too
+        (not dequantize and GEMM)."""
+        if self.hybrid:
+            return meta.num_decodes == meta.num_reqs and (
+                num_tokens <= quant_linear.DEQUANTIZE_ABOVE_ROWS
+            )
         return self.every_step or (
             meta.max_query_len <= SHORT_QUERY_LEN
             and num_tokens <= quant_linear.DEQUANTIZE_ABOVE_ROWS
@@ -224,12 +324,22 @@ class FusedCpuDecode:
         window = self._step(meta.window) if meta.window is not None else None
         res, out = residual.numpy(), x.numpy()
         pos = positions.numpy()
-        for layer, windowed, moe, (cos, sin), (k_cache, v_cache) in zip(
+        rows = state_rows(meta) if self.hybrid else None
+        for layer, windowed, moe, table, (cache_a, cache_b) in zip(
             self.layers, self.windowed, self.moes, self.tables, kv_caches, strict=True
         ):
-            step = window if windowed else full
-            assert step is not None, "a sliding-window layer needs the window pool's metadata"
-            layer.forward(res, out, kv_array(k_cache), kv_array(v_cache), pos, cos, sin, *step)
+            if isinstance(layer, CpuGatedDeltaLayer):  # its state pool
+                assert rows is not None
+                slots, fresh = rows.decode_slots, rows.decode_fresh
+                conv, states = cache_a.numpy(), cache_b.numpy()
+                layer.forward(res, out, conv, states, slots, fresh, self.num_threads)
+            else:
+                step = window if windowed else full
+                assert step is not None, "a sliding-window layer needs the window pool's metadata"
+                assert table is not None
+                cos, sin = table
+                k, v = kv_array(cache_a), kv_array(cache_b)
+                layer.forward(res, out, k, v, pos, cos, sin, *step)
             if moe is not None:  # `x` holds the experts' normed input
                 x.copy_(moe(x))
         return x, residual

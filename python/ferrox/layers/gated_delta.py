@@ -42,7 +42,7 @@ CHUNK = 64
 
 
 @dataclass(frozen=True)
-class _Rows:
+class StateRows:
     """A step's rows as the linear-attention layers read them: each row's
     first token, end, whether it starts from zero, and its slot (host
     lists, and arrays for the native step's decode rows); the slots on the
@@ -57,10 +57,10 @@ class _Rows:
     decode_fresh: np.ndarray
 
 
-def _rows(meta: AttentionMetadata) -> _Rows:
-    """The step's `_Rows`, derived once and kept on the metadata (every
+def state_rows(meta: AttentionMetadata) -> StateRows:
+    """The step's `StateRows`, derived once and kept on the metadata (every
     linear layer of the step reads the same)."""
-    if isinstance(meta._state_rows, _Rows):
+    if isinstance(meta._state_rows, StateRows):
         return meta._state_rows
     assert meta.state_slots is not None and meta.state_slots_cpu is not None, (
         "a linear-attention layer needs the rows' state slots"
@@ -68,7 +68,7 @@ def _rows(meta: AttentionMetadata) -> _Rows:
     qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
     fresh = [int(c) == 0 for c in meta.num_computed_cpu]
     slot_list = [int(s) for s in meta.state_slots_cpu]
-    rows = _Rows(
+    rows = StateRows(
         [int(v) for v in qsl[:-1]],
         [int(v) for v in qsl[1:]],
         fresh,
@@ -100,7 +100,7 @@ def causal_conv1d(
     """The depthwise causal convolution of each row's tokens after the
     inputs its slot holds, then SiLU; each slot keeps its row's last K - 1
     inputs."""
-    r = _rows(meta)
+    r = state_rows(meta)
     slots, slot_list, starts, ends, fresh = r.slots, r.slot_list, r.starts, r.ends, r.fresh
     out = torch.empty_like(x, dtype=torch.float32)
     nd = meta.num_decodes
@@ -140,7 +140,7 @@ def gated_delta_rule(
     q = _l2norm(q.float()).repeat_interleave(groups, dim=1) * q.shape[-1] ** -0.5
     k = _l2norm(k.float()).repeat_interleave(groups, dim=1)
     v, g, beta = v.float(), g.float(), beta.float()
-    r = _rows(meta)
+    r = state_rows(meta)
     slots, slot_list, starts, ends, fresh = r.slots, r.slot_list, r.starts, r.ends, r.fresh
     out = torch.empty_like(v)
     nd = meta.num_decodes

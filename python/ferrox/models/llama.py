@@ -64,6 +64,10 @@ def head_dim_of(config: Any) -> int:
 
 
 class DecoderAttention(nn.Module):
+    # Whether q/k/v's query rows hold each head's query then an output gate
+    # (models/qwen3_5.py's GatedAttention; read by the CPU's fused decode).
+    query_gate: ClassVar[bool] = False
+
     def __init__(
         self,
         config: Any,

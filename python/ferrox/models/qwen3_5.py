@@ -24,7 +24,9 @@ renormalised) plus a shared expert behind a sigmoid gate. Qwen3-Next
 Prefix caching resumes such a model from state snapshots
 (docs/architecture.md, "Recurrent state"). Hybrid models run without
 speculative decoding (the state cannot roll back a rejected draft), on one
-rank, without CUDA graphs and without the CPU's fused decode. The
+rank, without CUDA graphs. On the CPU a step of decodes runs each layer in
+one native call (layers/cpu_decoder.py), the linear layers with their state
+pool, as the dense families' decode steps do. The
 vision-language checkpoints (`Qwen3_5ForConditionalGeneration`, and its MoE
 relative) are this decoder under a vision tower (models/qwen3_vl.py).
 
@@ -71,6 +73,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 class GatedAttention(DecoderAttention):
     """Attention whose query projection also gives, per head, a gate on the
     attention output (sigmoid)."""
+
+    query_gate: ClassVar[bool] = True
 
     def __init__(self, config: Any, rotary: RotaryEmbedding, backend: type[AttentionBackend]):
         bias = bool(getattr(config, "attention_bias", False))
@@ -197,6 +201,10 @@ class HybridDecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm.add_forward(residual, mixed)
         return self.mlp(normed), residual
 
+    def fused_norms(self) -> tuple[RMSNorm, None, RMSNorm, None]:
+        """As `DecoderLayer.fused_norms` (layers/cpu_decoder.py)."""
+        return self.input_layernorm, None, self.post_attention_layernorm, None
+
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3_5ForCausalLM",)
@@ -271,10 +279,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             cast(DecoderAttention, layer.self_attn).rotary = rotary
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-
-    def prepare_fused_decode(self) -> bool:
-        self.fused_decode = None
-        return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_norms_plus_one(weights))
@@ -411,8 +415,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         return moe
 
     def prepare_fused_decode(self) -> bool:
-        """Block-format experts on the CPU run natively (layers/moe.py); the
-        layers themselves run module by module."""
+        """Block-format experts on the CPU run natively (layers/moe.py), after
+        each fused layer where the layers fuse."""
         for layer in self.hybrid_layers():
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp.prepare_native()

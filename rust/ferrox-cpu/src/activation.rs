@@ -93,6 +93,29 @@ pub fn gate_row(gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
     gate_row_impl(gate, g, u, out)
 }
 
+#[inline(always)]
+fn silu_impl(x: &mut [f32]) {
+    for v in x {
+        *v /= 1.0 + exp(-*v);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_avx2(x: &mut [f32]) {
+    silu_impl(x)
+}
+
+/// SiLU (x sigmoid(x)) of each value, in place.
+pub fn silu_in_place(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::avx2() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { silu_avx2(x) };
+    }
+    silu_impl(x)
+}
+
 /// Each row of `gate_up` ([rows, 2 inter]: the gate, then up) activated:
 /// [rows, inter].
 pub fn gate_rows(gate: Gate, gate_up: &[f32], inter: usize) -> Vec<f32> {

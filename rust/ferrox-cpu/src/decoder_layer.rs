@@ -12,8 +12,8 @@
 //! fused, a layer costs one call from Python instead of about twenty tensor
 //! operations, which at one token per step cost more than the arithmetic.
 
-use crate::activation::{gate_rows, Gate};
-use crate::elementwise::{add_rms_norm, rotary_in_place};
+use crate::activation::{exp, gate_rows, Gate};
+use crate::elementwise::{add_rms_norm, rotary_partial_in_place, RotaryHeads};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::kv_element::KvElement;
 use crate::paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
@@ -52,7 +52,12 @@ pub struct DecoderLayerWeights<'a> {
     pub mlp_out_norm: Option<&'a [f32]>,
     pub activation: Gate,
     pub eps: f32,
-    pub qkv: LayerLinear<'a>,      // hidden -> (H + 2 Hkv) D
+    /// hidden -> (H + 2 Hkv) D; with `query_gate`, (2 H + 2 Hkv) D: each
+    /// query head's D values followed by its gate's D values.
+    pub qkv: LayerLinear<'a>,
+    /// Qwen3.5's gated attention: the attention output is scaled by the
+    /// sigmoid of each head's gate before the output projection.
+    pub query_gate: bool,
     pub q_norm: Option<&'a [f32]>, // [D]: each query head's RMSNorm (with `k_norm`)
     pub k_norm: Option<&'a [f32]>, // [D]
     pub o: LayerLinear<'a>,        // H D -> hidden
@@ -60,6 +65,9 @@ pub struct DecoderLayerWeights<'a> {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The leading dimensions of each query and key head that rotate
+    /// (`head_dim`: all of them).
+    pub rotary_dim: usize,
     pub scale: f32,
     /// A sliding window (the step's tables are then the window pool's); 0: none.
     pub window: usize,
@@ -80,7 +88,7 @@ pub struct DecoderLayerStep<'a> {
     pub num_threads: usize,
 }
 
-fn linear(
+pub(crate) fn linear(
     layer: &LayerLinear<'_>,
     x: &[f32],
     k: usize,
@@ -151,6 +159,7 @@ pub fn decoder_layer<T: KvElement>(
     let (h, hkv, d) = (weights.num_heads, weights.num_kv_heads, weights.head_dim);
     let tokens = step.positions.len();
     let row_len = (h + 2 * hkv) * d;
+    let query_width = if weights.query_gate { 2 * h * d } else { h * d };
     let dense_ok = |m: &DenseMlp<'_>| {
         m.down.out_features == hidden && m.gate_up.out_features.is_multiple_of(2)
     };
@@ -170,7 +179,7 @@ pub fn decoder_layer<T: KvElement>(
             "the norms differ in size",
         ),
         (
-            weights.qkv.out_features == row_len,
+            weights.qkv.out_features == query_width + 2 * hkv * d,
             "qkv has the wrong number of outputs",
         ),
         (weights.o.out_features == hidden, "o must output hidden"),
@@ -214,15 +223,21 @@ pub fn decoder_layer<T: KvElement>(
     )?;
 
     let mut qkv = linear(&weights.qkv, &normed, hidden, threads)?;
+    let gates = weights
+        .query_gate
+        .then(|| split_query_gates(&mut qkv, tokens, h, hkv, d));
     if let (Some(q_norm), Some(k_norm)) = (weights.q_norm, weights.k_norm) {
         head_norms(&mut qkv, row_len, h, hkv, d, q_norm, k_norm, weights.eps)?;
     }
-    let rotary = h + hkv; // queries, then keys
-    rotary_in_place(
-        &mut qkv,
+    let heads = RotaryHeads {
         row_len,
-        rotary,
-        d,
+        num_heads: h + hkv, // queries, then keys
+        head_dim: d,
+        rotary_dim: weights.rotary_dim,
+    };
+    rotary_partial_in_place(
+        &mut qkv,
+        &heads,
         step.positions,
         step.cos,
         step.sin,
@@ -262,31 +277,97 @@ pub fn decoder_layer<T: KvElement>(
         num_threads: threads,
     };
     paged_attention(&args, &mut attn)?;
+    if let Some(gates) = gates {
+        for (a, &g) in attn.iter_mut().zip(&gates) {
+            *a *= 1.0 / (1.0 + exp(-g));
+        }
+    }
     let mut o = linear(&weights.o, &attn, h * d, threads)?;
     if let Some(norm) = weights.attention_out_norm {
         rms_norm_rows(&mut o, norm, weights.eps, threads)?;
     }
-    add_rms_norm(
-        residual,
-        Some(&o),
-        weights.post_attention_norm,
-        weights.eps,
-        &mut normed,
-        threads,
-    )?;
-    let Some(mlp) = &weights.mlp else {
-        x.copy_from_slice(&normed);
-        return Ok(());
+    let tail = MlpTail {
+        post_attention_norm: weights.post_attention_norm,
+        mlp: weights.mlp.as_ref(),
+        activation: weights.activation,
+        mlp_out_norm: weights.mlp_out_norm,
+        eps: weights.eps,
     };
-    let inter = mlp.gate_up.out_features / 2;
-    let gate_up = linear(&mlp.gate_up, &normed, hidden, threads)?;
-    let act = gate_rows(weights.activation, &gate_up, inter);
-    let mut out = linear(&mlp.down, &act, inter, threads)?;
-    if let Some(norm) = weights.mlp_out_norm {
-        rms_norm_rows(&mut out, norm, weights.eps, threads)?;
+    tail.run(residual, x, &o, &mut normed, threads)
+}
+
+/// A decoder layer's second half, the same whatever mixed the tokens
+/// (attention, linear attention).
+pub(crate) struct MlpTail<'a> {
+    pub post_attention_norm: &'a [f32],
+    pub mlp: Option<&'a DenseMlp<'a>>,
+    pub activation: Gate,
+    pub mlp_out_norm: Option<&'a [f32]>,
+    pub eps: f32,
+}
+
+impl MlpTail<'_> {
+    /// `residual += mixed`, the MLP's input norm, then the MLP, whose output
+    /// goes into `x` (without a dense MLP: its normed input). `normed` is
+    /// scratch of the stream's size.
+    pub(crate) fn run(
+        &self,
+        residual: &mut [f32],
+        x: &mut [f32],
+        mixed: &[f32],
+        normed: &mut [f32],
+        threads: usize,
+    ) -> Result<(), ShapeError> {
+        let hidden = self.post_attention_norm.len();
+        add_rms_norm(
+            residual,
+            Some(mixed),
+            self.post_attention_norm,
+            self.eps,
+            normed,
+            threads,
+        )?;
+        let Some(mlp) = self.mlp else {
+            x.copy_from_slice(normed);
+            return Ok(());
+        };
+        let inter = mlp.gate_up.out_features / 2;
+        let gate_up = linear(&mlp.gate_up, normed, hidden, threads)?;
+        let act = gate_rows(self.activation, &gate_up, inter);
+        let mut out = linear(&mlp.down, &act, inter, threads)?;
+        if let Some(norm) = self.mlp_out_norm {
+            rms_norm_rows(&mut out, norm, self.eps, threads)?;
+        }
+        x.copy_from_slice(&out);
+        Ok(())
     }
-    x.copy_from_slice(&out);
-    Ok(())
+}
+
+/// Gated attention's projection rows ([T, (2 H + 2 Hkv) D], each query
+/// head followed by its gate) become the usual q/k/v rows ([T, (H + 2 Hkv)
+/// D], in place, shortened); the gates ([T, H D]) are returned.
+fn split_query_gates(
+    qkv: &mut Vec<f32>,
+    tokens: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+) -> Vec<f32> {
+    let (wide, row_len) = ((2 * h + 2 * hkv) * d, (h + 2 * hkv) * d);
+    let mut gates = Vec::with_capacity(tokens * h * d);
+    for t in 0..tokens {
+        let (src, dst) = (t * wide, t * row_len);
+        for head in 0..h {
+            let at = src + 2 * head * d;
+            gates.extend_from_slice(&qkv[at + d..at + 2 * d]);
+            qkv.copy_within(at..at + d, dst + head * d);
+        }
+        // (rows only move forward: a row's destination starts at or before
+        // its source, and each copy reads what no earlier copy wrote)
+        qkv.copy_within(src + 2 * h * d..src + wide, dst + h * d);
+    }
+    qkv.truncate(tokens * row_len);
+    gates
 }
 
 /// RMSNorm over each query head (`q_norm`) and key head (`k_norm`) of the
@@ -344,6 +425,7 @@ mod tests {
             activation: Gate::Silu,
             eps: 1e-6,
             qkv: linear(leak(wqkv), qkv_outputs),
+            query_gate: false,
             q_norm: None,
             k_norm: None,
             o: linear(leak(wo), hidden),
@@ -354,6 +436,7 @@ mod tests {
             num_heads: 2,
             num_kv_heads: 1,
             head_dim: d,
+            rotary_dim: d,
             scale: 0.25,
             window: 0,
             sinks: None,

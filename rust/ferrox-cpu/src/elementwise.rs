@@ -55,10 +55,46 @@ pub fn rotary_in_place(
     sin: &[f32],
     num_threads: usize,
 ) -> Result<(), ShapeError> {
-    let half = head_dim / 2;
+    let heads = RotaryHeads {
+        row_len,
+        num_heads,
+        head_dim,
+        rotary_dim: head_dim,
+    };
+    rotary_partial_in_place(x, &heads, positions, cos, sin, num_threads)
+}
+
+/// Where the heads a rotary embedding turns lie in a row.
+pub struct RotaryHeads {
+    pub row_len: usize,
+    pub num_heads: usize,
+    /// Each head's width: its stride in the row.
+    pub head_dim: usize,
+    /// The leading dimensions of each head that rotate (the half-split layout
+    /// over them); the rest pass (a partial rotary embedding).
+    pub rotary_dim: usize,
+}
+
+/// `rotary_in_place` over the first `rotary_dim` dimensions of each head
+/// only; cos/sin are [max_position, rotary_dim / 2].
+pub fn rotary_partial_in_place(
+    x: &mut [f32],
+    heads: &RotaryHeads,
+    positions: &[i64],
+    cos: &[f32],
+    sin: &[f32],
+    num_threads: usize,
+) -> Result<(), ShapeError> {
+    let RotaryHeads {
+        row_len,
+        num_heads,
+        head_dim,
+        rotary_dim,
+    } = *heads;
+    let half = rotary_dim / 2;
     check!(
-        head_dim.is_multiple_of(2) && head_dim > 0,
-        "head_dim must be even"
+        rotary_dim.is_multiple_of(2) && rotary_dim > 0 && rotary_dim <= head_dim,
+        "the rotary dimensions must be even, in (0, head_dim]"
     );
     check!(
         num_heads * head_dim <= row_len,
@@ -70,7 +106,7 @@ pub fn rotary_in_place(
     );
     check!(
         cos.len() == sin.len() && cos.len().is_multiple_of(half),
-        "cos/sin are not [P, D/2]"
+        "cos/sin are not [P, rotary_dim/2]"
     );
     let max_pos = (cos.len() / half) as i64;
     if let Some(&p) = positions.iter().find(|&&p| p < 0 || p >= max_pos) {
@@ -84,7 +120,7 @@ pub fn rotary_in_place(
                 &sin[p * half..(p + 1) * half],
             );
             for head in row[..num_heads * head_dim].chunks_exact_mut(head_dim) {
-                let (x1, x2) = head.split_at_mut(half);
+                let (x1, x2) = head[..rotary_dim].split_at_mut(half);
                 for j in 0..half {
                     let (a, b) = (x1[j], x2[j]);
                     x1[j] = a * c[j] - b * s[j];

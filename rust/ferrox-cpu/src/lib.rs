@@ -6,6 +6,7 @@ pub mod decoder_layer;
 pub mod elementwise;
 pub mod f32_matmul;
 pub mod gated_delta;
+pub mod gated_delta_layer;
 pub mod isa;
 pub mod kv_element;
 pub mod lora;
@@ -26,9 +27,10 @@ pub use activation::Gate;
 pub use decoder_layer::{
     decoder_layer, DecoderLayerStep, DecoderLayerWeights, DenseMlp, LayerLinear, LinearWeight,
 };
-pub use elementwise::{add_rms_norm, rotary_in_place};
+pub use elementwise::{add_rms_norm, rotary_in_place, rotary_partial_in_place, RotaryHeads};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};
 pub use gated_delta::{gated_delta_decode, GatedDeltaDecode};
+pub use gated_delta_layer::{gated_delta_layer, GatedDeltaLayerStep, GatedDeltaLayerWeights};
 pub use kv_element::{f32_to_f16, KvElement, F16};
 pub use lora::LoraLayer;
 pub use moe::{moe_experts, route, ExpertWeights, MoeArgs, Router};

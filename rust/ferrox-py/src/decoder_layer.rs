@@ -16,7 +16,7 @@ use crate::kernels::{
     block_layout, borrowed, contiguous, half_slice_mut, quant_format, CacheArray,
 };
 
-type LinearArrays<'py> = (
+pub(crate) type LinearArrays<'py> = (
     PyReadonlyArray2<'py, u8>,
     Option<PyReadonlyArray1<'py, f32>>,
 );
@@ -24,14 +24,14 @@ type LinearArrays<'py> = (
 type HeadNorms<T> = (T, T);
 /// (weight bytes, bias, format: "q4_1" / "q8_0" / "f32", packed: block
 /// weights in the kernels' panels)
-type LinearSpec<'py> = (
+pub(crate) type LinearSpec<'py> = (
     Bound<'py, PyArray2<u8>>,
     Option<Bound<'py, PyArray1<f32>>>,
     String,
     bool,
 );
 
-struct Linear {
+pub(crate) struct Linear {
     w: Py<PyArray2<u8>>,
     bias: Option<Py<PyArray1<f32>>>,
     fmt: Option<(QuantFormat, BlockLayout)>, // None: the bytes are float32 [N, K]
@@ -39,7 +39,7 @@ struct Linear {
 }
 
 impl Linear {
-    fn new(spec: LinearSpec<'_>) -> PyResult<Self> {
+    pub(crate) fn new(spec: LinearSpec<'_>) -> PyResult<Self> {
         let (w, bias, fmt, packed) = spec;
         let out_features = w.shape()[0];
         if bias.as_ref().is_some_and(|b| b.len() != out_features) {
@@ -66,14 +66,14 @@ impl Linear {
     }
 
     /// Read views of the weight and bias for one call.
-    fn borrow<'py>(&self, py: Python<'py>) -> LinearArrays<'py> {
+    pub(crate) fn borrow<'py>(&self, py: Python<'py>) -> LinearArrays<'py> {
         (
             self.w.bind(py).readonly(),
             self.bias.as_ref().map(|b| b.bind(py).readonly()),
         )
     }
 
-    fn view<'a>(&self, arrays: &'a LinearArrays<'_>) -> PyResult<LayerLinear<'a>> {
+    pub(crate) fn view<'a>(&self, arrays: &'a LinearArrays<'_>) -> PyResult<LayerLinear<'a>> {
         let (w, bias) = arrays;
         let bytes = contiguous(w.as_slice())?;
         let weight = match self.fmt {
@@ -89,6 +89,52 @@ impl Linear {
             out_features: self.out_features,
         })
     }
+}
+
+/// A dense MLP's activation by name: "silu" or "gelu_tanh".
+pub(crate) fn gate_of(activation: &str) -> PyResult<Gate> {
+    match activation {
+        "silu" => Ok(Gate::Silu),
+        "gelu_tanh" => Ok(Gate::GeluTanh),
+        other => Err(invalid_argument(format!(
+            "activation must be 'silu' or 'gelu_tanh', got {other:?}"
+        ))),
+    }
+}
+
+/// A gated MLP's two projections, both given or both None.
+pub(crate) fn dense_mlp(
+    gate_up: Option<LinearSpec<'_>>,
+    down: Option<LinearSpec<'_>>,
+) -> PyResult<Option<(Linear, Linear)>> {
+    match (gate_up, down) {
+        (Some(gate_up), Some(down)) => Ok(Some((Linear::new(gate_up)?, Linear::new(down)?))),
+        (None, None) => Ok(None),
+        _ => Err(invalid_argument(
+            "gate_up and down must both be given or both be None".into(),
+        )),
+    }
+}
+
+/// Read views of a dense MLP's weights for one call.
+pub(crate) type MlpArrays<'py> = Option<(LinearArrays<'py>, LinearArrays<'py>)>;
+
+pub(crate) fn borrow_mlp<'py>(py: Python<'py>, mlp: &Option<(Linear, Linear)>) -> MlpArrays<'py> {
+    mlp.as_ref()
+        .map(|(gate_up, down)| (gate_up.borrow(py), down.borrow(py)))
+}
+
+pub(crate) fn view_mlp<'a>(
+    mlp: &Option<(Linear, Linear)>,
+    arrays: &'a MlpArrays<'_>,
+) -> PyResult<Option<DenseMlp<'a>>> {
+    Ok(match (mlp, arrays) {
+        (Some((gate_up, down)), Some((gate_up_arrays, down_arrays))) => Some(DenseMlp {
+            gate_up: gate_up.view(gate_up_arrays)?,
+            down: down.view(down_arrays)?,
+        }),
+        _ => None,
+    })
 }
 
 /// Bytes that hold float32 values (a numpy float32 array's `.view(uint8)`).
@@ -127,6 +173,8 @@ pub struct CpuDecoderLayer {
     output_norms: Option<HeadNorms<Py<PyArray1<f32>>>>,
     activation: Gate,
     sinks: Option<Vec<f32>>,
+    query_gate: bool,
+    rotary_dim: usize,
 }
 
 #[pymethods]
@@ -141,9 +189,12 @@ impl CpuDecoderLayer {
     /// output before it joins the stream and of the MLP output; then
     /// `post_attention_norm` is the MLP's input norm. `activation`: "silu"
     /// or "gelu_tanh", of the MLP's gate. `sinks`: attention sinks, one
-    /// logit per query head (gpt-oss).
+    /// logit per query head (gpt-oss). `query_gate` (Qwen3.5): q/k/v's
+    /// query rows hold each head's query then its gate, and the attention
+    /// output is scaled by the gate's sigmoid. `rotary_dim`: the leading
+    /// dimensions of each head that rotate (None: all).
     #[new]
-    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None, window=0, output_norms=None, activation="silu", sinks=None))]
+    #[pyo3(signature = (input_norm, post_attention_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale, head_norms=None, window=0, output_norms=None, activation="silu", sinks=None, query_gate=false, rotary_dim=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: Bound<'_, PyArray1<f32>>,
@@ -162,21 +213,21 @@ impl CpuDecoderLayer {
         output_norms: Option<HeadNorms<Bound<'_, PyArray1<f32>>>>,
         activation: &str,
         sinks: Option<Vec<f32>>,
+        query_gate: bool,
+        rotary_dim: Option<usize>,
     ) -> PyResult<Self> {
+        let rotary_dim = rotary_dim.unwrap_or(head_dim);
+        if rotary_dim == 0 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
+            return Err(invalid_argument(format!(
+                "rotary_dim must be even, in (0, head_dim = {head_dim}], got {rotary_dim}"
+            )));
+        }
         if sinks.as_ref().is_some_and(|s| s.len() != num_heads) {
             return Err(invalid_argument(format!(
                 "sinks must have one logit per query head ({num_heads})"
             )));
         }
-        let activation = match activation {
-            "silu" => Gate::Silu,
-            "gelu_tanh" => Gate::GeluTanh,
-            other => {
-                return Err(invalid_argument(format!(
-                    "activation must be 'silu' or 'gelu_tanh', got {other:?}"
-                )))
-            }
-        };
+        let activation = gate_of(activation)?;
         let hidden = input_norm.len();
         if output_norms
             .as_ref()
@@ -195,15 +246,7 @@ impl CpuDecoderLayer {
                 "bad attention shape: {num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}"
             )));
         }
-        let mlp = match (gate_up, down) {
-            (Some(gate_up), Some(down)) => Some((Linear::new(gate_up)?, Linear::new(down)?)),
-            (None, None) => None,
-            _ => {
-                return Err(invalid_argument(
-                    "gate_up and down must both be given or both be None".into(),
-                ))
-            }
-        };
+        let mlp = dense_mlp(gate_up, down)?;
         if head_norms
             .as_ref()
             .is_some_and(|(q, k)| q.len() != head_dim || k.len() != head_dim)
@@ -228,6 +271,8 @@ impl CpuDecoderLayer {
             output_norms: output_norms.map(|(a, m)| (a.unbind(), m.unbind())),
             activation,
             sinks,
+            query_gate,
+            rotary_dim,
         })
     }
 
@@ -271,17 +316,8 @@ impl CpuDecoderLayer {
             self.post_attention_norm.bind(py).readonly(),
         );
         let [qkv, o] = [&self.qkv, &self.o].map(|l| l.borrow(py));
-        let mlp_arrays = self
-            .mlp
-            .as_ref()
-            .map(|(gate_up, down)| (gate_up.borrow(py), down.borrow(py)));
-        let mlp = match (&self.mlp, &mlp_arrays) {
-            (Some((gate_up, down)), Some((gate_up_arrays, down_arrays))) => Some(DenseMlp {
-                gate_up: gate_up.view(gate_up_arrays)?,
-                down: down.view(down_arrays)?,
-            }),
-            _ => None,
-        };
+        let mlp_arrays = borrow_mlp(py, &self.mlp);
+        let mlp = view_mlp(&self.mlp, &mlp_arrays)?;
         let norm_arrays = self
             .head_norms
             .as_ref()
@@ -312,6 +348,7 @@ impl CpuDecoderLayer {
             activation: self.activation,
             eps: self.eps,
             qkv: self.qkv.view(&qkv)?,
+            query_gate: self.query_gate,
             q_norm,
             k_norm,
             o: self.o.view(&o)?,
@@ -319,6 +356,7 @@ impl CpuDecoderLayer {
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
+            rotary_dim: self.rotary_dim,
             scale: self.scale,
             window: self.window,
             sinks: self.sinks.as_deref(),

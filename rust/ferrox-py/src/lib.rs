@@ -5,6 +5,7 @@ mod allocator;
 mod convert;
 mod decoder_layer;
 mod errors;
+mod gated_delta_layer;
 mod kernels;
 mod lora;
 mod moe;
@@ -18,6 +19,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PyBlockAllocator>()?;
     m.add_class::<decoder_layer::CpuDecoderLayer>()?;
+    m.add_class::<gated_delta_layer::CpuGatedDeltaLayer>()?;
     m.add_class::<moe::CpuMoeExperts>()?;
     m.add_class::<lora::CpuLoraLayer>()?;
     m.add_class::<radix::PyRadixCache>()?;
