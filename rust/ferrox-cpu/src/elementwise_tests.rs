@@ -42,6 +42,39 @@ fn rotary_matches_the_formula_on_every_thread_count() {
 }
 
 #[test]
+fn a_partial_rotary_turns_the_leading_dimensions_of_each_head_only() {
+    // Heads of 12, of which the first 4 rotate (Qwen3.5's quarter): as a
+    // whole rotary over heads of 4, the other 8 dimensions untouched.
+    let (t, heads, d, r) = (3, 2, 12, 4);
+    let positions = [0i64, 5, 2];
+    let (cos, sin) = (values(8 * r / 2, 1), values(8 * r / 2, 2));
+    let x0 = values(t * heads * d, 3);
+    let mut x = x0.clone();
+    let layout = RotaryHeads {
+        row_len: heads * d,
+        num_heads: heads,
+        head_dim: d,
+        rotary_dim: r,
+    };
+    rotary_partial_in_place(&mut x, &layout, &positions, &cos, &sin, 1).unwrap();
+    for tok in 0..t {
+        for h in 0..heads {
+            let at = (tok * heads + h) * d;
+            let mut want = x0[at..at + r].to_vec();
+            let p = &positions[tok..tok + 1];
+            rotary_in_place(&mut want, r, 1, r, p, &cos, &sin, 1).unwrap();
+            assert_eq!(&x[at..at + r], &want[..]);
+            assert_eq!(&x[at + r..at + d], &x0[at + r..at + d]);
+        }
+    }
+    let odd = RotaryHeads {
+        rotary_dim: 3,
+        ..layout
+    };
+    assert!(rotary_partial_in_place(&mut x, &odd, &positions, &cos, &sin, 1).is_err());
+}
+
+#[test]
 fn rotary_rejects_bad_positions_and_shapes() {
     let mut x = vec![0.0; 16];
     let cs = vec![0.0; 8];
