@@ -21,7 +21,7 @@ pub struct F32MatmulArgs<'a> {
 }
 
 /// Multiply-adds below which one more thread costs more than it saves.
-const WORK_PER_THREAD: usize = 1 << 16;
+const WORK_PER_THREAD: usize = 1 << 14;
 
 pub fn f32_matmul(args: &F32MatmulArgs<'_>, out: &mut [f32]) -> Result<(), QuantShapeError> {
     if args.x.len() != args.m * args.k

@@ -225,8 +225,9 @@ fn paged_attention_on<T: KvElement>(
     let out = OutPtr(out.as_mut_ptr());
     run_parts(pieces.len(), &|part| {
         let (run, ref kv_heads) = pieces[part];
-        let mut scratch = Scratch::new(args);
-        for tile in tiles(args, run).chunks(QUERY_TILE) {
+        let queries = tiles(args, run);
+        let mut scratch = Scratch::new(args, queries.len().min(QUERY_TILE));
+        for tile in queries.chunks(QUERY_TILE) {
             run_tile(
                 args,
                 tile,
@@ -290,20 +291,17 @@ struct Scratch {
     scores: Vec<f32>, // [H, BS]
     states: Vec<QueryState>,
     /// A float16 cache's block widened once for every query head (and
-    /// query token) that reads it: [BS, Hkv, D] keys, then values (empty
-    /// for float32).
+    /// query token) that reads it: [BS, Hkv, D] keys, then values (sized
+    /// when a block is first widened: a float32 cache, or a decode's one
+    /// query read by the vector loops, never needs them).
     keys: Vec<f32>,
     values: Vec<f32>,
 }
 
 impl Scratch {
-    fn new<T: KvElement>(args: &PagedAttentionArgs<'_, T>) -> Self {
+    /// Scratch for tiles of up to `queries` query tokens.
+    fn new<T: KvElement>(args: &PagedAttentionArgs<'_, T>, queries: usize) -> Self {
         let h = args.num_heads;
-        let block = if T::HALF {
-            args.block_size * args.num_kv_heads * args.head_dim
-        } else {
-            0
-        };
         let state = || QueryState {
             acc: vec![0.0; h * args.head_dim],
             max: vec![0.0; h],
@@ -313,9 +311,9 @@ impl Scratch {
         };
         Self {
             scores: vec![0.0; h * args.block_size],
-            states: (0..QUERY_TILE).map(|_| state()).collect(),
-            keys: vec![0.0; block],
-            values: vec![0.0; block],
+            states: (0..queries).map(|_| state()).collect(),
+            keys: Vec::new(),
+            values: Vec::new(),
         }
     }
 }
@@ -679,6 +677,10 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
                     }
                 }
                 if shared || !V::has_loop(d) {
+                    if s.keys.is_empty() {
+                        s.keys.resize(bs * token, 0.0);
+                        s.values.resize(bs * token, 0.0);
+                    }
                     let span = a * token..b * token;
                     V::widen(
                         &args.k_cache[at + span.start..at + span.end],
