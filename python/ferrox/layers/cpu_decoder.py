@@ -156,6 +156,9 @@ class FusedCpuDecode:
             self.tables.append((cos, sin) if layer.self_attn.use_rope else identity)
         self.num_threads = kernel_threads()
         self.every_step = False  # `batch_invariant`: prefill too
+        # The caches' numpy views, made once for the tensors they view.
+        self._cache_tensors: list[torch.Tensor] = []
+        self._cache_arrays: list[tuple[np.ndarray, np.ndarray]] = []
 
     def make_batch_invariant(self, model: Any) -> None:
         """Every step through the native layers, and the LM head's block kernel
@@ -308,6 +311,24 @@ class FusedCpuDecode:
             and num_tokens <= quant_linear.DEQUANTIZE_ABOVE_ROWS
         )
 
+    def _arrays(self, kv_caches: list[KvCache]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's cache pair (K and V, or a linear layer's convolution
+        and recurrent states) as the native layers take it; the views are
+        made again only when the runner passes other tensors."""
+        tensors = [t for pair in kv_caches for t in pair]
+        same = len(tensors) == len(self._cache_tensors) and all(
+            a is b for a, b in zip(tensors, self._cache_tensors, strict=True)
+        )
+        if not same:
+            self._cache_arrays = [
+                (a.numpy(), b.numpy())
+                if isinstance(layer, CpuGatedDeltaLayer)
+                else (kv_array(a), kv_array(b))
+                for layer, (a, b) in zip(self.layers, kv_caches, strict=True)
+            ]
+            self._cache_tensors = tensors
+        return self._cache_arrays
+
     def run(
         self,
         x: torch.Tensor,  # [T, hidden]: the embeddings
@@ -319,27 +340,35 @@ class FusedCpuDecode:
         # The first layer's input is the embeddings: as a residual stream
         # plus a zero delta, every layer has the same form.
         residual = x.contiguous()
-        x = torch.zeros_like(residual)
+        res = residual.numpy()
+        out = np.zeros_like(res)
+        spare: np.ndarray | None = None  # experts' output, then swapped with `out`
         full = self._step(meta)
         window = self._step(meta.window) if meta.window is not None else None
-        res, out = residual.numpy(), x.numpy()
         pos = positions.numpy()
         rows = state_rows(meta) if self.hybrid else None
         for layer, windowed, moe, table, (cache_a, cache_b) in zip(
-            self.layers, self.windowed, self.moes, self.tables, kv_caches, strict=True
+            self.layers, self.windowed, self.moes, self.tables, self._arrays(kv_caches), strict=True
         ):
             if isinstance(layer, CpuGatedDeltaLayer):  # its state pool
                 assert rows is not None
                 slots, fresh = rows.decode_slots, rows.decode_fresh
-                conv, states = cache_a.numpy(), cache_b.numpy()
-                layer.forward(res, out, conv, states, slots, fresh, self.num_threads)
+                layer.forward(res, out, cache_a, cache_b, slots, fresh, self.num_threads)
             else:
                 step = window if windowed else full
                 assert step is not None, "a sliding-window layer needs the window pool's metadata"
                 assert table is not None
                 cos, sin = table
-                k, v = kv_array(cache_a), kv_array(cache_b)
-                layer.forward(res, out, k, v, pos, cos, sin, *step)
-            if moe is not None:  # `x` holds the experts' normed input
-                x.copy_(moe(x))
-        return x, residual
+                layer.forward(res, out, cache_a, cache_b, pos, cos, sin, *step)
+            if moe is None:
+                continue
+            # `out` holds the experts' normed input.
+            if moe.native is not None and moe.shared_expert is None:
+                if spare is None:
+                    spare = np.empty_like(out)
+                moe.native.forward(spare, out, self.num_threads)
+                out, spare = spare, out
+            else:
+                moe_in = torch.from_numpy(out)
+                moe_in.copy_(moe(moe_in))
+        return torch.from_numpy(out), residual
