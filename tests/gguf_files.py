@@ -119,6 +119,8 @@ def _write_gguf(
             writer.add_tensor(name, array.astype(np.float32))
         elif qtype == Q.Q4_K:  # (the gguf package cannot quantize to it)
             writer.add_tensor(name, quantize_q4_k(array), raw_dtype=qtype)
+        elif qtype == Q.Q6_K:  # (nor to this)
+            writer.add_tensor(name, quantize_q6_k(array), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -390,3 +392,28 @@ def write_hybrid_gguf(path: Path, source: Path, arch: str) -> None:
     if getattr(config, "shared_expert_intermediate_size", None):
         metadata["expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
     _write_gguf(path, arch, config, tensors, extra_metadata=metadata, rotary_dim=rotary)
+
+
+def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
+    """[rows, K] float (K a multiple of 256) -> Q6_K bytes [rows, K / 256 * 210]:
+    per sub-block of 16 a signed 6-bit code (stored plus 32) times its int8
+    scale times the super-block's d; the codes' low nibbles in `ql`, their
+    high two bits in `qh`, in ggml's order (each half of 128 values: four
+    runs of 32, the first and third sharing `ql`'s bytes, ...)."""
+    rows, k = weight.shape
+    blocks = rows * (k // 256)
+    x = weight.astype(np.float32).reshape(blocks, 16, 16)
+    scale = np.abs(x).max(-1) / 31  # [B, 16]
+    d = (np.maximum(scale.max(-1, keepdims=True), 1e-8) / 127).astype(np.float16)  # [B, 1]
+    sc = np.clip(np.round(scale / d.astype(np.float32)), 1, 127).astype(np.int8)
+    step = (d.astype(np.float32) * sc)[..., None]
+    q = (np.clip(np.round(x / step), -32, 31) + 32).astype(np.uint8).reshape(blocks, 2, 4, 32)
+    lo = q & 15
+    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], -1)
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+    qh |= (q[:, :, 3] >> 4) << 6  # [B, 2, 32]
+    out = np.concatenate(
+        [ql.reshape(blocks, 128), qh.reshape(blocks, 64), sc.view(np.uint8), d.view(np.uint8)],
+        axis=-1,
+    )
+    return out.reshape(rows, -1)

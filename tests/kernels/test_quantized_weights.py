@@ -234,10 +234,13 @@ def _quantized_gguf(
 
 def test_kept_blocks_dequantize_to_the_reference(tmp_path: Path) -> None:
     path = tmp_path / "blocks.gguf"
-    _quantized_gguf(path, overrides={"blk.1.ffn_up.weight": Q.Q5_0})
+    # Q5_0 and Q5_1 have no kernel: requantized to Q8_0 at load.
+    overrides = {"blk.1.ffn_up.weight": Q.Q5_0, "blk.1.attn_v.weight": Q.Q5_1}
+    _quantized_gguf(path, overrides=overrides)
     dense = load_gguf(path)
     kept = load_gguf(path, keep_blocks=True)
     assert set(kept.state_dict) == set(dense.state_dict)
+    requantized = {"model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.v_proj.weight"}
     formats = {}
     for name, tensor in kept.state_dict.items():
         if isinstance(tensor, BlockTensor):
@@ -246,22 +249,32 @@ def test_kept_blocks_dequantize_to_the_reference(tmp_path: Path) -> None:
             got = dequantize(tensor.data, tensor.fmt, tensor.in_features)
         else:
             got = tensor
+        want = dense.state_dict[name]
+        if name in requantized:
+            # the file's values rounded once more, to a Q8_0 step of their block
+            assert torch.equal(got, _q8_0_values(want)), name
+            continue
         # Q4_0 rewritten as Q4_1 and the Q/K rows unpermuted on the bytes:
         # exactly the reference dequantization of the file.
-        assert torch.equal(got, dense.state_dict[name]), name
+        assert torch.equal(got, want), name
     assert formats["model.layers.0.self_attn.q_proj.weight"] == "q4_1"  # from Q4_0
     assert formats["model.layers.0.mlp.gate_proj.weight"] == "q8_0"
     assert formats["model.embed_tokens.weight"] == "q8_0"
-    assert "model.layers.1.mlp.up_proj.weight" not in formats  # Q5_0 has no kernel
+    assert all(formats[name] == "q8_0" for name in requantized)
     assert "model.norm.weight" not in formats
 
     plan = block_plan(kept.state_dict, tied=True, module_of=LlamaForCausalLM.module_of)
     assert plan["layers.0.self_attn.qkv_proj"] == "q4_1"
     assert plan["layers.0.mlp.gate_up_proj"] == "q8_0"
     assert plan["layers.1.mlp.down_proj"] == "q4_1"
-    # gate (Q8_0) and up (Q5_0, dequantized) are unlike: the merged layer stays dense
-    assert "layers.1.mlp.gate_up_proj" not in plan
+    assert plan["layers.1.mlp.gate_up_proj"] == "q8_0"
+    # Q4_1 queries and keys beside Q8_0 values: the merged layer all in Q8_0
+    assert plan["layers.1.self_attn.qkv_proj"] == "q8_0"
     assert plan["embed_tokens"] == plan["lm_head"] == "q8_0"
+
+
+def _q8_0_values(weight: torch.Tensor) -> torch.Tensor:
+    return dequantize(quantize(weight, "q8_0"), "q8_0", weight.shape[1])
 
 
 Greedy = list[tuple[list[int], list[float]]]  # per prompt: tokens and their logprobs
@@ -395,6 +408,61 @@ def test_q4_k_weights_run_as_q4_1_blocks_and_track_transformers(tmp_path: Path) 
     llm, blocks = _run(path, prompts)
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_proj.fmt == "q4_1"
+    _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
+
+
+def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(tmp_path: Path) -> None:
+    """llama.cpp's Q4_K_M files hold most weights in Q4_K and the values, the
+    down projections and the embedding in Q6_K, which no kernel runs: those
+    load requantized to Q8_0, and a merged q/k/v whose parts then differ
+    (Q4_K queries and keys) comes to Q8_0 whole; every layer stays in blocks
+    (the fused decode runs) and greedy tokens track transformers on the
+    values the engine holds."""
+    config, weights = _random_model(
+        LlamaConfig, True, hidden_size=256, intermediate_size=512, head_dim=64
+    )
+    tensors, types = {}, {}
+    for name, weight in weights.items():
+        if ".q_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_attention_heads)
+        elif ".k_proj." in name:
+            weight = _llama_cpp_permute(weight, config.num_key_value_heads)
+        gguf_name = _gguf_name(name)
+        tensors[gguf_name] = weight.numpy() * 0.05
+        module = name.rsplit(".", 2)[-2]
+        if module in ("v_proj", "down_proj", "embed_tokens"):
+            types[gguf_name] = Q.Q6_K
+        elif module in _BLOCK_TYPES:
+            types[gguf_name] = Q.Q4_K
+    path = tmp_path / "q4km.gguf"
+    _write_gguf(path, "llama", config, tensors, types)
+    kept = load_gguf(path, keep_blocks=True)
+    plan = block_plan(kept.state_dict, tied=True, module_of=LlamaForCausalLM.module_of)
+    assert plan["layers.0.self_attn.qkv_proj"] == plan["layers.0.mlp.down_proj"] == "q8_0"
+    assert plan["layers.0.mlp.gate_up_proj"] == "q4_1" and plan["lm_head"] == "q8_0"
+    # What the engine holds: the kept blocks, requantized where the plan says.
+    dense = load_gguf(path)
+    state = {}
+    for name, tensor in kept.state_dict.items():
+        if not isinstance(tensor, BlockTensor):
+            state[name] = tensor
+            continue
+        values = dequantize(tensor.data, tensor.fmt, tensor.in_features)
+        fmt = plan[LlamaForCausalLM.module_of(name)]
+        state[name] = values if fmt == tensor.fmt else _q8_0_values(values)
+        # each within a Q6_K (or Q4_K) step and a Q8_0 step of the file's values
+        file_values = dense.state_dict[name]
+        assert (state[name] - file_values).abs().max() <= 0.05 * file_values.abs().max()
+    hf = AutoModelForCausalLM.from_config(dense.config).eval()
+    hf.load_state_dict(state, strict=False)
+    hf.tie_weights()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 16)]
+    llm, blocks = _run(path, prompts)
+    model = llm.engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.fmt == "q8_0"
+    assert model.fused_decode is not None
     _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 
 

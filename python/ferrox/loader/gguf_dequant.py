@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
 from ferrox.common.errors import UnsupportedModelError
+from ferrox.layers.quant_linear import quantize
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,16 @@ def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
     """A Q4_0 / Q4_1 / Q8_0 / Q4_K matrix, or a stack of them (a layer's
     experts: data [experts, rows, row bytes]), as stored (Q4_0 rewritten as
     Q4_1 with offset -8 * scale, which is exact; Q4_K as Q4_1, see
-    `q4_k_as_q4_1`); None for any other tensor."""
+    `q4_k_as_q4_1`); a matrix in another quantized type (Q6_K, Q5_K, Q5_0,
+    the IQ formats, ...) requantized to Q8_0 (`requantized`); None for a
+    float tensor or a vector."""
     ggml_type = GGMLQuantizationType(tensor.tensor_type)
     shape = [int(n) for n in reversed(tensor.shape.tolist())]
-    if ggml_type not in BLOCK_FORMATS or len(shape) not in (2, 3):
+    if len(shape) not in (2, 3):
         return None
+    if ggml_type not in BLOCK_FORMATS:
+        block_size = GGML_QUANT_SIZES[ggml_type][0]
+        return requantized(dequantize_tensor(tensor)) if block_size > 1 else None
     *rows, in_features = shape
     raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
     if ggml_type == GGMLQuantizationType.Q4_0:
@@ -95,6 +101,18 @@ def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray:
     out[:, :, 2:4] = (-dmin * mins).astype(np.float16)[..., None].view(np.uint8)
     out[:, :, 4:] = values[..., :16] | (values[..., 16:] << 4)
     return out.reshape(-1)
+
+
+def requantized(weight: torch.Tensor, fmt: str = "q8_0") -> BlockTensor:
+    """A float matrix [N, K], or a stack [E, N, K], in `fmt`'s blocks
+    (layers/quant_linear.quantize). Formats the block kernels do not run
+    come to Q8_0 this way: its rounding (a 255th of each 32 values' largest)
+    is finer than theirs (Q6_K: a 63rd of each 16 values' range), so the
+    values move by less than their own quantization step; the bytes grow
+    (8.5 bits a weight against Q6_K's 6.56)."""
+    *rows, k = weight.shape
+    data = quantize(weight.reshape(-1, k), fmt)
+    return BlockTensor(fmt, data.reshape(*rows, -1), k)
 
 
 def mxfp4_as_q8_0(raw: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
 from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize
 from ferrox.loader.gguf import load_gguf
-from ferrox.loader.gguf_dequant import BlockTensor
+from ferrox.loader.gguf_dequant import BlockTensor, requantized
 from ferrox.model_files.hub import resolve_model_path
 from ferrox.models.base import CausalLM
 from ferrox.models.registry import resolve_model_class
@@ -190,9 +190,10 @@ def block_plan(
     state: dict[str, torch.Tensor | BlockTensor], tied: bool, module_of: Callable[[str], str]
 ) -> dict[str, str]:
     """Model modules (our names) that keep block-format weights, and their
-    format: those whose every tensor part is in one block format. The merged
-    q/k/v and gate/up projections need all their parts alike; a tied LM head
-    follows the embedding."""
+    format: those whose every tensor part is in a block format. The merged
+    q/k/v and gate/up projections hold one format: parts in different ones
+    (a Q4_K_M file's Q4_K queries and keys beside Q6_K values) all come to
+    Q8_0 (`_with_plan`); a tied LM head follows the embedding."""
     parts: dict[str, set[str | None]] = {}
     for name, t in state.items():
         if not name.endswith(".weight"):
@@ -200,9 +201,9 @@ def block_plan(
         parts.setdefault(module_of(name), set()).add(t.fmt if isinstance(t, BlockTensor) else None)
     plan: dict[str, str] = {}
     for module, formats in parts.items():
-        (fmt,) = formats if len(formats) == 1 else (None,)
-        if fmt is not None:
-            plan[module] = fmt
+        blocks = {fmt for fmt in formats if fmt is not None}
+        if len(blocks) == len(formats):
+            (plan[module],) = blocks if len(blocks) == 1 else {"q8_0"}
     if tied and "embed_tokens" in plan:
         plan["lm_head"] = plan["embed_tokens"]
     return plan
@@ -214,11 +215,17 @@ def _with_plan(
     dtype: torch.dtype,
     module_of: Callable[[str], str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Block tensors of planned modules as their bytes; the others dense."""
+    """Block tensors of planned modules as their bytes (in the module's
+    format); the others dense."""
     for name, t in state.items():
         if isinstance(t, BlockTensor):
-            if module_of(name) in plan:
+            fmt = plan.get(module_of(name))
+            if fmt == t.fmt:
                 yield name, t.data
+            elif fmt is not None:
+                rows = t.data.reshape(-1, t.data.shape[-1])
+                dense = dequantize(rows, t.fmt, t.in_features)
+                yield name, requantized(dense, fmt).data.reshape(*t.data.shape[:-1], -1)
             else:
                 yield name, dequantize(t.data, t.fmt, t.in_features).to(dtype)
         else:
