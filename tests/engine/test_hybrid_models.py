@@ -92,6 +92,9 @@ def test_what_hybrids_do_not_support_yet_is_refused(tiny_models: dict[str, Path]
         LLM(path, tensor_parallel_size=2)
     with pytest.raises(UnsupportedModelError, match="LoRA"):
         LLM(path, enable_lora=True)
+    # (their decode steps run fused, their prefill does not)
+    with pytest.raises(InvalidArgumentError, match="hybrid"):
+        LLM(path, batch_invariant=True, quantization="q8_0")
 
 
 # ---- the kernels against transformers' reference implementation ---------------

@@ -5,6 +5,7 @@ twins (same weights, dequantized) and transformers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -372,12 +373,9 @@ def test_gguf_engine_keeps_blocks_and_tracks_transformers(
     assert explicit == blocks
 
 
-def test_q4_k_weights_run_as_q4_1_blocks_and_track_transformers(tmp_path: Path) -> None:
-    """A GGUF whose linear weights are Q4_K (llama.cpp's Q4_K_M files hold
-    most of theirs so): each super-block loads as eight Q4_1 blocks (the
-    scales rounded to float16) and runs in the block kernels; greedy tokens
-    track transformers on the file's weights as the reference dequantizes
-    them."""
+def _k_quant_gguf(path: Path, type_of: Callable[[str], Q | None]) -> None:
+    """A small tied Llama GGUF with rows of 256 (what the K-quants need),
+    each weight in `type_of(its module)` (None: float32)."""
     config, weights = _random_model(
         LlamaConfig, True, hidden_size=256, intermediate_size=512, head_dim=64
     )
@@ -389,10 +387,20 @@ def test_q4_k_weights_run_as_q4_1_blocks_and_track_transformers(tmp_path: Path) 
             weight = _llama_cpp_permute(weight, config.num_key_value_heads)
         gguf_name = _gguf_name(name)
         tensors[gguf_name] = weight.numpy() * 0.05
-        if name.rsplit(".", 2)[-2] in _BLOCK_TYPES:
-            types[gguf_name] = Q.Q4_K
-    path = tmp_path / "q4k.gguf"
+        qtype = type_of(name.rsplit(".", 2)[-2])
+        if qtype is not None:
+            types[gguf_name] = qtype
     _write_gguf(path, "llama", config, tensors, types)
+
+
+def test_q4_k_weights_run_as_q4_1_blocks_and_track_transformers(tmp_path: Path) -> None:
+    """A GGUF whose linear weights are Q4_K (llama.cpp's Q4_K_M files hold
+    most of theirs so): each super-block loads as eight Q4_1 blocks (the
+    scales rounded to float16) and runs in the block kernels; greedy tokens
+    track transformers on the file's weights as the reference dequantizes
+    them."""
+    path = tmp_path / "q4k.gguf"
+    _k_quant_gguf(path, lambda module: Q.Q4_K if module in _BLOCK_TYPES else None)
     kept = load_gguf(path, keep_blocks=True)
     block = kept.state_dict["model.layers.0.mlp.up_proj.weight"]
     assert isinstance(block, BlockTensor) and block.fmt == "q4_1"
@@ -418,24 +426,14 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(tmp_path: Pa
     (Q4_K queries and keys) comes to Q8_0 whole; every layer stays in blocks
     (the fused decode runs) and greedy tokens track transformers on the
     values the engine holds."""
-    config, weights = _random_model(
-        LlamaConfig, True, hidden_size=256, intermediate_size=512, head_dim=64
-    )
-    tensors, types = {}, {}
-    for name, weight in weights.items():
-        if ".q_proj." in name:
-            weight = _llama_cpp_permute(weight, config.num_attention_heads)
-        elif ".k_proj." in name:
-            weight = _llama_cpp_permute(weight, config.num_key_value_heads)
-        gguf_name = _gguf_name(name)
-        tensors[gguf_name] = weight.numpy() * 0.05
-        module = name.rsplit(".", 2)[-2]
+
+    def type_of(module: str) -> Q | None:
         if module in ("v_proj", "down_proj", "embed_tokens"):
-            types[gguf_name] = Q.Q6_K
-        elif module in _BLOCK_TYPES:
-            types[gguf_name] = Q.Q4_K
+            return Q.Q6_K
+        return Q.Q4_K if module in _BLOCK_TYPES else None
+
     path = tmp_path / "q4km.gguf"
-    _write_gguf(path, "llama", config, tensors, types)
+    _k_quant_gguf(path, type_of)
     kept = load_gguf(path, keep_blocks=True)
     plan = block_plan(kept.state_dict, tied=True, module_of=LlamaForCausalLM.module_of)
     assert plan["layers.0.self_attn.qkv_proj"] == plan["layers.0.mlp.down_proj"] == "q8_0"
