@@ -5,8 +5,9 @@
 
 Generates greedily once to warm up, then once under cProfile, and prints
 per decoded token the milliseconds in each native call (the fused decoder
-layers, the native MoE blocks, the block matmuls: the LM head), the rest,
-and the bytes of weights each kind reads per second.
+layers, a hybrid's fused linear-attention layers, the native MoE blocks,
+the block matmuls: the LM head), the rest, and the bytes of weights each
+kind reads per second.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from ferrox.layers.quant_linear import QuantLinear
 
 CALLS = {
     "fused decoder layers": "{method 'forward' of 'ferrox._native.CpuDecoderLayer' objects}",
+    "fused linear-attention layers": (
+        "{method 'forward' of 'ferrox._native.CpuGatedDeltaLayer' objects}"
+    ),
     "native MoE blocks": "{method 'forward' of 'ferrox._native.CpuMoeExperts' objects}",
     "block matmuls (LM head)": "{built-in method ferrox._native.quant_matmul_cpu}",
 }
@@ -33,18 +37,20 @@ CALLS = {
 def _weight_bytes(model: torch.nn.Module) -> dict[str, float]:
     """Bytes of weights each kind of call reads per decoded token."""
     layers = list(model.layers)
+
+    def block_bytes(modules: list[object]) -> int:
+        return sum(m.weight.numel() for m in modules if isinstance(m, QuantLinear))
+
     # (a dense MLP's projections are read inside the fused layer too)
-    attention = sum(
-        module.weight.numel()
-        for layer in layers
-        for module in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            getattr(layer.mlp, "gate_up_proj", None),
-            getattr(layer.mlp, "down_proj", None),
-        )
-        if isinstance(module, QuantLinear)
-    )
+    attention, linear = 0, 0
+    for layer in layers:
+        mlp = [getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None)]
+        if getattr(layer, "linear", False):  # a hybrid's Gated DeltaNet layer
+            mixer = layer.linear_attn
+            projections = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+            linear += block_bytes([*(getattr(mixer, name) for name in projections), *mlp])
+        else:
+            attention += block_bytes([layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp])
     experts = 0.0
     for layer in layers:
         if isinstance(layer.mlp, SparseMoe):
@@ -54,6 +60,7 @@ def _weight_bytes(model: torch.nn.Module) -> dict[str, float]:
     head = model.lm_head.weight.numel() if isinstance(model.lm_head, QuantLinear) else 0
     return {
         "fused decoder layers": attention,
+        "fused linear-attention layers": linear,
         "native MoE blocks": experts,
         "block matmuls (LM head)": head,
     }
@@ -98,8 +105,8 @@ def main() -> None:
         per_token = seconds.get(key, 0.0) / args.new_tokens
         accounted += per_token
         rate = weights[label] / per_token / 1e9 if per_token else 0.0
-        print(f"  {label:<26}{per_token * 1e3:7.2f} ms  ({rate:5.1f} GB/s of weights)")
-    print(f"  {'the rest':<26}{(decode - accounted) * 1e3:7.2f} ms")
+        print(f"  {label:<30}{per_token * 1e3:7.2f} ms  ({rate:5.1f} GB/s of weights)")
+    print(f"  {'the rest':<30}{(decode - accounted) * 1e3:7.2f} ms")
 
 
 if __name__ == "__main__":
