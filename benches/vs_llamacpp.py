@@ -149,12 +149,15 @@ class FerroxEngine:
 
         self.llm = LLM(**options)
 
-    def generate(self, ids: list[int], max_tokens: int) -> int:
+    def generate(self, ids: list[int], max_tokens: int) -> tuple[int, float]:
+        """(tokens made, seconds from the first token to the last)."""
         from ferrox import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        return len(out[0].outputs[0].token_ids)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        m = out.metrics
+        assert m is not None and m.first_token_time is not None and m.last_token_time is not None
+        return len(out.outputs[0].token_ids), m.last_token_time - m.first_token_time
 
 
 class LlamaCppEngine:
@@ -165,20 +168,27 @@ class LlamaCppEngine:
             model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
             n_batch=512, verbose=False,
         )  # fmt: skip
-        self.eos = self.llm.token_eos()
 
-    def generate(self, ids: list[int], max_tokens: int) -> int:
+    def generate(self, ids: list[int], max_tokens: int) -> tuple[int, float]:
+        """(tokens made, seconds from the first token to the last): the
+        binding's token loop (greedy, EOS not stopping it), timed at each
+        token it yields, without `create_completion`'s text handling."""
         self.llm.reset()  # no reuse of the previous call's KV cache
-        out = self.llm.create_completion(
-            ids, max_tokens=max_tokens, temperature=0.0, top_k=1,
-            logit_bias={self.eos: -1e9},
-        )  # fmt: skip
-        return int(out["usage"]["completion_tokens"])
+        made, first, last = 0, 0.0, 0.0
+        for _ in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            last = time.perf_counter()
+            made += 1
+            if made == 1:
+                first = last
+            if made == max_tokens:
+                break
+        return made, last - first
 
 
 def single_stream(engines: list[Any], ids: list[int], new: int, repeats: int) -> dict[str, Any]:
-    """Prefill tok/s (a 1-token generation) and decode tok/s (the extra
-    `new` tokens of a longer one), alternating engines, `repeats` times."""
+    """Prefill tok/s (a 1-token generation) and decode tok/s (the `new`
+    tokens after the first of a longer one, timed from the first token to
+    the last within that request), alternating engines, `repeats` times."""
     figures: dict[str, dict[str, list[float]]] = {
         e.name: {"prefill": [], "decode": []} for e in engines
     }
@@ -189,13 +199,11 @@ def single_stream(engines: list[Any], ids: list[int], new: int, repeats: int) ->
             start = time.perf_counter()
             e.generate(ids, 1)
             first = time.perf_counter() - start
-            start = time.perf_counter()
-            made = e.generate(ids, new + 1)
-            whole = time.perf_counter() - start
+            made, decoding = e.generate(ids, new + 1)
             if made != new + 1:
                 raise RuntimeError(f"{e.name} made {made} tokens, not {new + 1}")
             figures[e.name]["prefill"].append(len(ids) / first)
-            figures[e.name]["decode"].append(new / (whole - first))
+            figures[e.name]["decode"].append(new / decoding)
     return figures
 
 
