@@ -31,6 +31,20 @@ pub struct GatedDeltaDecode<'a> {
     pub v_dim: usize,
 }
 
+/// Each row's slot lies in the pool of `num_slots` and no two rows share
+/// one (`what` names the caller in the error).
+pub(crate) fn check_slots(slots: &[i64], num_slots: usize, what: &str) -> Result<(), ShapeError> {
+    let mut seen = vec![false; num_slots];
+    for &s in slots {
+        if s < 0 || s as usize >= num_slots || std::mem::replace(&mut seen[s as usize], true) {
+            return Err(ShapeError(format!(
+                "{what}: slot {s} out of range or given to two rows"
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[derive(Clone, Copy)]
 struct StatePtr(*mut f32);
 unsafe impl Send for StatePtr {}
@@ -69,15 +83,7 @@ pub fn gated_delta_decode(
     if !states.len().is_multiple_of(per_slot) {
         return fail("gated delta: the state pool must be [S, H, Dk, Dv]");
     }
-    let num_slots = states.len() / per_slot;
-    let mut seen = vec![false; num_slots];
-    for &s in args.slots {
-        if s < 0 || s as usize >= num_slots || std::mem::replace(&mut seen[s as usize], true) {
-            return Err(ShapeError(format!(
-                "gated delta: slot {s} out of range or given to two rows"
-            )));
-        }
-    }
+    check_slots(args.slots, states.len() / per_slot, "gated delta")?;
     let pairs = b * h;
     let threads = num_threads.clamp(1, pairs.max(1));
     let per = pairs.div_ceil(threads);

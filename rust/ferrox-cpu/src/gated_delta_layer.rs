@@ -15,7 +15,7 @@
 use crate::activation::{exp, silu_in_place, Gate};
 use crate::decoder_layer::{linear, DenseMlp, LayerLinear, MlpTail};
 use crate::elementwise::add_rms_norm;
-use crate::gated_delta::{gated_delta_decode, GatedDeltaDecode};
+use crate::gated_delta::{check_slots, gated_delta_decode, GatedDeltaDecode};
 use crate::paged_attention::ShapeError;
 
 /// The layer's parameters and shapes.
@@ -118,14 +118,7 @@ pub fn gated_delta_layer(
         return Err(ShapeError(format!("gated delta layer: {what}")));
     }
     // (checked before any state changes: a refused call leaves the pool as it was)
-    let mut seen = vec![false; num_slots];
-    for &s in step.slots {
-        if s < 0 || s as usize >= num_slots || std::mem::replace(&mut seen[s as usize], true) {
-            return Err(ShapeError(format!(
-                "gated delta layer: slot {s} out of range or given to two rows"
-            )));
-        }
-    }
+    check_slots(step.slots, num_slots, "gated delta layer")?;
     let threads = step.num_threads;
     let mut normed = vec![0.0; residual.len()];
     add_rms_norm(residual, Some(x), w.input_norm, w.eps, &mut normed, threads)?;
