@@ -134,20 +134,20 @@ class FusedCpuDecode:
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = [self._native(layer) for layer in layers]
         self.moes = [_native_moe(layer) for layer in layers]
-        self.linear = [_linear_attention(layer) is not None for layer in layers]
+        linear = [_linear_attention(layer) is not None for layer in layers]
         # A hybrid's steps run here only when every row is a decode.
-        self.hybrid = any(self.linear)
+        self.hybrid = any(linear)
         # A sliding-window layer reads the window pool's tables and slots.
         self.windowed = [
-            not linear and layer.self_attn.sliding_window is not None
-            for layer, linear in zip(layers, self.linear, strict=True)
+            not is_linear and layer.self_attn.sliding_window is not None
+            for layer, is_linear in zip(layers, linear, strict=True)
         ]
         # Each attention layer's rotary table (Gemma's local and global layers
         # differ); a layer without position encoding (`use_rope` False)
         # rotates by cos 1, sin 0: exactly the identity.
         self.tables: list[tuple[np.ndarray, np.ndarray] | None] = []
-        for layer, linear in zip(layers, self.linear, strict=True):
-            if linear:
+        for layer, is_linear in zip(layers, linear, strict=True):
+            if is_linear:
                 self.tables.append(None)
                 continue
             rotary = layer.self_attn.rotary
