@@ -6,6 +6,7 @@ peer from).
     python benches/make_bench_gguf.py --family gemma3  # Gemma-3-1B's shape
     python benches/make_bench_gguf.py --family gpt-oss # gpt-oss-20b scaled down
     python benches/make_bench_gguf.py --family qwen3.5 # a Qwen3.5 hybrid, ~0.8B
+    python benches/make_bench_gguf.py --quantize Q4_K_M  # then llama-quantize's Q4_K_M of it
     python benches/vs_llamacpp.py --model \
         ~/.cache/ferrox/bench-models/qwen3-moe-0.9b-a0.2b.q8_0.gguf
 
@@ -145,6 +146,11 @@ def main() -> None:
     parser.add_argument("--expert-width", type=int, default=256)
     parser.add_argument("--outtype", default="q8_0", help="the converter's --outtype")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--quantize",
+        metavar="TYPE",
+        help="also write llama-quantize's TYPE (Q4_K_M, ...) of the converted file beside it",
+    )
     args = parser.parse_args()
     from ferrox.model_files.default import cache_dir
 
@@ -156,7 +162,7 @@ def main() -> None:
     }[args.family]
     out = args.out or cache_dir() / "bench-models" / f"{name}.{args.outtype}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
-    ensure_server()  # unpacks the vendored llama.cpp source (and builds the peer)
+    server = ensure_server()  # unpacks the vendored llama.cpp source (and builds the peer)
     source = next((peer_dir() / "src").glob("*/vendor/llama.cpp"))
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         build_checkpoint(Path(tmp), args)
@@ -168,6 +174,20 @@ def main() -> None:
             check=True, env=env,
         )  # fmt: skip
     print(f"wrote {out}")
+    if args.quantize:
+        quantized = out.with_name(f"{name}.{args.quantize.lower()}.gguf")
+        bin_dir = server.parent  # the peer's build: its tools and libraries
+        # (cmake as the peer's build ran it: from pip, beside this Python)
+        path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+        build = ["cmake", "--build", str(bin_dir.parent), "--target", "llama-quantize"]
+        subprocess.run(build, check=True, env=dict(os.environ, PATH=path))
+        env = dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))
+        subprocess.run(
+            [str(bin_dir / "llama-quantize"), "--allow-requantize", str(out), str(quantized),
+             args.quantize],
+            check=True, env=env,
+        )  # fmt: skip
+        print(f"wrote {quantized}")
 
 
 if __name__ == "__main__":
