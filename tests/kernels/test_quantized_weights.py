@@ -169,6 +169,44 @@ def test_scaled_blocks_hold_the_scaled_weight(fmt: str) -> None:
     )
 
 
+def _q6_k_bytes(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Random Q6_K super-blocks (any 6-bit values and signed scales), d ~ 1e-3."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, k // 256, 210), dtype=np.uint8)
+    d = (rng.uniform(0.5, 1.5, size=(rows, k // 256, 1)) * 1e-3).astype(np.float16)
+    raw[..., 208:] = d.view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def test_q6_k_layers_run_the_kernels_and_scale() -> None:
+    """A Q6_K weight (as a K-quant GGUF file holds it): dequantized exactly
+    as the gguf package does; a QuantLinear over it gives x @ W^T within the
+    activations' quantization, the same bits packed into panels or not; an
+    embedding looks up its rows; scale_blocks scales each d, the rest kept."""
+    n, k = 40, 512
+    blocks = _q6_k_bytes(n, k, 5)
+    dense = dequantize(blocks, "q6_k", k)
+    reference = gguf.quants.dequantize(blocks.numpy(), Q.Q6_K)
+    assert np.array_equal(dense.numpy(), reference)
+    layer = QuantLinear(k, n, bias=False, fmt="q6_k")
+    layer.weight.data = blocks.clone()
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    got = layer(x)
+    want = x @ dense.T
+    assert torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item())
+    layer.pack_for_cpu({})
+    assert torch.equal(layer(x), got)
+    emb = QuantEmbedding(n, k, "q6_k")
+    emb.weight.data = blocks.clone()
+    emb.pack_for_cpu({})
+    assert torch.equal(emb(torch.tensor([3, 39, 3])), dense[[3, 39, 3]])
+    scaled = scale_blocks(blocks, "q6_k", 0.3)
+    assert torch.equal(scaled.reshape(n, -1, 210)[..., :208], blocks.reshape(n, -1, 210)[..., :208])
+    assert torch.allclose(dequantize(scaled, "q6_k", k), dense * 0.3, rtol=2**-10, atol=0)
+    with pytest.raises(InvalidArgumentError, match="multiples of 256"):
+        QuantLinear(96, 4, bias=False, fmt="q6_k")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quant_embedding_looks_up_dequantized_rows(fmt: str) -> None:
     table = torch.randn(50, 64, generator=torch.Generator().manual_seed(1))
@@ -419,13 +457,22 @@ def test_q4_k_weights_run_as_q4_1_blocks_and_track_transformers(tmp_path: Path) 
     _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 
 
-def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep_q6_k", [True, False])
+def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_q6_k: bool
+) -> None:
     """llama.cpp's Q4_K_M files hold most weights in Q4_K and the values, the
-    down projections and the embedding in Q6_K, which no kernel runs: those
-    load requantized to Q8_0, and a merged q/k/v whose parts then differ
-    (Q4_K queries and keys) comes to Q8_0 whole; every layer stays in blocks
-    (the fused decode runs) and greedy tokens track transformers on the
-    values the engine holds."""
+    down projections and the embedding in Q6_K. Where the CPU kernel runs
+    Q6_K (by default AVX-512 VNNI's; here forced, or refused, whatever this
+    CPU has) the down projections and the tied embedding / LM head stay in
+    it, their values exactly the gguf package's; elsewhere, and on a GPU,
+    they come to Q8_0. A merged q/k/v whose parts differ (Q4_K queries and
+    keys) comes to Q8_0 whole. Every layer stays in blocks (the fused decode
+    runs) and greedy tokens track transformers on the values the engine
+    holds."""
+    formats = ("q4_1", "q8_0") + (("q6_k",) if keep_q6_k else ())
+    monkeypatch.setitem(quant_linear.KERNEL_FORMATS, "native", formats)
+    q6_k = "q6_k" if keep_q6_k else "q8_0"
 
     def type_of(module: str) -> Q | None:
         if module in ("v_proj", "down_proj", "embed_tokens"):
@@ -435,9 +482,12 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(tmp_path: Pa
     path = tmp_path / "q4km.gguf"
     _k_quant_gguf(path, type_of)
     kept = load_gguf(path, keep_blocks=True)
-    plan = block_plan(kept.state_dict, tied=True, module_of=LlamaForCausalLM.module_of)
-    assert plan["layers.0.self_attn.qkv_proj"] == plan["layers.0.mlp.down_proj"] == "q8_0"
-    assert plan["layers.0.mlp.gate_up_proj"] == "q4_1" and plan["lm_head"] == "q8_0"
+    plan = block_plan(kept.state_dict, True, LlamaForCausalLM.module_of, formats)
+    assert plan["layers.0.self_attn.qkv_proj"] == "q8_0"
+    assert plan["layers.0.mlp.down_proj"] == plan["lm_head"] == q6_k
+    assert plan["layers.0.mlp.gate_up_proj"] == "q4_1"
+    on_gpu = block_plan(kept.state_dict, True, LlamaForCausalLM.module_of, ("q4_1", "q8_0"))
+    assert on_gpu["layers.0.mlp.down_proj"] == on_gpu["lm_head"] == "q8_0"
     # What the engine holds: the kept blocks, requantized where the plan says.
     dense = load_gguf(path)
     state = {}
@@ -448,9 +498,12 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(tmp_path: Pa
         values = dequantize(tensor.data, tensor.fmt, tensor.in_features)
         fmt = plan[LlamaForCausalLM.module_of(name)]
         state[name] = values if fmt == tensor.fmt else _q8_0_values(values)
-        # each within a Q6_K (or Q4_K) step and a Q8_0 step of the file's values
+        # each within a Q6_K (or Q4_K) step and a Q8_0 step of the file's
+        # values; the Q6_K blocks kept are the file's values exactly
         file_values = dense.state_dict[name]
         assert (state[name] - file_values).abs().max() <= 0.05 * file_values.abs().max()
+        if tensor.fmt == "q6_k":
+            assert torch.equal(values, file_values), name
     hf = AutoModelForCausalLM.from_config(dense.config).eval()
     hf.load_state_dict(state, strict=False)
     hf.tie_weights()
@@ -460,6 +513,7 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(tmp_path: Pa
     model = llm.engine.runner.model
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and qkv.fmt == "q8_0"
+    assert model.layers[0].mlp.down_proj.fmt == model.lm_head.fmt == q6_k
     assert model.fused_decode is not None
     _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 

@@ -2,7 +2,9 @@
 
 Weights stay in llama.cpp's block layouts (`q4_1`: 4-bit with a float16
 scale and offset per 32 weights, 0.625 bytes a weight; `q8_0`: 8-bit with a
-scale, 1.06 bytes a weight), the layout the native kernel reads
+scale, 1.06 bytes a weight; `q6_k`, as a K-quant GGUF file holds it: 6-bit
+in super-blocks of 256 with a signed scale per 16, 0.82 bytes a weight),
+the layout the native kernel reads
 (`ferrox_cpu::quant_matmul`). A decode step multiplies a few rows by every
 weight once, so reading a quarter of float32's bytes is most of the win.
 
@@ -46,7 +48,19 @@ if TYPE_CHECKING:
     from ferrox.triton_kernels.quant_matmul import SplitBlocks
 
 BLOCK = 32
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_k": 210}
+# Weights a block holds: 32, or a K-quant's super-block.
+BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK, "q6_k": 256}
+# The formats each kind of kernel runs where they pay. Q6_K reads 0.77x
+# Q8_0's bytes but takes more instructions a weight to unpack: the AVX-512
+# VNNI kernel streams it faster than Q8_0 (a 1024 x 49152 LM head, one row:
+# 1.3-1.5x), the AVX2 one no faster (0.9-1.0x; compute-bound), the portable
+# loop far slower, and the Triton kernel (a GPU) has no Q6_K; there a file's
+# Q6_K matrices come to Q8_0 (`loader.model_loader.block_plan`).
+KERNEL_FORMATS = {
+    "native": ("q4_1", "q8_0") + (("q6_k",) if quant_matmul_kernel_cpu() == "wide_panels" else ()),
+    "triton": ("q4_1", "q8_0"),
+}
 # Above this many rows a call dequantizes the weight into a reused scratch
 # buffer and runs a float GEMM; weights larger than the chunk (an LM head) go
 # through it a slice of rows at a time, so that the scratch stays in cache.
@@ -88,11 +102,12 @@ def row_bytes(fmt: str, in_features: int) -> int:
         raise InvalidArgumentError(
             f"unknown block format {fmt!r}; expected one of {sorted(BLOCK_BYTES)}"
         )
-    if in_features % BLOCK:
+    values = BLOCK_VALUES[fmt]
+    if in_features % values:
         raise InvalidArgumentError(
-            f"{fmt} needs input widths that are multiples of {BLOCK}, got {in_features}"
+            f"{fmt} needs input widths that are multiples of {values}, got {in_features}"
         )
-    return in_features // BLOCK * BLOCK_BYTES[fmt]
+    return in_features // values * BLOCK_BYTES[fmt]
 
 
 def dequantize(
@@ -134,6 +149,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     The rounding uses the float16 scale and offset as stored."""
     n, k = weight.shape
     row_bytes(fmt, k)
+    if fmt not in ("q8_0", "q4_1"):
+        raise InvalidArgumentError(f"float weights quantize to q8_0 or q4_1, not {fmt}")
     w = weight.detach().to(device="cpu", dtype=torch.float32).numpy().reshape(n, k // BLOCK, BLOCK)
     out = np.empty((n, k // BLOCK, BLOCK_BYTES[fmt]), dtype=np.uint8)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -159,12 +176,14 @@ def scale_blocks(weight: torch.Tensor, fmt: str, factor: float) -> torch.Tensor:
     """A block-format weight [N, row bytes] times `factor`: each block's
     float16 scale (and q4_1's offset) multiplied, the codes kept; each
     scale rounds to float16 again (within 2^-11 of it, relatively)."""
-    row_bytes(fmt, BLOCK)  # (a known format)
+    row_bytes(fmt, BLOCK_VALUES.get(fmt, BLOCK))  # (a known format)
     blocks = weight.numpy().reshape(weight.shape[0], -1, BLOCK_BYTES[fmt]).copy()
-    fields = 2 if fmt == "q4_1" else 1  # float16 values at each block's start
-    head = np.ascontiguousarray(blocks[..., : 2 * fields]).view(np.float16)
+    # the float16 values that scale a block: q4_1's scale and offset and
+    # q8_0's scale at its start, q6_k's d at its end
+    at = {"q4_1": slice(0, 4), "q8_0": slice(0, 2), "q6_k": slice(208, 210)}[fmt]
+    head = np.ascontiguousarray(blocks[..., at]).view(np.float16)
     scaled = (head.astype(np.float32) * np.float32(factor)).astype(np.float16)
-    blocks[..., : 2 * fields] = scaled.view(np.uint8)
+    blocks[..., at] = scaled.view(np.uint8)
     return torch.from_numpy(blocks.reshape(weight.shape[0], -1))
 
 

@@ -25,7 +25,7 @@ class BlockTensor:
     """A weight kept in a block format the CPU kernels read
     (`ferrox.layers.quant_linear`): `data` is uint8 [out_features, row bytes]."""
 
-    fmt: str  # "q4_1" or "q8_0"
+    fmt: str  # "q4_1", "q8_0" or "q6_k"
     data: torch.Tensor
     in_features: int
 
@@ -40,6 +40,7 @@ BLOCK_FORMATS = {
     GGMLQuantizationType.Q4_1: "q4_1",
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_K: "q4_1",
+    GGMLQuantizationType.Q6_K: "q6_k",
     GGMLQuantizationType.MXFP4: "q8_0",
 }
 MXFP4_BYTES = 17  # 32 values: an e8m0 exponent, 16 bytes of e2m1 codes (low nibbles first)
@@ -49,10 +50,10 @@ Q4_K_BYTES = 144  # 256 values: d, dmin (float16), 12 bytes of 6-bit scales and 
 
 
 def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
-    """A Q4_0 / Q4_1 / Q8_0 / Q4_K matrix, or a stack of them (a layer's
-    experts: data [experts, rows, row bytes]), as stored (Q4_0 rewritten as
-    Q4_1 with offset -8 * scale, which is exact; Q4_K as Q4_1, see
-    `q4_k_as_q4_1`); a matrix in another quantized type (Q6_K, Q5_K, Q5_0,
+    """A Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrix, or a stack of them (a
+    layer's experts: data [experts, rows, row bytes]), as stored (Q4_0
+    rewritten as Q4_1 with offset -8 * scale, which is exact; Q4_K as Q4_1,
+    see `q4_k_as_q4_1`); a matrix in another quantized type (Q5_K, Q5_0,
     the IQ formats, ...) requantized to Q8_0 (`requantized`); None for a
     float tensor or a vector."""
     ggml_type = GGMLQuantizationType(tensor.tensor_type)

@@ -19,7 +19,7 @@ from ferrox.common.errors import InvalidArgumentError, ModelLoadError
 from ferrox.layers import quant_linear
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
-from ferrox.layers.quant_linear import QuantEmbedding, QuantLinear, dequantize
+from ferrox.layers.quant_linear import KERNEL_FORMATS, QuantEmbedding, QuantLinear, dequantize
 from ferrox.loader.gguf import load_gguf
 from ferrox.loader.gguf_dequant import BlockTensor, requantized
 from ferrox.model_files.hub import resolve_model_path
@@ -95,7 +95,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
         hf_config, tokenizer = gguf.config, gguf.tokenizer
         _apply_overrides(hf_config, config.hf_overrides)
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        plan = block_plan(gguf.state_dict, tied, resolve_model_class(hf_config).module_of)
+        plan = block_plan(
+            gguf.state_dict,
+            tied,
+            resolve_model_class(hf_config).module_of,
+            KERNEL_FORMATS[kernels] if kernels is not None else (),
+        )
         state = gguf.state_dict
     else:
         hf_config = _read_config(path)
@@ -187,13 +192,17 @@ def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
 
 
 def block_plan(
-    state: dict[str, torch.Tensor | BlockTensor], tied: bool, module_of: Callable[[str], str]
+    state: dict[str, torch.Tensor | BlockTensor],
+    tied: bool,
+    module_of: Callable[[str], str],
+    runnable: tuple[str, ...] = KERNEL_FORMATS["native"],
 ) -> dict[str, str]:
     """Model modules (our names) that keep block-format weights, and their
     format: those whose every tensor part is in a block format. The merged
     q/k/v and gate/up projections hold one format: parts in different ones
-    (a Q4_K_M file's Q4_K queries and keys beside Q6_K values) all come to
-    Q8_0 (`_with_plan`); a tied LM head follows the embedding."""
+    (a Q4_K_M file's Q4_K queries and keys beside Q6_K values), or in one
+    the kernels do not run (`runnable`: Q6_K on a GPU), all come to Q8_0
+    (`_with_plan`); a tied LM head follows the embedding."""
     parts: dict[str, set[str | None]] = {}
     for name, t in state.items():
         if not name.endswith(".weight"):
@@ -203,7 +212,7 @@ def block_plan(
     for module, formats in parts.items():
         blocks = {fmt for fmt in formats if fmt is not None}
         if len(blocks) == len(formats):
-            (plan[module],) = blocks if len(blocks) == 1 else {"q8_0"}
+            (plan[module],) = blocks if len(blocks) == 1 and blocks <= set(runnable) else {"q8_0"}
     if tied and "embed_tokens" in plan:
         plan["lm_head"] = plan["embed_tokens"]
     return plan

@@ -18,13 +18,15 @@ use ferrox_cpu::{
 };
 
 /// SmolLM2-135M's layers in its GGUF formats (the LM head is the Q8_0
-/// embedding): name, K, N, format.
-const SHAPES: [(&str, usize, usize, QuantFormat); 5] = [
+/// embedding), then a K-quant file's Q6_K LM head of hidden size 1024:
+/// name, K, N, format.
+const SHAPES: [(&str, usize, usize, QuantFormat); 6] = [
     ("qkv 576->960 q4_1", 576, 960, QuantFormat::Q4_1),
     ("o 576->576 q4_1", 576, 576, QuantFormat::Q4_1),
     ("gate_up 576->3072 q4_1", 576, 3072, QuantFormat::Q4_1),
     ("down 1536->576 q4_1", 1536, 576, QuantFormat::Q4_1),
     ("lm_head 576->49152 q8_0", 576, 49152, QuantFormat::Q8_0),
+    ("lm_head 1024->49152 q6_k", 1024, 49152, QuantFormat::Q6_K),
 ];
 const ROWS: [usize; 8] = [1, 2, 3, 4, 8, 16, 32, 64];
 
@@ -50,6 +52,13 @@ fn weights(fmt: QuantFormat, n: usize, k: usize) -> Vec<u8> {
     };
     let scale = 0x2000u16.to_le_bytes(); // 2^-7
     let mut out = Vec::with_capacity(n * fmt.row_bytes(k));
+    if fmt == QuantFormat::Q6_K {
+        for _ in 0..n * k / 256 {
+            out.extend((0..208).map(|_| next() as u8)); // 6-bit values, scales
+            out.extend(scale);
+        }
+        return out;
+    }
     for _ in 0..n * k / 32 {
         out.extend(scale);
         match fmt {
@@ -60,6 +69,7 @@ fn weights(fmt: QuantFormat, n: usize, k: usize) -> Vec<u8> {
             QuantFormat::Q8_0 => {
                 out.extend((0..32).map(|_| ((next() % 255) as i16 - 127) as i8 as u8))
             }
+            QuantFormat::Q6_K => unreachable!(),
         }
     }
     out

@@ -245,8 +245,10 @@ fn project<'a>(
     n: usize,
     threads: usize,
 ) -> Vec<Vec<f32>> {
-    let acts: Vec<QuantizedActivations> =
-        inputs.iter().map(|x| quantize_activations(x, k)).collect();
+    let acts: Vec<QuantizedActivations> = inputs
+        .iter()
+        .map(|x| quantize_activations(x, k).for_format(fmt))
+        .collect();
     let mut outs: Vec<Vec<f32>> = groups
         .iter()
         .map(|g| vec![0.0; g.tokens.len() * n])
@@ -324,7 +326,31 @@ mod tests {
         out
     }
 
-    fn matmul(x: &[f32], w: &[u8], bias: Option<&[f32]>, k: usize, n: usize) -> Vec<f32> {
+    /// Q6_K super-blocks of random 6-bit values and scales, d = 2^-12.
+    fn q6_k_weight(rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for _ in 0..rows * k / 256 {
+            out.extend((0..208).map(|_| ((lcg(seed) + 0.5) * 256.0) as u8));
+            out.extend_from_slice(&0x0c00u16.to_le_bytes());
+        }
+        out
+    }
+
+    fn weight(fmt: QuantFormat, rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
+        match fmt {
+            QuantFormat::Q6_K => q6_k_weight(rows, k, seed),
+            _ => q8_weight(rows, k, seed),
+        }
+    }
+
+    fn matmul(
+        x: &[f32],
+        w: &[u8],
+        bias: Option<&[f32]>,
+        k: usize,
+        n: usize,
+        fmt: QuantFormat,
+    ) -> Vec<f32> {
         let m = x.len() / k;
         let mut out = vec![0.0; m * n];
         let args = QuantMatmulArgs {
@@ -334,7 +360,7 @@ mod tests {
             m,
             k,
             n,
-            fmt: QuantFormat::Q8_0,
+            fmt,
             layout: BlockLayout::Rows,
             num_threads: 1,
         };
@@ -343,7 +369,8 @@ mod tests {
     }
 
     /// The block against each expert run alone, one quant_matmul at a
-    /// time; with biases and gpt-oss's clamped SwiGLU too.
+    /// time; with biases and gpt-oss's clamped SwiGLU too, and with down
+    /// projections in Q6_K (a Q4_K_M file's).
     #[test]
     fn equals_the_experts_one_matmul_at_a_time() {
         let clamped = Gate::ClampedSwiGlu {
@@ -351,18 +378,24 @@ mod tests {
             limit: 0.5,
         };
         for (activation, with_bias) in [(Gate::Silu, false), (clamped, true)] {
-            check_against_one_at_a_time(activation, with_bias);
+            check_against_one_at_a_time(activation, with_bias, QuantFormat::Q8_0);
         }
+        check_against_one_at_a_time(Gate::Silu, false, QuantFormat::Q6_K);
     }
 
-    fn check_against_one_at_a_time(activation: Gate, with_bias: bool) {
-        let (hidden, inter, experts, tokens, top_k) = (64, 96, 5, 7, 2);
+    fn check_against_one_at_a_time(activation: Gate, with_bias: bool, down_fmt: QuantFormat) {
+        let inter = if down_fmt == QuantFormat::Q6_K {
+            256
+        } else {
+            96
+        };
+        let (hidden, experts, tokens, top_k) = (64, 5, 7, 2);
         let mut seed = 7;
         let weights: Vec<(Vec<u8>, Vec<u8>)> = (0..experts)
             .map(|_| {
                 (
                     q8_weight(2 * inter, hidden, &mut seed),
-                    q8_weight(hidden, inter, &mut seed),
+                    weight(down_fmt, hidden, inter, &mut seed),
                 )
             })
             .collect();
@@ -398,7 +431,7 @@ mod tests {
             expert_weights: &w,
             experts: &views,
             gate_up_fmt: QuantFormat::Q8_0,
-            down_fmt: QuantFormat::Q8_0,
+            down_fmt,
             layout: BlockLayout::Rows,
             hidden,
             inter,
@@ -421,9 +454,16 @@ mod tests {
             if chosen.is_empty() {
                 continue;
             }
-            let h = matmul(&rows, gu, bias(e).map(|b| b.0), hidden, 2 * inter);
+            let h = matmul(
+                &rows,
+                gu,
+                bias(e).map(|b| b.0),
+                hidden,
+                2 * inter,
+                QuantFormat::Q8_0,
+            );
             let act = gate_rows(activation, &h, inter);
-            let y = matmul(&act, d, bias(e).map(|b| b.1), inter, hidden);
+            let y = matmul(&act, d, bias(e).map(|b| b.1), inter, hidden, down_fmt);
             for (row, &i) in y.chunks_exact(hidden).zip(&chosen) {
                 let t = i / top_k;
                 for (o, &v) in want[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
@@ -431,7 +471,11 @@ mod tests {
                 }
             }
         }
-        assert_eq!(got, want, "{activation:?}, biases {with_bias}");
+        assert!(want.iter().all(|v| v.is_finite() && *v != 0.0));
+        assert_eq!(
+            got, want,
+            "{activation:?}, biases {with_bias}, down {down_fmt:?}"
+        );
     }
 
     #[test]

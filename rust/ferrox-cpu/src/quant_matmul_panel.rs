@@ -23,7 +23,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK};
+use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK, SUPER_BLOCK};
 use crate::quant_pack::PANEL;
 
 /// Activation rows per pass over a half panel (two registers each).
@@ -73,12 +73,15 @@ unsafe fn load_rows(at: &[*const u8], offset: usize) -> [__m128i; HALF] {
 #[target_feature(enable = "avx2")]
 pub(crate) unsafe fn pack_panel(args: &QuantMatmulArgs<'_>, col: usize, panel: &mut [u8]) {
     let fmt = args.fmt;
+    if fmt == QuantFormat::Q6_K {
+        return crate::quant_pack::pack_panel_portable(args.w, fmt, args.k, col, panel);
+    }
     let (block_bytes, row_bytes) = (fmt.block_bytes(), fmt.row_bytes(args.k));
     let (panel_block, scales) = (fmt.panel_block_bytes(), fmt.panel_scales_at());
     let first = args.w.as_ptr().add(col * row_bytes);
     let (quants_at, halves) = match fmt {
         QuantFormat::Q4_1 => (4, 1), // 16 nibble bytes: one transpose a half
-        QuantFormat::Q8_0 => (2, 2), // 32 bytes: two
+        QuantFormat::Q8_0 | QuantFormat::Q6_K => (2, 2), // 32 bytes: two
     };
     for b in 0..args.k / BLOCK {
         let mut at = [std::ptr::null(); PANEL];
@@ -186,13 +189,146 @@ unsafe fn half_rows<const R: usize, const Q4: bool>(
             }
         }
     }
-    let col = col + HALF * half;
+    store_half(args, &acc, col + HALF * half, i0, out);
+}
+
+/// Q6_K's 6-bit weights of 32-value block `J` (of four in a half
+/// super-block) from a group of its `ql` bytes (`a`: those of blocks 0 and
+/// 2, `b`: of 1 and 3) and of its `qh` bytes.
+#[inline(always)]
+unsafe fn q6_k_weights<const J: usize>(a: __m256i, b: __m256i, bits: __m256i) -> __m256i {
+    let low = _mm256_set1_epi8(0x0f);
+    let high = _mm256_set1_epi8(0x30);
+    let (nibbles, top) = match J {
+        0 => (a, _mm256_slli_epi16(bits, 4)),
+        1 => (b, _mm256_slli_epi16(bits, 2)),
+        2 => (_mm256_srli_epi16(a, 4), bits),
+        _ => (_mm256_srli_epi16(b, 4), _mm256_srli_epi16(bits, 2)),
+    };
+    _mm256_or_si256(_mm256_and_si256(nibbles, low), _mm256_and_si256(top, high))
+}
+
+/// Block `J` (of four, in half super-block `n`) of a Q6_K half panel, for
+/// rows `i0..i0 + R`: each half of 16 values as an integer sum that starts
+/// at -32 times the activations' sum (the weights' offset), times its own
+/// scale.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q6_k_block<const R: usize, const J: usize>(
+    acts: &QuantizedActivations,
+    p: *const u8, // the panel block
+    half: usize,
+    d: __m256,
+    n: usize,
+    first: usize, // this block's index among the activations' blocks, row i0
+    stride: usize,
+    acc: &mut [__m256; R],
+) {
+    let group = 4 * PANEL;
+    let ones = _mm256_set1_epi16(1);
+    let scales = p.add(48 * group + HALF * half);
+    for h in 0..2 {
+        let mut sums = [_mm256_setzero_si256(); R];
+        for (r, sum) in sums.iter_mut().enumerate() {
+            *sum = _mm256_set1_epi32(*acts.h.get_unchecked(2 * (first + r * stride) + h));
+        }
+        // two groups' products at a time: 2 x 2 x 63 x 127 fits 16 bits
+        for g in (4 * h..4 * h + 4).step_by(2) {
+            let mut w = [_mm256_setzero_si256(); 2];
+            for (e, w) in w.iter_mut().enumerate() {
+                let at =
+                    |i: usize| _mm256_loadu_si256(p.add(i * group + 32 * half) as *const __m256i);
+                // (the three groups side by side: `quant_pack::q6_k_slot`)
+                let first = 3 * (8 * n + g + e);
+                *w = q6_k_weights::<J>(at(first), at(first + 1), at(first + 2));
+            }
+            for (r, sum) in sums.iter_mut().enumerate() {
+                let q = acts.q.as_ptr().add((first + r * stride) * BLOCK);
+                let pairs = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(w[0], broadcast(q, 4 * g)),
+                    _mm256_maddubs_epi16(w[1], broadcast(q, 4 * g + 4)),
+                );
+                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        let bytes = _mm_loadl_epi64(scales.add(16 * (2 * (4 * n + J) + h)) as *const __m128i);
+        let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let dx = _mm256_set1_ps(*acts.d.get_unchecked(first + r * stride));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(scale, dx), *acc);
+        }
+    }
+}
+
+/// Rows `i0..i0 + R` of a Q6_K half panel's eight columns.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q6_k_half_rows<const R: usize>(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    half: usize,
+    col: usize,
+    i0: usize,
+    out: *mut f32,
+) {
+    let (blocks, supers) = (args.k / BLOCK, args.k / SUPER_BLOCK);
+    let (panel_block, heads) = (args.fmt.panel_block_bytes(), args.fmt.panel_scales_at());
+    let mut acc = [_mm256_setzero_ps(); R];
+    for sb in 0..supers {
+        let p = panel.add(sb * panel_block);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(
+            p.add(heads + 2 * HALF * half) as *const __m128i
+        ));
+        for n in 0..2 {
+            let first = i0 * blocks + 8 * sb + 4 * n;
+            q6_k_block::<R, 0>(acts, p, half, d, n, first, blocks, &mut acc);
+            q6_k_block::<R, 1>(acts, p, half, d, n, first + 1, blocks, &mut acc);
+            q6_k_block::<R, 2>(acts, p, half, d, n, first + 2, blocks, &mut acc);
+            q6_k_block::<R, 3>(acts, p, half, d, n, first + 3, blocks, &mut acc);
+        }
+    }
+    store_half(args, &acc, col + HALF * half, i0, out);
+}
+
+/// `acc` (rows `i0..`, columns `col..col + 8`) plus the bias into `out`.
+#[inline(always)]
+unsafe fn store_half<const R: usize>(
+    args: &QuantMatmulArgs<'_>,
+    acc: &[__m256; R],
+    col: usize,
+    i0: usize,
+    out: *mut f32,
+) {
     let bias = match args.bias {
         Some(bias) => _mm256_loadu_ps(bias.as_ptr().add(col)),
         None => _mm256_setzero_ps(),
     };
     for (r, acc) in acc.iter().enumerate() {
         _mm256_storeu_ps(out.add((i0 + r) * args.n + col), _mm256_add_ps(*acc, bias));
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_panel(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    out: *mut f32,
+) {
+    for half in 0..2 {
+        let mut i = 0;
+        while i < args.m {
+            let rows = (args.m - i).min(ROWS);
+            match rows {
+                1 => q6_k_half_rows::<1>(args, acts, panel, half, col, i, out),
+                2 => q6_k_half_rows::<2>(args, acts, panel, half, col, i, out),
+                3 => q6_k_half_rows::<3>(args, acts, panel, half, col, i, out),
+                _ => q6_k_half_rows::<ROWS>(args, acts, panel, half, col, i, out),
+            }
+            i += rows;
+        }
     }
 }
 
@@ -236,5 +372,6 @@ pub unsafe fn panel(
     match args.fmt {
         QuantFormat::Q4_1 => panel_of::<true>(args, acts, panel, col, out),
         QuantFormat::Q8_0 => panel_of::<false>(args, acts, panel, col, out),
+        QuantFormat::Q6_K => q6_k_panel(args, acts, panel, col, out),
     }
 }

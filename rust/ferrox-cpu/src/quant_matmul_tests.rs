@@ -32,6 +32,15 @@ fn weight_bytes(fmt: QuantFormat, n: usize, k: usize, seed: &[u16]) -> Vec<u8> {
             .wrapping_mul(40503)
             .wrapping_add((at as u16).wrapping_mul(7919))
     };
+    if fmt == QuantFormat::Q6_K {
+        for _ in 0..n * (k / SUPER_BLOCK) {
+            // any 6-bit values and signed scales; d of either sign
+            bytes.extend((0..Q6_K_D).map(|_| next() as u8));
+            let (e, f, s) = (next(), next(), next());
+            bytes.extend(half_bits(e, f, s % 2 == 0));
+        }
+        return bytes;
+    }
     for _ in 0..n * (k / BLOCK) {
         let (e, f) = (next(), next());
         bytes.extend(half_bits(e, f, false));
@@ -45,6 +54,7 @@ fn weight_bytes(fmt: QuantFormat, n: usize, k: usize, seed: &[u16]) -> Vec<u8> {
                 // -127..=127, as llama.cpp writes them
                 bytes.extend((0..BLOCK).map(|_| ((next() % 255) as i16 - 127) as i8 as u8));
             }
+            QuantFormat::Q6_K => unreachable!(),
         }
     }
     bytes
@@ -88,6 +98,23 @@ fn case() -> impl Strategy<Value = (usize, usize, usize, Vec<f32>, Vec<u16>, boo
         })
 }
 
+/// Each format with the case's K and activations, but Q6_K (super-blocks
+/// of 256) with K = 256 or 512 and the activations repeated to fill it.
+fn formats(m: usize, k: usize, x: &[f32]) -> Vec<(QuantFormat, usize, Vec<f32>)> {
+    let k6 = SUPER_BLOCK * (1 + k / BLOCK % 2);
+    let x6 = x
+        .iter()
+        .cycle()
+        .take(m * k6)
+        .enumerate()
+        .map(|(i, v)| v * (1.0 + (i % 7) as f32 / 8.0));
+    vec![
+        (QuantFormat::Q4_1, k, x.to_vec()),
+        (QuantFormat::Q8_0, k, x.to_vec()),
+        (QuantFormat::Q6_K, k6, x6.collect()),
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
@@ -96,7 +123,7 @@ proptest! {
     /// that quantizing the activations allows over the float activations.
     #[test]
     fn quant_matmul_matches_dequantized_reference((m, k, n, x, seed, with_bias, threads) in case()) {
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+        for (fmt, k, x) in formats(m, k, &x) {
             let w = weight_bytes(fmt, n, k, &seed);
             let wf = dense(fmt, &w, n, k);
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
@@ -138,14 +165,14 @@ proptest! {
     /// writes every element and agrees with the portable kernel; with a bias.
     #[test]
     fn every_kernel_matches_portable((m, k, n, x, seed, with_bias, threads) in case()) {
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+        for (fmt, k, x) in formats(m, k, &x) {
             let w = weight_bytes(fmt, n, k, &seed);
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
             let bias = with_bias.then_some(bias.as_slice());
             let args = QuantMatmulArgs {
                 x: &x, w: &w, bias, m, k, n, fmt, layout: BlockLayout::Rows, num_threads: threads,
             };
-            let acts = quantize_activations(&x, k);
+            let acts = quantize_activations(&x, k).for_format(fmt);
             let mut want = vec![0.0; m * n];
             unsafe { columns_portable(&args, &acts, 0, n, want.as_mut_ptr()) };
             let wf = dense(fmt, &w, n, k);
@@ -183,7 +210,7 @@ proptest! {
     /// weight in rows.
     #[test]
     fn a_row_is_the_same_in_any_batch((m, k, n, x, seed, with_bias, threads) in case()) {
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+        for (fmt, k, x) in formats(m, k, &x) {
             let w = weight_bytes(fmt, n, k, &seed);
             let packed = laid_out(&w, fmt, k, BlockLayout::Panels);
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
@@ -239,8 +266,10 @@ proptest! {
         kb in 1usize..20, n in 1usize..30, seed in prop::collection::vec(any::<u16>(), 1..64),
         picks in prop::collection::vec(any::<prop::sample::Index>(), 0..40), threads in 1usize..4,
     ) {
-        let k = kb * BLOCK;
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0, QuantFormat::Q6_K] {
+            let kb = if fmt == QuantFormat::Q6_K { 1 + kb % 3 } else { kb };
+            let k = kb * fmt.block_values();
+            let values = fmt.block_values();
             let w = weight_bytes(fmt, n, k, &seed);
             let rows: Vec<usize> = picks.iter().map(|i| i.index(n)).collect();
             for layout in LAYOUTS {
@@ -250,7 +279,7 @@ proptest! {
                 let row = &w[r * fmt.row_bytes(k)..(r + 1) * fmt.row_bytes(k)];
                 let mut want = vec![0.0; k];
                 for b in 0..kb {
-                    dequantize_block(row, fmt, b, &mut want[b * BLOCK..(b + 1) * BLOCK]);
+                    dequantize_block(row, fmt, b, &mut want[b * values..(b + 1) * values]);
                 }
                 // fma rounds once where the portable code rounds twice
                 for (a, b) in got[i * k..(i + 1) * k].iter().zip(&want) {

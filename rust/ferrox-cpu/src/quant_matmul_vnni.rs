@@ -14,11 +14,13 @@
 use std::arch::x86_64::*;
 
 use crate::quant_matmul::quantize_activations_impl;
-use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK};
+use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK, SUPER_BLOCK};
 use crate::quant_pack::PANEL;
 
 /// Activation rows per pass over a panel (two registers each).
 const ROWS: usize = 8;
+/// The same for Q6_K (three registers each: two halves' sums and the result).
+const Q6_K_ROWS: usize = 4;
 
 /// Four activation bytes at `q + at`, in every lane.
 #[inline(always)]
@@ -79,12 +81,125 @@ unsafe fn panel_rows<const R: usize, const Q4: bool>(
             *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(*acts.s.get_unchecked(xb)), *acc);
         }
     }
+    store_rows(args, &acc, col, i0, out);
+}
+
+/// Q6_K's 6-bit weights of 32-value block `j` (of four in a half
+/// super-block) from the three groups at `at` (`quant_pack::q6_k_slot`):
+/// the `ql` bytes of blocks 0 and 2, of blocks 1 and 3, and the `qh` bytes.
+#[inline(always)]
+unsafe fn q6_k_weights(at: *const u8, j: usize) -> __m512i {
+    let low = _mm512_set1_epi8(0x0f);
+    let high = _mm512_set1_epi8(0x30);
+    let group = 4 * PANEL;
+    let ql = _mm512_loadu_si512(at.add(group * (j & 1)) as *const __m512i);
+    let bits = _mm512_loadu_si512(at.add(2 * group) as *const __m512i);
+    let (nibbles, top) = match j {
+        0 => (ql, _mm512_slli_epi16::<4>(bits)),
+        1 => (ql, _mm512_slli_epi16::<2>(bits)),
+        2 => (_mm512_srli_epi16::<4>(ql), bits),
+        _ => (_mm512_srli_epi16::<4>(ql), _mm512_srli_epi16::<2>(bits)),
+    };
+    _mm512_or_si512(_mm512_and_si512(nibbles, low), _mm512_and_si512(top, high))
+}
+
+/// Rows `i0..i0 + R` of a Q6_K panel's sixteen columns, a 32-value block
+/// at a time: each half of 16 values has its own sum, which starts at -32
+/// times the activations' sum there (the weights' offset, `acts.h`), and
+/// its own scale; the block's activation scale then applies once.
+#[inline(always)]
+unsafe fn q6_k_rows<const R: usize>(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    i0: usize,
+    out: *mut f32,
+) {
+    let (blocks, supers) = (args.k / BLOCK, args.k / SUPER_BLOCK);
+    let (panel_block, heads) = (args.fmt.panel_block_bytes(), args.fmt.panel_scales_at());
+    let group = 4 * PANEL;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for sb in 0..supers {
+        let p = panel.add(sb * panel_block);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(heads) as *const __m256i));
+        for block in 0..8 {
+            let (n, j) = (block / 4, block % 4);
+            let mut sums = [[_mm512_setzero_si512(); R]; 2];
+            for (h, sums) in sums.iter_mut().enumerate() {
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    let xb = (i0 + r) * blocks + 8 * sb + block;
+                    *sum = _mm512_set1_epi32(*acts.h.get_unchecked(2 * xb + h));
+                }
+            }
+            for g in 0..8 {
+                let w = q6_k_weights(p.add(3 * (8 * n + g) * group), j);
+                for (r, sum) in sums[g / 4].iter_mut().enumerate() {
+                    let at = ((i0 + r) * blocks + 8 * sb + block) * BLOCK + 4 * g;
+                    *sum = _mm512_dpbusd_epi32(*sum, w, broadcast(acts.q.as_ptr(), at));
+                }
+            }
+            // the sixteen columns' byte scales of each half (before the `d`s)
+            let scales = p.add(heads - 16 * PANEL + 2 * PANEL * block);
+            let scale = |h: usize| {
+                let bytes = _mm_loadu_si128(scales.add(PANEL * h) as *const __m128i);
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)))
+            };
+            let (first, second) = (scale(0), scale(1));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xb = (i0 + r) * blocks + 8 * sb + block;
+                let both = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(sums[1][r]),
+                    second,
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(sums[0][r]), first),
+                );
+                *acc = _mm512_fmadd_ps(both, _mm512_set1_ps(*acts.d.get_unchecked(xb)), *acc);
+            }
+        }
+    }
+    store_rows(args, &acc, col, i0, out);
+}
+
+/// `acc` (rows `i0..`, columns `col..col + 16`) plus the bias into `out`.
+#[inline(always)]
+unsafe fn store_rows<const R: usize>(
+    args: &QuantMatmulArgs<'_>,
+    acc: &[__m512; R],
+    col: usize,
+    i0: usize,
+    out: *mut f32,
+) {
     let bias = match args.bias {
         Some(bias) => _mm512_loadu_ps(bias.as_ptr().add(col)),
         None => _mm512_setzero_ps(),
     };
     for (r, acc) in acc.iter().enumerate() {
         _mm512_storeu_ps(out.add((i0 + r) * args.n + col), _mm512_add_ps(*acc, bias));
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+unsafe fn q6_k_panel(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    out: *mut f32,
+) {
+    let mut i = 0;
+    while i < args.m {
+        let rows = (args.m - i).min(Q6_K_ROWS);
+        match rows {
+            1 => q6_k_rows::<1>(args, acts, panel, col, i, out),
+            2 => q6_k_rows::<2>(args, acts, panel, col, i, out),
+            3 => q6_k_rows::<3>(args, acts, panel, col, i, out),
+            4 => q6_k_rows::<4>(args, acts, panel, col, i, out),
+            5 => q6_k_rows::<5>(args, acts, panel, col, i, out),
+            6 => q6_k_rows::<6>(args, acts, panel, col, i, out),
+            7 => q6_k_rows::<7>(args, acts, panel, col, i, out),
+            _ => q6_k_rows::<Q6_K_ROWS>(args, acts, panel, col, i, out),
+        }
+        i += rows;
     }
 }
 
@@ -130,6 +245,7 @@ pub unsafe fn panel(
     match args.fmt {
         QuantFormat::Q4_1 => panel_of::<true>(args, acts, panel, col, out),
         QuantFormat::Q8_0 => panel_of::<false>(args, acts, panel, col, out),
+        QuantFormat::Q6_K => q6_k_panel(args, acts, panel, col, out),
     }
 }
 
@@ -159,6 +275,7 @@ pub unsafe fn quantize_activations(x: &[f32], k: usize) -> QuantizedActivations 
         q: vec![0; x.len()],
         d: vec![0.0; blocks],
         s: vec![0.0; blocks],
+        h: Vec::new(),
     };
     let sign = _mm512_set1_ps(-0.0);
     for b in 0..blocks {

@@ -16,6 +16,12 @@
 //!         32 + 32 bytes  the sixteen scales, then the sixteen offsets (float16)
 //!   q8_0  8 x 64 bytes   group g: weights 4g..4g+4 of each column (signed)
 //!         32 bytes       the sixteen scales (float16)
+//!   q6_k  (blocks of 256 weights: [N/16 panels, K/256, 16])
+//!         48 x 64 bytes  groups of four of each column's 192 bytes of `ql`
+//!                        then `qh`, in the order the kernels read them
+//!                        (`q6_k_slot`)
+//!         16 x 16 bytes  scale i of each column (signed bytes)
+//!         32 bytes       the sixteen `d` (float16)
 //!         (column c's four bytes at 4c within each 64-byte group)
 //! then the last N % 16 columns in the rows layout.
 //! ```
@@ -25,7 +31,7 @@
 //! a panel of a rows-layout weight per call into this layout, then run the
 //! one loop).
 
-use crate::quant_matmul::{check_k, QuantFormat, QuantShapeError, BLOCK};
+use crate::quant_matmul::{check_k, QuantFormat, QuantShapeError};
 
 /// Output columns per packed panel.
 pub const PANEL: usize = 16;
@@ -49,28 +55,93 @@ impl QuantFormat {
     pub(crate) const GROUP_BYTES: usize = 4 * PANEL;
 
     /// Where the float16 scales of a panel block start (the weights' groups
-    /// before them).
+    /// and Q6_K's byte scales before them).
     pub(crate) fn panel_scales_at(self) -> usize {
+        let pieces = self.pieces();
+        pieces.groups * Self::GROUP_BYTES + pieces.bytes * PANEL
+    }
+
+    fn pieces(self) -> Pieces {
         match self {
-            QuantFormat::Q4_1 => 4 * Self::GROUP_BYTES,
-            QuantFormat::Q8_0 => 8 * Self::GROUP_BYTES,
+            QuantFormat::Q4_1 => Pieces {
+                quants_at: 4,
+                groups: 4,
+                bytes_at: 0,
+                bytes: 0,
+                heads_at: 0,
+                heads: 2,
+            },
+            QuantFormat::Q8_0 => Pieces {
+                quants_at: 2,
+                groups: 8,
+                bytes_at: 0,
+                bytes: 0,
+                heads_at: 0,
+                heads: 1,
+            },
+            QuantFormat::Q6_K => Pieces {
+                quants_at: 0,
+                groups: 48,
+                bytes_at: 192,
+                bytes: 16,
+                heads_at: 208,
+                heads: 1,
+            },
         }
     }
+}
+
+/// Where a block's bytes are (rows layout) and go (a panel block, in this
+/// order): `groups` runs of 4 bytes from `quants_at`, `bytes` single bytes
+/// from `bytes_at`, `heads` float16 values from `heads_at`.
+struct Pieces {
+    quants_at: usize,
+    groups: usize,
+    bytes_at: usize,
+    bytes: usize,
+    heads_at: usize,
+    heads: usize,
 }
 
 /// Where column `c`'s bytes of a block sit in a panel block: (offset in the
 /// rows-layout block, offset in the panel block, length) for each piece.
 fn pieces(fmt: QuantFormat, c: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     let g = QuantFormat::GROUP_BYTES;
-    let scales = fmt.panel_scales_at();
-    // (where the quants start in a block, their 4-byte groups, float16 heads)
-    let (quants_at, groups, heads) = match fmt {
-        QuantFormat::Q4_1 => (4, 4, 2),
-        QuantFormat::Q8_0 => (2, 8, 1),
+    let Pieces {
+        quants_at,
+        groups,
+        bytes_at,
+        bytes,
+        heads_at,
+        heads,
+    } = fmt.pieces();
+    let (singles, scales) = (groups * g, fmt.panel_scales_at());
+    let slot = move |j: usize| {
+        if fmt == QuantFormat::Q6_K {
+            q6_k_slot(j)
+        } else {
+            j
+        }
     };
-    let quants = (0..groups).map(move |j| (quants_at + 4 * j, j * g + 4 * c, 4));
-    let heads = (0..heads).map(move |h| (2 * h, scales + 2 * PANEL * h + 2 * c, 2));
-    quants.chain(heads)
+    let quants = (0..groups).map(move |j| (quants_at + 4 * j, slot(j) * g + 4 * c, 4));
+    let singles = (0..bytes).map(move |i| (bytes_at + i, singles + PANEL * i + c, 1));
+    let heads = (0..heads).map(move |h| (heads_at + 2 * h, scales + 2 * PANEL * h + 2 * c, 2));
+    quants.chain(singles).chain(heads)
+}
+
+/// Where a Q6_K block's 4-byte group `j` (of its 192 bytes of `ql`, then
+/// `qh`) sits among a panel block's groups: in the order the kernels read
+/// them, for each half super-block n and each g of 8, the `ql` group of
+/// blocks 0 and 2 (bytes 64n + 4g), that of blocks 1 and 3 (64n + 32 + 4g)
+/// and the `qh` group (32n + 4g), so that a panel streams from memory in
+/// one direction.
+pub(crate) fn q6_k_slot(j: usize) -> usize {
+    let (n, g, which) = if j < 32 {
+        (j / 16, j % 8, j % 16 / 8)
+    } else {
+        ((j - 32) / 8, (j - 32) % 8, 2)
+    };
+    3 * (8 * n + g) + which
 }
 
 /// Checks `w` holds N columns of `fmt` blocks for K inputs; returns N.
@@ -125,7 +196,7 @@ fn relayout(
     let panel_bytes = PANEL * row_bytes;
     let whole = n / PANEL * PANEL;
     for p in 0..n / PANEL {
-        for b in 0..k / BLOCK {
+        for b in 0..k / fmt.block_values() {
             for c in 0..PANEL {
                 let row_at = (p * PANEL + c) * row_bytes + b * block_bytes;
                 let panel_at = p * panel_bytes + b * fmt.panel_block_bytes();
@@ -142,6 +213,30 @@ fn relayout(
     }
     out[whole * row_bytes..].copy_from_slice(&src[whole * row_bytes..]);
     Ok(())
+}
+
+/// Columns `col..col + 16` of a rows-layout weight as one packed panel
+/// (`K / block values` panel blocks), in plain code: what the AVX2
+/// rearrangement (`quant_matmul_panel::pack_panel`) does for the 32-value
+/// formats.
+pub(crate) fn pack_panel_portable(
+    w: &[u8],
+    fmt: QuantFormat,
+    k: usize,
+    col: usize,
+    out: &mut [u8],
+) {
+    let (row_bytes, block_bytes) = (fmt.row_bytes(k), fmt.block_bytes());
+    for b in 0..k / fmt.block_values() {
+        for c in 0..PANEL {
+            let row_at = (col + c) * row_bytes + b * block_bytes;
+            let panel_at = b * fmt.panel_block_bytes();
+            for (from, to, len) in pieces(fmt, c) {
+                out[panel_at + to..panel_at + to + len]
+                    .copy_from_slice(&w[row_at + from..row_at + from + len]);
+            }
+        }
+    }
 }
 
 /// Column `col`'s block `b` of a weight in `layout`, in the rows layout
@@ -186,8 +281,9 @@ mod tests {
 
     #[test]
     fn packing_is_a_permutation_and_unpacks_back() {
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
-            for (n, k) in [(1, 32), (16, 32), (17, 64), (40, 96), (48, 32)] {
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0, QuantFormat::Q6_K] {
+            for (n, blocks) in [(1, 1), (16, 1), (17, 2), (40, 3), (48, 1)] {
+                let k = blocks * fmt.block_values();
                 let rows = bytes(n * fmt.row_bytes(k), (n * k) as u32);
                 let mut panels = vec![0; rows.len()];
                 pack_blocks(&rows, fmt, k, &mut panels).unwrap();
@@ -200,7 +296,7 @@ mod tests {
                 assert_eq!(back, rows, "{fmt:?} n={n} k={k}");
                 let mut block = vec![0; fmt.block_bytes()];
                 for col in 0..n {
-                    for b in 0..k / BLOCK {
+                    for b in 0..blocks {
                         column_block(&panels, BlockLayout::Panels, fmt, k, col, b, &mut block);
                         let at = col * fmt.row_bytes(k) + b * fmt.block_bytes();
                         assert_eq!(block, rows[at..at + fmt.block_bytes()]);

@@ -22,7 +22,7 @@ pub(crate) type LinearArrays<'py> = (
 );
 /// A per-head norm pair: the query heads' and the key heads' weights.
 type HeadNorms<T> = (T, T);
-/// (weight bytes, bias, format: "q4_1" / "q8_0" / "f32", packed: block
+/// (weight bytes, bias, format: "q4_1" / "q8_0" / "q6_k" / "f32", packed: block
 /// weights in the kernels' panels)
 pub(crate) type LinearSpec<'py> = (
     Bound<'py, PyArray2<u8>>,

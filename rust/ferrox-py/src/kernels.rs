@@ -279,8 +279,9 @@ pub(crate) fn quant_format(name: &str) -> PyResult<QuantFormat> {
     match name {
         "q4_1" => Ok(QuantFormat::Q4_1),
         "q8_0" => Ok(QuantFormat::Q8_0),
+        "q6_k" => Ok(QuantFormat::Q6_K),
         other => Err(invalid_argument(format!(
-            "unknown block format {other:?}; expected 'q4_1' or 'q8_0'"
+            "unknown block format {other:?}; expected 'q4_1', 'q8_0' or 'q6_k'"
         ))),
     }
 }
@@ -357,7 +358,7 @@ pub fn pack_blocks_cpu(
             w.shape()
         )));
     }
-    let k = row_bytes / fmt.block_bytes() * 32;
+    let k = row_bytes / fmt.block_bytes() * fmt.block_values();
     let w = contiguous(w.as_slice())?;
     let out = out
         .as_slice_mut()
