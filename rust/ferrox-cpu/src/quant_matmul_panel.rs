@@ -192,6 +192,14 @@ unsafe fn half_rows<const R: usize, const Q4: bool>(
     store_half(args, &acc, col + HALF * half, i0, out);
 }
 
+/// Half `half` (32 bytes: eight columns) of a panel block's 64-byte group
+/// `g`. (A helper function, not a closure: a closure is not compiled with
+/// the caller's target features, and its intrinsics would not be inlined.)
+#[inline(always)]
+unsafe fn half_group(p: *const u8, g: usize, half: usize) -> __m256i {
+    _mm256_loadu_si256(p.add(g * 4 * PANEL + 32 * half) as *const __m256i)
+}
+
 /// Q6_K's 6-bit weights of 32-value block `J` (of four in a half
 /// super-block) from a group of its `ql` bytes (`a`: those of blocks 0 and
 /// 2, `b`: of 1 and 3) and of its `qh` bytes.
@@ -236,11 +244,13 @@ unsafe fn q6_k_block<const R: usize, const J: usize>(
         for g in (4 * h..4 * h + 4).step_by(2) {
             let mut w = [_mm256_setzero_si256(); 2];
             for (e, w) in w.iter_mut().enumerate() {
-                let at =
-                    |i: usize| _mm256_loadu_si256(p.add(i * group + 32 * half) as *const __m256i);
                 // (the three groups side by side: `quant_pack::q6_k_slot`)
                 let first = 3 * (8 * n + g + e);
-                *w = q6_k_weights::<J>(at(first), at(first + 1), at(first + 2));
+                *w = q6_k_weights::<J>(
+                    half_group(p, first, half),
+                    half_group(p, first + 1, half),
+                    half_group(p, first + 2, half),
+                );
             }
             for (r, sum) in sums.iter_mut().enumerate() {
                 let q = acts.q.as_ptr().add((first + r * stride) * BLOCK);

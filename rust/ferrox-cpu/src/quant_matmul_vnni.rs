@@ -103,6 +103,15 @@ unsafe fn q6_k_weights(at: *const u8, j: usize) -> __m512i {
     _mm512_or_si512(_mm512_and_si512(nibbles, low), _mm512_and_si512(top, high))
 }
 
+/// Sixteen signed byte scales at `at`, as float32 times `d`. (A helper
+/// function, not a closure: a closure is not compiled with the caller's
+/// target features.)
+#[inline(always)]
+unsafe fn byte_scales(at: *const u8, d: __m512) -> __m512 {
+    let bytes = _mm_loadu_si128(at as *const __m128i);
+    _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)))
+}
+
 /// Rows `i0..i0 + R` of a Q6_K panel's sixteen columns, a 32-value block
 /// at a time: each half of 16 values has its own sum, which starts at -32
 /// times the activations' sum there (the weights' offset, `acts.h`), and
@@ -141,11 +150,7 @@ unsafe fn q6_k_rows<const R: usize>(
             }
             // the sixteen columns' byte scales of each half (before the `d`s)
             let scales = p.add(heads - 16 * PANEL + 2 * PANEL * block);
-            let scale = |h: usize| {
-                let bytes = _mm_loadu_si128(scales.add(PANEL * h) as *const __m128i);
-                _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)))
-            };
-            let (first, second) = (scale(0), scale(1));
+            let (first, second) = (byte_scales(scales, d), byte_scales(scales.add(PANEL), d));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let xb = (i0 + r) * blocks + 8 * sb + block;
                 let both = _mm512_fmadd_ps(
