@@ -230,12 +230,12 @@ unsafe fn q6_k_unpacked_rows<const R: usize>(
     acc[..R].copy_from_slice(&rows);
 }
 
-/// Every row of a Q6_K panel. One row streams the panel (`q6_k_rows`), and
-/// so do rows over a single super-block (an expert's down projection);
-/// otherwise the rows share each super-block's weights unpacked once,
-/// where every pass of rows would unpack them again (by
+/// Every row of a Q6_K panel. One pass of rows streams the panel
+/// (`q6_k_rows`), and so do rows over a single super-block (an expert's
+/// down projection); more rows share each super-block's weights unpacked
+/// once, where every pass would unpack them again (by
 /// `benches/q6_k_blocks.py`: a 1024 -> 49152 LM head at 16 rows, 0.77x
-/// Q8_0's speed this way, 0.65x streaming).
+/// Q8_0's speed this way, 0.65x streaming; at 4 rows streaming is ahead).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 unsafe fn q6_k_panel(
     args: &QuantMatmulArgs<'_>,
@@ -245,7 +245,7 @@ unsafe fn q6_k_panel(
     out: *mut f32,
 ) {
     let (blocks, supers) = (args.k / BLOCK, args.k / SUPER_BLOCK);
-    if args.m == 1 || supers == 1 {
+    if args.m <= Q6_K_ROWS || supers == 1 {
         let mut i = 0;
         while i < args.m {
             let rows = (args.m - i).min(Q6_K_ROWS);
