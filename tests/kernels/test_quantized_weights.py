@@ -28,6 +28,7 @@ from ferrox.layers.quant_linear import (
     quantize,
     scale_blocks,
 )
+from ferrox.loader import model_loader
 from ferrox.loader.gguf import load_gguf
 from ferrox.loader.gguf_dequant import BlockTensor
 from ferrox.loader.model_loader import block_plan
@@ -457,22 +458,22 @@ def test_q4_k_weights_run_as_q4_1_blocks_and_track_transformers(tmp_path: Path) 
     _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 
 
-@pytest.mark.parametrize("keep_q6_k", [True, False])
+@pytest.mark.parametrize("quantization", [None, "gguf"])
 def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_q6_k: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None
 ) -> None:
     """llama.cpp's Q4_K_M files hold most weights in Q4_K and the values, the
-    down projections and the embedding in Q6_K. Where the CPU kernel runs
-    Q6_K (by default AVX-512 VNNI's; here forced, or refused, whatever this
-    CPU has) the down projections and the tied embedding / LM head stay in
-    it, their values exactly the gguf package's; elsewhere, and on a GPU,
-    they come to Q8_0. A merged q/k/v whose parts differ (Q4_K queries and
-    keys) comes to Q8_0 whole. Every layer stays in blocks (the fused decode
-    runs) and greedy tokens track transformers on the values the engine
-    holds."""
-    formats = ("q4_1", "q8_0") + (("q6_k",) if keep_q6_k else ())
-    monkeypatch.setitem(quant_linear.KERNEL_FORMATS, "native", formats)
-    q6_k = "q6_k" if keep_q6_k else "q8_0"
+    down projections and the embedding in Q6_K. By default (and on a GPU)
+    the Q6_K modules come to Q8_0; with quantization="gguf" (the blocks as
+    stored) the down projections and the tied embedding / LM head stay in
+    Q6_K on the CPU (here on any CPU, the portable loop's included), their
+    values exactly the gguf package's. A merged q/k/v whose parts differ
+    (Q4_K queries and keys) comes to Q8_0 whole. Every layer stays in blocks
+    (the fused decode runs) and greedy tokens track transformers on the
+    values the engine holds."""
+    monkeypatch.setattr(model_loader, "STORED_FORMATS", ("q6_k",))
+    q6_k = "q6_k" if quantization == "gguf" else "q8_0"
+    formats = model_loader._runnable_formats("native", quantization)
 
     def type_of(module: str) -> Q | None:
         if module in ("v_proj", "down_proj", "embed_tokens"):
@@ -509,7 +510,7 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(
     hf.tie_weights()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 16)]
-    llm, blocks = _run(path, prompts)
+    llm, blocks = _run(path, prompts, quantization=quantization)
     model = llm.engine.runner.model
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and qkv.fmt == "q8_0"

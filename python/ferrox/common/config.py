@@ -36,7 +36,8 @@ CONVERSIONS = ("auto", "embed", "none")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 # How linear weights are held (see loader/model_loader.py): None keeps a GGUF
 # file's 4- and 8-bit blocks as stored (CPU) and loads other checkpoints in
-# `dtype`; "gguf" says the same of a GGUF file explicitly; "q8_0" / "q4_1"
+# `dtype`; "gguf" says the same of a GGUF file explicitly, and on the CPU
+# keeps its Q6_K blocks as stored too (less memory; no faster); "q8_0" / "q4_1"
 # quantize every linear layer at load; "none" dequantizes to `dtype`.
 QUANTIZATIONS = (None, "gguf", "q8_0", "q4_1", "none")
 # What the KV cache holds. "auto": the model's dtype, except float16 on the

@@ -51,16 +51,19 @@ BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_k": 210}
 # Weights a block holds: 32, or a K-quant's super-block.
 BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK, "q6_k": 256}
-# The formats each kind of kernel runs where they pay. Q6_K reads 0.77x
-# Q8_0's bytes but takes more instructions a weight to unpack: the AVX-512
-# VNNI kernel streams it faster than Q8_0 (a 1024 x 49152 LM head, one row:
-# 1.3-1.5x), the AVX2 one no faster (0.9-1.0x; compute-bound), the portable
-# loop far slower, and the Triton kernel (a GPU) has no Q6_K; there a file's
-# Q6_K matrices come to Q8_0 (`loader.model_loader.block_plan`).
-KERNEL_FORMATS = {
-    "native": ("q4_1", "q8_0") + (("q6_k",) if quant_matmul_kernel_cpu() == "wide_panels" else ()),
-    "triton": ("q4_1", "q8_0"),
-}
+# The block formats each kind of kernel runs: the CPU's native kernels and
+# the Triton kernel (a GPU) Q4_1 and Q8_0; a file's Q6_K matrices come to
+# Q8_0 for them (`loader.model_loader.block_plan`).
+KERNEL_FORMATS = {"native": ("q4_1", "q8_0"), "triton": ("q4_1", "q8_0")}
+# Formats the CPU's panel kernels also run, as a GGUF file stores them, when
+# asked to keep its blocks so (quantization="gguf"): Q6_K reads 0.77x Q8_0's
+# bytes but takes more instructions a weight to unpack, so it is no faster
+# (benches/q6_k_blocks.py, a 1024 x 49152 LM head, AVX-512 VNNI: 1.27x Q8_0's
+# speed at one row, 0.66-0.86x at 4 to 64; AVX2: 0.74x at one row), while
+# holding the file's own values in less memory. The portable loop runs it
+# far slower still.
+STORED_FORMATS = () if quant_matmul_kernel_cpu() == "pairs" else ("q6_k",)
+
 # Above this many rows a call dequantizes the weight into a reused scratch
 # buffer and runs a float GEMM; weights larger than the chunk (an LM head) go
 # through it a slice of rows at a time, so that the scratch stays in cache.

@@ -19,7 +19,13 @@ from ferrox.common.errors import InvalidArgumentError, ModelLoadError
 from ferrox.layers import quant_linear
 from ferrox.layers.attention import get_attention_backend
 from ferrox.layers.cpu_linear import linear_layers, pack_linear_layers
-from ferrox.layers.quant_linear import KERNEL_FORMATS, QuantEmbedding, QuantLinear, dequantize
+from ferrox.layers.quant_linear import (
+    KERNEL_FORMATS,
+    STORED_FORMATS,
+    QuantEmbedding,
+    QuantLinear,
+    dequantize,
+)
 from ferrox.loader.gguf import load_gguf
 from ferrox.loader.gguf_dequant import BlockTensor, requantized
 from ferrox.model_files.hub import resolve_model_path
@@ -99,7 +105,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             gguf.state_dict,
             tied,
             resolve_model_class(hf_config).module_of,
-            KERNEL_FORMATS[kernels] if kernels is not None else (),
+            _runnable_formats(kernels, config.quantization),
         )
         state = gguf.state_dict
     else:
@@ -178,6 +184,16 @@ def _block_kernels(config: EngineConfig) -> str | None:
     return None
 
 
+def _runnable_formats(kernels: str | None, quantization: str | None) -> tuple[str, ...]:
+    """The block formats a GGUF file's modules may keep: those `kernels`
+    run, and on the CPU with quantization="gguf" (the file's blocks as
+    stored) also the ones its kernels run no faster than Q8_0 (Q6_K)."""
+    if kernels is None:
+        return ()
+    stored = STORED_FORMATS if kernels == "native" and quantization == "gguf" else ()
+    return KERNEL_FORMATS[kernels] + stored
+
+
 def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
     """The block format to quantize float weights into at load, if any."""
     q = config.quantization
@@ -201,8 +217,8 @@ def block_plan(
     format: those whose every tensor part is in a block format. The merged
     q/k/v and gate/up projections hold one format: parts in different ones
     (a Q4_K_M file's Q4_K queries and keys beside Q6_K values), or in one
-    the kernels do not run (`runnable`: Q6_K on a GPU), all come to Q8_0
-    (`_with_plan`); a tied LM head follows the embedding."""
+    not `runnable` (Q6_K, unless the file's blocks are kept as stored), all
+    come to Q8_0 (`_with_plan`); a tied LM head follows the embedding."""
     parts: dict[str, set[str | None]] = {}
     for name, t in state.items():
         if not name.endswith(".weight"):

@@ -319,31 +319,28 @@ unsafe fn store_half<const R: usize>(
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k_panel(
+/// Rows `i0..i0 + R` of a half panel, in the format `half_rows` (Q4_1 or
+/// Q8_0) or `q6_k_half_rows` reads.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_of<const R: usize, const Q4: bool, const Q6_K: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
+    half: usize,
     col: usize,
+    i0: usize,
     out: *mut f32,
 ) {
-    for half in 0..2 {
-        let mut i = 0;
-        while i < args.m {
-            let rows = (args.m - i).min(ROWS);
-            match rows {
-                1 => q6_k_half_rows::<1>(args, acts, panel, half, col, i, out),
-                2 => q6_k_half_rows::<2>(args, acts, panel, half, col, i, out),
-                3 => q6_k_half_rows::<3>(args, acts, panel, half, col, i, out),
-                _ => q6_k_half_rows::<ROWS>(args, acts, panel, half, col, i, out),
-            }
-            i += rows;
-        }
+    if Q6_K {
+        q6_k_half_rows::<R>(args, acts, panel, half, col, i0, out)
+    } else {
+        half_rows::<R, Q4>(args, acts, panel, half, col, i0, out)
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn panel_of<const Q4: bool>(
+unsafe fn panel_of<const Q4: bool, const Q6_K: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -355,10 +352,10 @@ unsafe fn panel_of<const Q4: bool>(
         while i < args.m {
             let rows = (args.m - i).min(ROWS);
             match rows {
-                1 => half_rows::<1, Q4>(args, acts, panel, half, col, i, out),
-                2 => half_rows::<2, Q4>(args, acts, panel, half, col, i, out),
-                3 => half_rows::<3, Q4>(args, acts, panel, half, col, i, out),
-                _ => half_rows::<ROWS, Q4>(args, acts, panel, half, col, i, out),
+                1 => rows_of::<1, Q4, Q6_K>(args, acts, panel, half, col, i, out),
+                2 => rows_of::<2, Q4, Q6_K>(args, acts, panel, half, col, i, out),
+                3 => rows_of::<3, Q4, Q6_K>(args, acts, panel, half, col, i, out),
+                _ => rows_of::<ROWS, Q4, Q6_K>(args, acts, panel, half, col, i, out),
             }
             i += rows;
         }
@@ -380,8 +377,8 @@ pub unsafe fn panel(
     out: *mut f32,
 ) {
     match args.fmt {
-        QuantFormat::Q4_1 => panel_of::<true>(args, acts, panel, col, out),
-        QuantFormat::Q8_0 => panel_of::<false>(args, acts, panel, col, out),
-        QuantFormat::Q6_K => q6_k_panel(args, acts, panel, col, out),
+        QuantFormat::Q4_1 => panel_of::<true, false>(args, acts, panel, col, out),
+        QuantFormat::Q8_0 => panel_of::<false, false>(args, acts, panel, col, out),
+        QuantFormat::Q6_K => panel_of::<false, true>(args, acts, panel, col, out),
     }
 }
