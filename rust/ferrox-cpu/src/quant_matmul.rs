@@ -569,8 +569,8 @@ pub unsafe fn columns_portable(
 
 /// The dot product of a Q6_K row's 32-value block `b` (of the whole row)
 /// and one activation block (`xq`, scale `dx`): each half of 16 as an
-/// integer sum of (q - 32) x, times d * scale * dx, as the vector kernels
-/// compute it.
+/// integer sum of (q - 32) x, times d * scale * dx (the vector kernels'
+/// terms, their float steps in another order).
 fn q6_k_block(row: &[u8], b: usize, xq: &[i8], dx: f32) -> f32 {
     let per = SUPER_BLOCK / BLOCK;
     let block = &row[b / per * Q6_K_BYTES..(b / per + 1) * Q6_K_BYTES];
