@@ -526,8 +526,6 @@ pub unsafe fn columns_portable(
     out: *mut f32,
 ) {
     let blocks = args.k / BLOCK;
-    // (a 32-value block's bytes; Q6_K's are found by `q6_k_block`)
-    let block_bytes = args.fmt.block_bytes() * BLOCK / args.fmt.block_values();
     let mut row = vec![0u8; args.fmt.row_bytes(args.k)];
     for col in start..end {
         for (b, block) in row.chunks_exact_mut(args.fmt.block_bytes()).enumerate() {
@@ -537,7 +535,9 @@ pub unsafe fn columns_portable(
         for i in 0..args.m {
             let mut acc = 0f32;
             for b in 0..blocks {
-                let at = b * block_bytes;
+                // (block b's bytes in a 32-value format; `q6_k_block` finds
+                // Q6_K's in its super-block)
+                let at = b * args.fmt.block_bytes();
                 let xb = i * blocks + b;
                 let xq = &acts.q[xb * BLOCK..(xb + 1) * BLOCK];
                 match args.fmt {

@@ -73,16 +73,16 @@ unsafe fn load_rows(at: &[*const u8], offset: usize) -> [__m128i; HALF] {
 #[target_feature(enable = "avx2")]
 pub(crate) unsafe fn pack_panel(args: &QuantMatmulArgs<'_>, col: usize, panel: &mut [u8]) {
     let fmt = args.fmt;
-    if fmt == QuantFormat::Q6_K {
-        return crate::quant_pack::pack_panel_portable(args.w, fmt, args.k, col, panel);
-    }
+    let (quants_at, halves) = match fmt {
+        QuantFormat::Q4_1 => (4, 1), // 16 nibble bytes: one transpose a half
+        QuantFormat::Q8_0 => (2, 2), // 32 bytes: two
+        QuantFormat::Q6_K => {
+            return crate::quant_pack::pack_panel_portable(args.w, fmt, args.k, col, panel);
+        }
+    };
     let (block_bytes, row_bytes) = (fmt.block_bytes(), fmt.row_bytes(args.k));
     let (panel_block, scales) = (fmt.panel_block_bytes(), fmt.panel_scales_at());
     let first = args.w.as_ptr().add(col * row_bytes);
-    let (quants_at, halves) = match fmt {
-        QuantFormat::Q4_1 => (4, 1), // 16 nibble bytes: one transpose a half
-        QuantFormat::Q8_0 | QuantFormat::Q6_K => (2, 2), // 32 bytes: two
-    };
     for b in 0..args.k / BLOCK {
         let mut at = [std::ptr::null(); PANEL];
         for (c, p) in at.iter_mut().enumerate() {

@@ -192,27 +192,42 @@ fn relayout(
             src.len()
         )));
     }
-    let (row_bytes, block_bytes) = (fmt.row_bytes(k), fmt.block_bytes());
-    let panel_bytes = PANEL * row_bytes;
+    let row_bytes = fmt.row_bytes(k);
     let whole = n / PANEL * PANEL;
     for p in 0..n / PANEL {
-        for b in 0..k / fmt.block_values() {
-            for c in 0..PANEL {
-                let row_at = (p * PANEL + c) * row_bytes + b * block_bytes;
-                let panel_at = p * panel_bytes + b * fmt.panel_block_bytes();
-                for (from, to, len) in pieces(fmt, c) {
-                    let (r, q) = (row_at + from, panel_at + to);
-                    if pack {
-                        out[q..q + len].copy_from_slice(&src[r..r + len]);
-                    } else {
-                        out[r..r + len].copy_from_slice(&src[q..q + len]);
-                    }
-                }
+        let panel_at = p * PANEL * row_bytes;
+        for_panel_pieces(fmt, k, p * PANEL, |r, to, len| {
+            let q = panel_at + to;
+            if pack {
+                out[q..q + len].copy_from_slice(&src[r..r + len]);
+            } else {
+                out[r..r + len].copy_from_slice(&src[q..q + len]);
             }
-        }
+        });
     }
     out[whole * row_bytes..].copy_from_slice(&src[whole * row_bytes..]);
     Ok(())
+}
+
+/// Calls `copy` with every piece of the panel of columns `col..col + 16`:
+/// (offset in the rows-layout weight, offset in the packed panel, length).
+#[inline(always)]
+fn for_panel_pieces(
+    fmt: QuantFormat,
+    k: usize,
+    col: usize,
+    mut copy: impl FnMut(usize, usize, usize),
+) {
+    let (row_bytes, block_bytes) = (fmt.row_bytes(k), fmt.block_bytes());
+    for b in 0..k / fmt.block_values() {
+        for c in 0..PANEL {
+            let row_at = (col + c) * row_bytes + b * block_bytes;
+            let panel_at = b * fmt.panel_block_bytes();
+            for (from, to, len) in pieces(fmt, c) {
+                copy(row_at + from, panel_at + to, len);
+            }
+        }
+    }
 }
 
 /// Columns `col..col + 16` of a rows-layout weight as one packed panel
@@ -226,17 +241,9 @@ pub(crate) fn pack_panel_portable(
     col: usize,
     out: &mut [u8],
 ) {
-    let (row_bytes, block_bytes) = (fmt.row_bytes(k), fmt.block_bytes());
-    for b in 0..k / fmt.block_values() {
-        for c in 0..PANEL {
-            let row_at = (col + c) * row_bytes + b * block_bytes;
-            let panel_at = b * fmt.panel_block_bytes();
-            for (from, to, len) in pieces(fmt, c) {
-                out[panel_at + to..panel_at + to + len]
-                    .copy_from_slice(&w[row_at + from..row_at + from + len]);
-            }
-        }
-    }
+    for_panel_pieces(fmt, k, col, |from, to, len| {
+        out[to..to + len].copy_from_slice(&w[from..from + len]);
+    });
 }
 
 /// Column `col`'s block `b` of a weight in `layout`, in the rows layout
