@@ -51,10 +51,10 @@ BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_k": 210}
 # Weights a block holds: 32, or a K-quant's super-block.
 BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK, "q6_k": 256}
-# The block formats each kind of kernel runs: the CPU's native kernels and
-# the Triton kernel (a GPU) Q4_1 and Q8_0; a file's Q6_K matrices come to
-# Q8_0 for them (`loader.model_loader.block_plan`).
-KERNEL_FORMATS = {"native": ("q4_1", "q8_0"), "triton": ("q4_1", "q8_0")}
+# The block formats the kernels run, the CPU's native ones and the Triton
+# kernel (a GPU) alike; a file's Q6_K matrices come to Q8_0 for them
+# (`loader.model_loader.block_plan`).
+KERNEL_FORMATS = ("q4_1", "q8_0")
 # Formats the CPU's panel kernels also run, as a GGUF file stores them, when
 # asked to keep its blocks so (quantization="gguf"): Q6_K reads 0.77x Q8_0's
 # bytes but takes more instructions a weight to unpack, so it is no faster

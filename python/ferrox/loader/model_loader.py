@@ -185,13 +185,12 @@ def _block_kernels(config: EngineConfig) -> str | None:
 
 
 def _runnable_formats(kernels: str | None, quantization: str | None) -> tuple[str, ...]:
-    """The block formats a GGUF file's modules may keep: those `kernels`
+    """The block formats a GGUF file's modules may keep: those the kernels
     run, and on the CPU with quantization="gguf" (the file's blocks as
     stored) also the ones its kernels run no faster than Q8_0 (Q6_K)."""
-    if kernels is None:
-        return ()
-    stored = STORED_FORMATS if kernels == "native" and quantization == "gguf" else ()
-    return KERNEL_FORMATS[kernels] + stored
+    if kernels == "native" and quantization == "gguf":
+        return KERNEL_FORMATS + STORED_FORMATS
+    return KERNEL_FORMATS
 
 
 def _check_quantization(config: EngineConfig, fmt: str) -> str | None:
@@ -211,7 +210,7 @@ def block_plan(
     state: dict[str, torch.Tensor | BlockTensor],
     tied: bool,
     module_of: Callable[[str], str],
-    runnable: tuple[str, ...] = KERNEL_FORMATS["native"],
+    runnable: tuple[str, ...] = KERNEL_FORMATS,
 ) -> dict[str, str]:
     """Model modules (our names) that keep block-format weights, and their
     format: those whose every tensor part is in a block format. The merged
