@@ -4,12 +4,38 @@
 OpenMP setting below is in place before any ferrox module imports torch.
 """
 
+import ctypes
 import os
+import platform
 import sys
 
 from ferrox.common.errors import InvalidArgumentError
 
 __version__ = "0.1.0"
+
+# glibc's malloc serves each allocation above a threshold (at most 32 MiB) by
+# mapping fresh pages and unmaps them on free, and gives the heap's free top
+# back to the system past another: a step's large temporaries (a prefill
+# chunk's activations are tens to hundreds of MiB) are then faulted in and
+# zeroed by the kernel, page by page, at every step. Raised to KEEP_FREED,
+# freed memory stays in the heap for the next step (as tcmalloc or jemalloc
+# would keep it). A process that sets malloc's own knobs keeps them.
+KEEP_FREED = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _keep_freed_memory() -> bool:
+    """Raises glibc's mmap and trim thresholds; False where it did not."""
+    knobs = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+    if platform.libc_ver()[0] != "glibc" or any(k in os.environ for k in knobs):
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    return all(mallopt(knob, KEEP_FREED) == 1 for knob in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD))
+
+
+FREED_MEMORY_KEPT = _keep_freed_memory()
 
 # GNU OpenMP workers otherwise spin for a long while after each torch op and
 # steal the cores from the native kernels that run between ops. It only takes
