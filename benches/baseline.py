@@ -39,9 +39,12 @@ def remove_baseline(folder: Path) -> None:
 
 
 def current_commit() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    """HEAD's short hash, with "+changes" when tracked files differ from it
+    (the figures then come from code no commit holds)."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    changed = subprocess.run([*git, "diff", "--quiet", "HEAD", "--"], capture_output=True)
+    return head.stdout.strip() + ("+changes" if changed.returncode == 1 else "")
 
 
 def run_child(script: str, python_path: Path, argv: list[str], env: dict[str, str | None]) -> Any:
