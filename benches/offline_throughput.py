@@ -71,7 +71,8 @@ def run_ferrox(w: Workload, model: str | None) -> tuple[float, int]:
 def hf_model(model: str | None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from ferrox.model_files import default_model_path, load_gguf
+    from ferrox.loader.gguf import load_gguf
+    from ferrox.model_files import default_model_path
 
     path = model or str(default_model_path())
     if path.endswith(".gguf"):

@@ -30,7 +30,8 @@ def hf_directory() -> Path:
     """The default model as a Hugging Face directory (written once)."""
     from transformers import LlamaForCausalLM
 
-    from ferrox.model_files import default_model_path, load_gguf
+    from ferrox.loader.gguf import load_gguf
+    from ferrox.model_files import default_model_path
     from ferrox.model_files.default import cache_dir
 
     out = cache_dir() / "SmolLM2-135M-Instruct-hf"
