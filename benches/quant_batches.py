@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import sys
 import tempfile
@@ -55,10 +56,13 @@ def measure(model: str | None, workloads: list[str], prompt_len: int) -> dict[st
     result: dict[str, object] = {"isa": cpu_isa()}
     if "offline" in workloads:
         llm.reset_prefix_cache()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         offline_s = time.perf_counter() - start
         result["offline_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / offline_s
+        # pages the kernel faulted in (and zeroed) during the batch
+        result["offline_minor_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         llm.reset_prefix_cache()
         alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
         result["alone_equals_batch"] = list(alone) == list(outs[0].outputs[0].token_ids)
