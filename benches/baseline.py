@@ -39,11 +39,13 @@ def remove_baseline(folder: Path) -> None:
 
 
 def current_commit() -> str:
-    """HEAD's short hash, with "+changes" when tracked files differ from it
-    (the figures then come from code no commit holds)."""
+    """HEAD's short hash, with "+changes" when tracked code (the package,
+    the Rust crates, the benchmarks) differs from it: the figures then come
+    from code no commit holds."""
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    changed = subprocess.run([*git, "diff", "--quiet", "HEAD", "--"], capture_output=True)
+    code = ["python", "rust", "benches"]
+    changed = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", *code], capture_output=True)
     return head.stdout.strip() + ("+changes" if changed.returncode == 1 else "")
 
 

@@ -17,14 +17,13 @@ transformers path; `--json` writes the figures.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import ferrox  # noqa: F401  # isort: skip  (before torch: ferrox tunes OpenMP for its CPU kernels)
+from machine import write_record  # isort: skip
+from ferrox._native import cpu_isa  # isort: skip
 import numpy as np
 import torch
 
@@ -176,14 +175,7 @@ def main() -> None:
             print(f"{name:>14} ferrox / best transformers = {ratio:.2f}x", flush=True)
         results.append(row)
     if args.json:
-        meta = {
-            "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-        }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+        write_record(args.json, isa=cpu_isa(), torch=torch.__version__, results=results)
 
 
 if __name__ == "__main__":
