@@ -28,13 +28,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def probe(**extra: str) -> tuple[bool, int]:
+def run(script: str, **extra: str) -> str:
+    """`script`'s output, run without the process's own malloc settings."""
     knobs = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
     env = {k: v for k, v in os.environ.items() if k not in knobs} | extra
     done = subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     )
-    kept, faults = done.stdout.split()
+    return done.stdout
+
+
+def probe(**extra: str) -> tuple[bool, int]:
+    kept, faults = run(PROBE, **extra).split()
     return kept == "True", int(faults)
 
 
@@ -51,3 +56,22 @@ def test_malloc_settings_of_the_process_are_left_alone() -> None:
     kept, faults = probe(MALLOC_TRIM_THRESHOLD_=str(128 * 1024))
     assert not kept
     assert faults >= 30  # glibc's own thresholds: the temporary is mapped afresh
+
+
+RELEASE = (
+    "import ferrox, numpy as np\n"
+    "from ferrox.common.runtime import release_freed_memory\n"
+    "def rss():\n"
+    "    return int(open('/proc/self/statm').read().split()[1]) * 4096 // 2**20\n"
+    "a = np.ones(200 * 2**20 // 8)\n"
+    "del a\n"
+    "kept = rss()\n"
+    "release_freed_memory()\n"
+    "print(kept - rss())"
+)
+
+
+def test_loading_gives_its_freed_memory_back() -> None:
+    """The runner calls `release_freed_memory` once the model is loaded: the
+    freed 200 MiB, kept resident until then, go back to the system."""
+    assert int(run(RELEASE)) >= 150

@@ -24,18 +24,28 @@ KEEP_FREED = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+_LIBC = ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
+
+
 def _keep_freed_memory() -> bool:
     """Raises glibc's mmap and trim thresholds; False where it did not."""
     knobs = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-    if platform.libc_ver()[0] != "glibc" or any(k in os.environ for k in knobs):
+    if _LIBC is None or any(k in os.environ for k in knobs):
         return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return False
+    mallopt = _LIBC.mallopt
     return all(mallopt(knob, KEEP_FREED) == 1 for knob in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD))
 
 
 FREED_MEMORY_KEPT = _keep_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Gives the heap's free memory back to the system (`malloc_trim`), for
+    the end of loading: its temporaries are not a step's, and the raised
+    thresholds would otherwise keep them resident for good."""
+    if _LIBC is not None and FREED_MEMORY_KEPT:
+        _LIBC.malloc_trim(0)
+
 
 # GNU OpenMP workers otherwise spin for a long while after each torch op and
 # steal the cores from the native kernels that run between ops. It only takes

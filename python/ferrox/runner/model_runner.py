@@ -23,6 +23,7 @@ from ferrox.common.config import (
 from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.common.lora import read_adapter
 from ferrox.common.multimodal import StepImages
+from ferrox.common.runtime import release_freed_memory
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
 from ferrox.layers.lora import LoraModel, LoraStep
@@ -167,6 +168,9 @@ class ModelRunner:
         caching = config.enable_prefix_caching
         self.num_state_snapshots = self.num_state_slots if caching else 0
         num_blocks, num_window_blocks = self._num_kv_blocks()
+        # Loading's freed temporaries go back to the system before the cache
+        # is allocated (its pages then cost memory only once written).
+        release_freed_memory()
         self.kv_cache = ModelKV(
             self.kv_groups,
             num_blocks,
