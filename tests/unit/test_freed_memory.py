@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from ferrox.common.runtime import MALLOC_SETTINGS
+
 PROBE = (
     "import resource, ferrox, numpy as np\n"
     "from ferrox.common import runtime\n"
@@ -30,8 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 def run(script: str, **extra: str) -> str:
     """`script`'s output, run without the process's own malloc settings."""
-    knobs = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-    env = {k: v for k, v in os.environ.items() if k not in knobs} | extra
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_SETTINGS} | extra
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     )

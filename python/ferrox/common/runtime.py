@@ -21,16 +21,15 @@ __version__ = "0.1.0"
 # freed memory stays in the heap for the next step (as tcmalloc or jemalloc
 # would keep it). A process that sets malloc's own knobs keeps them.
 KEEP_FREED = 1 << 30
+# The environment variables by which a process sets malloc's knobs itself.
+MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
 _LIBC = ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
 
 
 def _keep_freed_memory() -> bool:
     """Raises glibc's mmap and trim thresholds; False where it did not."""
-    knobs = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-    if _LIBC is None or any(k in os.environ for k in knobs):
+    if _LIBC is None or any(k in os.environ for k in MALLOC_SETTINGS):
         return False
     mallopt = _LIBC.mallopt
     return all(mallopt(knob, KEEP_FREED) == 1 for knob in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD))
