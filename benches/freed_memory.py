@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from machine import spread, write_record  # isort: skip
 
@@ -27,7 +28,7 @@ def measure() -> dict[str, object]:
     from ferrox.common import runtime
 
     llm = LLM()
-    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     prompt = [1, *range(1000, 1255)]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     llm.generate([prompt[:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
