@@ -14,10 +14,13 @@ alone, must equal its tokens in the batch.
 
     python benches/quant_batches.py [--baseline REF] [--isa native,avx2] [--repeats 3] [--json FILE]
     python benches/quant_batches.py --model FILE --workloads single  # another GGUF, one stream
+    python benches/quant_batches.py --model FILE --quantization gguf  # and the blocks as stored
 
 `--model` takes a GGUF with the bundled model's vocabulary (the files
 `benches/make_bench_gguf.py` writes); `--workloads single` skips the
-offline batch and the invariance check.
+offline batch and the invariance check. `--quantization Q` runs the current
+code a second time with `LLM(quantization=Q)` (for a GGUF, "gguf" keeps
+its K-quant blocks as stored), interleaved with the others.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ NUM_REQUESTS = 64
 OUTPUT_LEN = 128
 
 
-def measure(model: str | None, workloads: list[str], prompt_len: int) -> dict[str, object]:
+def measure(
+    model: str | None, workloads: list[str], prompt_len: int, quantization: str | None
+) -> dict[str, object]:
     import numpy as np
 
     import ferrox  # noqa: F401  # isort: skip  (before torch)
@@ -50,7 +55,10 @@ def measure(model: str | None, workloads: list[str], prompt_len: int) -> dict[st
         rng.integers(100, 49000, size=int(rng.integers(64, 257))).tolist()
         for _ in range(NUM_REQUESTS)
     ]
-    llm = LLM(model=model, max_num_seqs=NUM_REQUESTS) if model else LLM(max_num_seqs=NUM_REQUESTS)
+    options: dict[str, str] = {"model": model} if model else {}
+    if quantization:
+        options["quantization"] = quantization
+    llm = LLM(max_num_seqs=NUM_REQUESTS, **options)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     result: dict[str, object] = {"isa": cpu_isa()}
@@ -98,30 +106,37 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled model)")
     parser.add_argument("--workloads", default="offline,single")
     parser.add_argument("--prompt-len", type=int, default=256, help="the single stream's prompt")
+    parser.add_argument("--quantization", default=None, help="also run the current code so")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-quantization", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     workloads = args.workloads.split(",")
     if not workloads or not set(workloads) <= {"offline", "single"}:
         parser.error("--workloads: a comma-separated list of offline and single")
     if args.child:
-        print(json.dumps(measure(args.model, workloads, args.prompt_len)))
+        print(json.dumps(measure(args.model, workloads, args.prompt_len, args.child_quantization)))
         return 0
     child_args = ["--workloads", args.workloads, "--prompt-len", str(args.prompt_len)]
     if args.model:
         child_args += ["--model", str(Path(args.model).expanduser().resolve())]
     work = Path(tempfile.mkdtemp(prefix="ferrox-quant-batches-"))
     try:
-        versions = {"current": ROOT / "python"}
+        # name: (the package's path, quantization)
+        versions: dict[str, tuple[Path, str | None]] = {"current": (ROOT / "python", None)}
         if args.baseline:
-            versions = {"baseline": build_baseline(args.baseline, work / "baseline"), **versions}
+            built = build_baseline(args.baseline, work / "baseline")
+            versions = {"baseline": (built, None), **versions}
+        if args.quantization:
+            versions[args.quantization] = (ROOT / "python", args.quantization)
         caps = args.isa.split(",")
         runs: dict[str, dict[str, list[dict[str, object]]]] = {
             cap: {name: [] for name in versions} for cap in caps
         }
         for r in range(args.repeats):
             for cap in caps:
-                for name, path in versions.items():
-                    result = measure_in_child(path, cap, child_args)
+                for name, (path, quantization) in versions.items():
+                    extra = ["--child-quantization", quantization] if quantization else []
+                    result = measure_in_child(path, cap, [*child_args, *extra])
                     runs[cap][name].append(result)
                     print(f"run {r + 1} {cap:>6} {name:>8}: {result}", flush=True)
         keys = [f"{w}_tok_s" for w in ("offline", "single") if w in workloads]
@@ -136,13 +151,17 @@ def main() -> int:
                 )
                 same = all(x.get("alone_equals_batch", True) for x in results)
                 print(f"{cap:>6} {name:>8}{cells} {same if 'offline' in workloads else '-'}")
-            if args.baseline:
+            compared = [("current", "baseline")] if args.baseline else []
+            compared += [(args.quantization, "current")] if args.quantization else []
+            for top, bottom in compared:
                 for key in keys:
-                    pairs = zip(runs[cap]["current"], runs[cap]["baseline"], strict=True)
+                    pairs = zip(runs[cap][top], runs[cap][bottom], strict=True)
                     ratios = [float(c[key]) / float(b[key]) for c, b in pairs]  # type: ignore[arg-type]
-                    print(f"{cap:>6} current/baseline {key}: {spread(ratios, 'x', 2)}")
+                    print(f"{cap:>6} {top}/{bottom} {key}: {spread(ratios, 'x', 2)}")
         if args.json:
-            write_record(args.json, baseline=args.baseline, runs=runs)
+            write_record(
+                args.json, baseline=args.baseline, quantization=args.quantization, runs=runs
+            )
     finally:
         if args.baseline:
             remove_baseline(work / "baseline")

@@ -30,7 +30,7 @@ from ferrox.layers.quant_linear import (
 )
 from ferrox.loader import model_loader
 from ferrox.loader.gguf import load_gguf
-from ferrox.loader.gguf_dequant import BlockTensor
+from ferrox.loader.gguf_dequant import BlockTensor, q4_k_as_q4_1
 from ferrox.loader.model_loader import block_plan
 from ferrox.models.llama import LlamaForCausalLM
 from tests import models
@@ -170,26 +170,33 @@ def test_scaled_blocks_hold_the_scaled_weight(fmt: str) -> None:
     )
 
 
-def _q6_k_bytes(rows: int, k: int, seed: int) -> torch.Tensor:
-    """Random Q6_K super-blocks (any 6-bit values and signed scales), d ~ 1e-3."""
+def _k_quant_bytes(fmt: str, rows: int, k: int, seed: int) -> torch.Tensor:
+    """Random K-quant super-blocks: Q6_K (any 6-bit values and signed
+    scales, d ~ 1e-3) or Q4_K (any nibbles, 6-bit scales and mins, d and
+    dmin ~ 1e-3)."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, k // 256, 210), dtype=np.uint8)
-    d = (rng.uniform(0.5, 1.5, size=(rows, k // 256, 1)) * 1e-3).astype(np.float16)
-    raw[..., 208:] = d.view(np.uint8)
+    width = quant_linear.BLOCK_BYTES[fmt]
+    raw = rng.integers(0, 256, size=(rows, k // 256, width), dtype=np.uint8)
+    heads = slice(208, 210) if fmt == "q6_k" else slice(0, 4)
+    count = (heads.stop - heads.start) // 2
+    d = (rng.uniform(0.5, 1.5, size=(rows, k // 256, count)) * 1e-3).astype(np.float16)
+    raw[..., heads] = d.view(np.uint8)
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
-def test_q6_k_layers_run_the_kernels_and_scale() -> None:
-    """A Q6_K weight (as a K-quant GGUF file holds it): dequantized exactly
-    as the gguf package does; a QuantLinear over it gives x @ W^T within the
-    activations' quantization, the same bits packed into panels or not; an
-    embedding looks up its rows; scale_blocks scales each d, the rest kept."""
+@pytest.mark.parametrize(("fmt", "qtype"), [("q6_k", Q.Q6_K), ("q4_k", Q.Q4_K)])
+def test_k_quant_layers_run_the_kernels_and_scale(fmt: str, qtype: Q) -> None:
+    """A Q6_K or Q4_K weight (as a K-quant GGUF file holds it): dequantized
+    exactly as the gguf package does; a QuantLinear over it gives x @ W^T
+    within the activations' quantization, the same bits packed into panels
+    or not; an embedding looks up its rows; scale_blocks scales each d (and
+    Q4_K's dmin), the rest kept."""
     n, k = 40, 512
-    blocks = _q6_k_bytes(n, k, 5)
-    dense = dequantize(blocks, "q6_k", k)
-    reference = gguf.quants.dequantize(blocks.numpy(), Q.Q6_K)
-    assert np.array_equal(dense.numpy(), reference)
-    layer = QuantLinear(k, n, bias=False, fmt="q6_k")
+    blocks = _k_quant_bytes(fmt, n, k, 5)
+    dense = dequantize(blocks, fmt, k)
+    reference = gguf.quants.dequantize(blocks.numpy(), qtype)
+    assert np.allclose(dense.numpy(), reference, rtol=1e-6, atol=1e-9)
+    layer = QuantLinear(k, n, bias=False, fmt=fmt)
     layer.weight.data = blocks.clone()
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
     got = layer(x)
@@ -197,15 +204,21 @@ def test_q6_k_layers_run_the_kernels_and_scale() -> None:
     assert torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item())
     layer.pack_for_cpu({})
     assert torch.equal(layer(x), got)
-    emb = QuantEmbedding(n, k, "q6_k")
+    emb = QuantEmbedding(n, k, fmt)
     emb.weight.data = blocks.clone()
     emb.pack_for_cpu({})
     assert torch.equal(emb(torch.tensor([3, 39, 3])), dense[[3, 39, 3]])
-    scaled = scale_blocks(blocks, "q6_k", 0.3)
-    assert torch.equal(scaled.reshape(n, -1, 210)[..., :208], blocks.reshape(n, -1, 210)[..., :208])
-    assert torch.allclose(dequantize(scaled, "q6_k", k), dense * 0.3, rtol=2**-10, atol=0)
+    scaled = scale_blocks(blocks, fmt, 0.3)
+    width = quant_linear.BLOCK_BYTES[fmt]
+    codes = slice(0, 208) if fmt == "q6_k" else slice(4, None)
+    assert torch.equal(
+        scaled.reshape(n, -1, width)[..., codes], blocks.reshape(n, -1, width)[..., codes]
+    )
+    # (Q4_K's two scaled terms round apart: within 2^-10 of the larger)
+    atol = 0.0 if fmt == "q6_k" else 2**-10 * dense.abs().max().item()
+    assert torch.allclose(dequantize(scaled, fmt, k), dense * 0.3, rtol=2**-10, atol=atol)
     with pytest.raises(InvalidArgumentError, match="multiples of 256"):
-        QuantLinear(96, 4, bias=False, fmt="q6_k")
+        QuantLinear(96, 4, bias=False, fmt=fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -432,29 +445,57 @@ def _k_quant_gguf(path: Path, type_of: Callable[[str], Q | None]) -> None:
     _write_gguf(path, "llama", config, tensors, types)
 
 
-def test_q4_k_weights_run_as_q4_1_blocks_and_track_transformers(tmp_path: Path) -> None:
+def _q4_1_values(tensor: BlockTensor) -> torch.Tensor:
+    """A Q4_K tensor's values as the Q4_1 blocks it loads into by default."""
+    q4_1 = q4_k_as_q4_1(tensor.data.numpy().reshape(-1))
+    blocks = torch.from_numpy(q4_1).reshape(tensor.data.shape[0], -1)
+    return dequantize(blocks, "q4_1", tensor.in_features)
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_q4_k_weights_run_on_blocks_and_track_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None
+) -> None:
     """A GGUF whose linear weights are Q4_K (llama.cpp's Q4_K_M files hold
-    most of theirs so): each super-block loads as eight Q4_1 blocks (the
-    scales rounded to float16) and runs in the block kernels; greedy tokens
-    track transformers on the file's weights as the reference dequantizes
-    them."""
+    most of theirs so) loads its super-blocks as stored. By default each
+    runs as eight Q4_1 blocks (the scales rounded to float16); with
+    quantization="gguf" the CPU kernels run the Q4_K blocks themselves (here
+    on any CPU, the portable loop's included), the file's values exactly.
+    Greedy tokens track transformers on the values the engine holds."""
+    monkeypatch.setattr(model_loader, "STORED_FORMATS", ("q6_k", "q4_k"))
+    fmt = "q4_k" if quantization == "gguf" else "q4_1"
     path = tmp_path / "q4k.gguf"
     _k_quant_gguf(path, lambda module: Q.Q4_K if module in _BLOCK_TYPES else None)
     kept = load_gguf(path, keep_blocks=True)
     block = kept.state_dict["model.layers.0.mlp.up_proj.weight"]
-    assert isinstance(block, BlockTensor) and block.fmt == "q4_1"
+    assert isinstance(block, BlockTensor) and block.fmt == "q4_k"
     dense = load_gguf(path)  # the gguf package's own Q4_K dequantization
-    rounded = dequantize(block.data, "q4_1", block.in_features)
     reference = dense.state_dict["model.layers.0.mlp.up_proj.weight"]
-    assert torch.allclose(rounded, reference, rtol=0, atol=reference.abs().max().item() * 2**-10)
+    assert torch.allclose(dequantize(block.data, "q4_k", block.in_features), reference, atol=1e-7)
+    plan = block_plan(
+        kept.state_dict,
+        True,
+        LlamaForCausalLM.module_of,
+        model_loader._runnable_formats("native", quantization),
+    )
+    assert plan["layers.0.mlp.gate_up_proj"] == fmt
+    values = _q4_1_values(block)
+    assert torch.allclose(values, reference, rtol=0, atol=reference.abs().max().item() * 2**-10)
     hf = AutoModelForCausalLM.from_config(dense.config).eval()
-    hf.load_state_dict(dense.state_dict, strict=False)
+    if quantization is None:  # (the values the engine holds: Q4_1's rounding)
+        state = {
+            name: _q4_1_values(t) if isinstance(t, BlockTensor) else t
+            for name, t in kept.state_dict.items()
+        }
+        hf.load_state_dict(state, strict=False)
+    else:
+        hf.load_state_dict(dense.state_dict, strict=False)
     hf.tie_weights()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 16)]
-    llm, blocks = _run(path, prompts)
+    llm, blocks = _run(path, prompts, quantization=quantization)
     layer = llm.engine.runner.model.layers[0]
-    assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_proj.fmt == "q4_1"
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_proj.fmt == fmt
     _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 
 
@@ -464,15 +505,17 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(
 ) -> None:
     """llama.cpp's Q4_K_M files hold most weights in Q4_K and the values, the
     down projections and the embedding in Q6_K. By default (and on a GPU)
-    the Q6_K modules come to Q8_0; with quantization="gguf" (the blocks as
-    stored) the down projections and the tied embedding / LM head stay in
-    Q6_K on the CPU (here on any CPU, the portable loop's included), their
-    values exactly the gguf package's. A merged q/k/v whose parts differ
+    the Q6_K modules come to Q8_0 and the Q4_K ones to Q4_1; with
+    quantization="gguf" (the blocks as stored) the down projections and the
+    tied embedding / LM head stay in Q6_K and the gate/up projections in
+    Q4_K on the CPU (here on any CPU, the portable loop's included), their
+    values the gguf package's. A merged q/k/v whose parts differ
     (Q4_K queries and keys) comes to Q8_0 whole. Every layer stays in blocks
     (the fused decode runs) and greedy tokens track transformers on the
     values the engine holds."""
-    monkeypatch.setattr(model_loader, "STORED_FORMATS", ("q6_k",))
+    monkeypatch.setattr(model_loader, "STORED_FORMATS", ("q6_k", "q4_k"))
     q6_k = "q6_k" if quantization == "gguf" else "q8_0"
+    q4_k = "q4_k" if quantization == "gguf" else "q4_1"
     formats = model_loader._runnable_formats("native", quantization)
 
     def type_of(module: str) -> Q | None:
@@ -486,7 +529,7 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(
     plan = block_plan(kept.state_dict, True, LlamaForCausalLM.module_of, formats)
     assert plan["layers.0.self_attn.qkv_proj"] == "q8_0"
     assert plan["layers.0.mlp.down_proj"] == plan["lm_head"] == q6_k
-    assert plan["layers.0.mlp.gate_up_proj"] == "q4_1"
+    assert plan["layers.0.mlp.gate_up_proj"] == q4_k
     on_gpu = block_plan(kept.state_dict, True, LlamaForCausalLM.module_of, ("q4_1", "q8_0"))
     assert on_gpu["layers.0.mlp.down_proj"] == on_gpu["lm_head"] == "q8_0"
     # What the engine holds: the kept blocks, requantized where the plan says.
@@ -498,13 +541,17 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(
             continue
         values = dequantize(tensor.data, tensor.fmt, tensor.in_features)
         fmt = plan[LlamaForCausalLM.module_of(name)]
-        state[name] = values if fmt == tensor.fmt else _q8_0_values(values)
+        if fmt == tensor.fmt:
+            state[name] = values
+        elif (tensor.fmt, fmt) == ("q4_k", "q4_1"):
+            state[name] = _q4_1_values(tensor)
+        else:
+            state[name] = _q8_0_values(values)
         # each within a Q6_K (or Q4_K) step and a Q8_0 step of the file's
-        # values; the Q6_K blocks kept are the file's values exactly
+        # values; the K-quant blocks kept are the file's values
         file_values = dense.state_dict[name]
         assert (state[name] - file_values).abs().max() <= 0.05 * file_values.abs().max()
-        if tensor.fmt == "q6_k":
-            assert torch.equal(values, file_values), name
+        assert torch.allclose(values, file_values, rtol=1e-6, atol=1e-9), name
     hf = AutoModelForCausalLM.from_config(dense.config).eval()
     hf.load_state_dict(state, strict=False)
     hf.tie_weights()
@@ -515,6 +562,7 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and qkv.fmt == "q8_0"
     assert model.layers[0].mlp.down_proj.fmt == model.lm_head.fmt == q6_k
+    assert model.layers[0].mlp.gate_up_proj.fmt == q4_k
     assert model.fused_decode is not None
     _assert_same_greedy(blocks, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
 

@@ -20,7 +20,8 @@ HELP = {
     "quantization": "how linear weights are held: by default a GGUF file's Q4_0 / Q4_1 / Q8_0 "
     "blocks are kept and run by the CPU block kernels (CPU, float32), other weights load in "
     "--dtype; gguf: keep a GGUF file's blocks (also on a GPU, Triton kernel; on the CPU its "
-    "Q6_K as stored too, in less memory than Q8_0 and no faster), refused where "
+    "Q6_K and Q4_K as stored too, in less memory than Q8_0 and Q4_1 and no faster in "
+    "batches), refused where "
     "they cannot run; q8_0 | q4_1: quantize every linear layer at load (CPU float32, or a "
     "GPU); none: dequantize to --dtype",
     "device": "auto (CUDA when available) | cpu | cuda",

@@ -3,7 +3,9 @@
 Weights stay in llama.cpp's block layouts (`q4_1`: 4-bit with a float16
 scale and offset per 32 weights, 0.625 bytes a weight; `q8_0`: 8-bit with a
 scale, 1.06 bytes a weight; `q6_k`, as a K-quant GGUF file holds it: 6-bit
-in super-blocks of 256 with a signed scale per 16, 0.82 bytes a weight),
+in super-blocks of 256 with a signed scale per 16, 0.82 bytes a weight;
+`q4_k`, the same files' 4-bit type: a 6-bit scale and min per 32 in
+super-blocks of 256, 0.56 bytes a weight),
 the layout the native kernel reads
 (`ferrox_cpu::quant_matmul`). A decode step multiplies a few rows by every
 weight once, so reading a quarter of float32's bytes is most of the win.
@@ -48,21 +50,24 @@ if TYPE_CHECKING:
     from ferrox.triton_kernels.quant_matmul import SplitBlocks
 
 BLOCK = 32
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_k": 210}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_k": 210, "q4_k": 144}
 # Weights a block holds: 32, or a K-quant's super-block.
-BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK, "q6_k": 256}
+BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK, "q6_k": 256, "q4_k": 256}
 # The block formats the kernels run, the CPU's native ones and the Triton
 # kernel (a GPU) alike; a file's Q6_K matrices come to Q8_0 for them
 # (`loader.model_loader.block_plan`).
 KERNEL_FORMATS = ("q4_1", "q8_0")
 # Formats the CPU's panel kernels also run, as a GGUF file stores them, when
-# asked to keep its blocks so (quantization="gguf"): Q6_K reads 0.77x Q8_0's
-# bytes but takes more instructions a weight to unpack, so it is no faster
-# (benches/q6_k_blocks.py, a 1024 x 49152 LM head, AVX-512 VNNI: 1.27x Q8_0's
-# speed at one row, 0.66-0.86x at 4 to 64; AVX2: 0.74x at one row), while
-# holding the file's own values in less memory. The portable loop runs it
-# far slower still.
-STORED_FORMATS = () if quant_matmul_kernel_cpu() == "pairs" else ("q6_k",)
+# asked to keep its blocks so (quantization="gguf"), in less memory and no
+# faster where batches are large (benches/k_quant_blocks.py, streamed from
+# memory). Q6_K reads 0.77x Q8_0's bytes but takes more instructions a
+# weight to unpack: a 1024 x 49152 LM head on AVX-512 VNNI 1.27x Q8_0's
+# speed at one row, 0.66-0.86x at 4 to 64; AVX2: 0.74x at one row. Q4_K
+# (else given Q4_1, its scales rounded to float16) reads 0.9x Q4_1's bytes:
+# on AVX-512 VNNI 1.03-1.13x Q4_1's speed at one row, 0.77-0.95x at 4 to 64;
+# AVX2 0.76-0.96x at every row count. The portable loop runs them far
+# slower still.
+STORED_FORMATS = () if quant_matmul_kernel_cpu() == "pairs" else ("q6_k", "q4_k")
 
 # Above this many rows a call dequantizes the weight into a reused scratch
 # buffer and runs a float GEMM; weights larger than the chunk (an LM head) go
@@ -182,8 +187,11 @@ def scale_blocks(weight: torch.Tensor, fmt: str, factor: float) -> torch.Tensor:
     row_bytes(fmt, BLOCK_VALUES.get(fmt, BLOCK))  # (a known format)
     blocks = weight.numpy().reshape(weight.shape[0], -1, BLOCK_BYTES[fmt]).copy()
     # the float16 values that scale a block: q4_1's scale and offset and
-    # q8_0's scale at its start, q6_k's d at its end
-    at = {"q4_1": slice(0, 4), "q8_0": slice(0, 2), "q6_k": slice(208, 210)}[fmt]
+    # q8_0's scale at its start, q6_k's d at its end, q4_k's d and dmin at
+    # its start
+    at = {"q4_1": slice(0, 4), "q8_0": slice(0, 2), "q6_k": slice(208, 210), "q4_k": slice(0, 4)}[
+        fmt
+    ]
     head = np.ascontiguousarray(blocks[..., at]).view(np.float16)
     scaled = (head.astype(np.float32) * np.float32(factor)).astype(np.float16)
     blocks[..., at] = scaled.view(np.uint8)

@@ -25,7 +25,7 @@ class BlockTensor:
     """A weight kept in a block format the CPU kernels read
     (`ferrox.layers.quant_linear`): `data` is uint8 [out_features, row bytes]."""
 
-    fmt: str  # "q4_1", "q8_0" or "q6_k"
+    fmt: str  # "q4_1", "q8_0", "q6_k" or "q4_k"
     data: torch.Tensor
     in_features: int
 
@@ -39,7 +39,7 @@ BLOCK_FORMATS = {
     GGMLQuantizationType.Q4_0: "q4_1",
     GGMLQuantizationType.Q4_1: "q4_1",
     GGMLQuantizationType.Q8_0: "q8_0",
-    GGMLQuantizationType.Q4_K: "q4_1",
+    GGMLQuantizationType.Q4_K: "q4_k",
     GGMLQuantizationType.Q6_K: "q6_k",
     GGMLQuantizationType.MXFP4: "q8_0",
 }
@@ -52,8 +52,8 @@ Q4_K_BYTES = 144  # 256 values: d, dmin (float16), 12 bytes of 6-bit scales and 
 def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
     """A Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrix, or a stack of them (a
     layer's experts: data [experts, rows, row bytes]), as stored (Q4_0
-    rewritten as Q4_1 with offset -8 * scale, which is exact; Q4_K as Q4_1,
-    see `q4_k_as_q4_1`); a matrix in another quantized type (Q5_K, Q5_0,
+    rewritten as Q4_1 with offset -8 * scale, which is exact; MXFP4 as
+    Q8_0); a matrix in another quantized type (Q5_K, Q5_0,
     the IQ formats, ...) requantized to Q8_0 (`requantized`); None for a
     float tensor or a vector."""
     ggml_type = GGMLQuantizationType(tensor.tensor_type)
@@ -72,8 +72,6 @@ def block_tensor(tensor: ReaderTensor) -> BlockTensor | None:
         out[:, :2] = blocks[:, :2]
         out[:, 2:4] = (scale * np.float16(-8)).view(np.uint8)
         out[:, 4:] = blocks[:, 2:]
-    elif ggml_type == GGMLQuantizationType.Q4_K:
-        out = q4_k_as_q4_1(raw)
     elif ggml_type == GGMLQuantizationType.MXFP4:
         out = mxfp4_as_q8_0(raw)
     else:
@@ -87,7 +85,8 @@ def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray:
     d * scale_j * q - dmin * min_j with 6-bit scale_j and min_j) as eight
     Q4_1 blocks each (d' q + m'): the same 4-bit q, d' = d * scale_j and
     m' = -dmin * min_j rounded to float16 (a relative 2^-11 at most: the only
-    change), so the block kernels run them. [blocks x 144] -> [blocks x 8 x 20]."""
+    change), for the kernels that do not run Q4_K (a GPU's, the portable
+    loop). [blocks x 144] -> [blocks x 8 x 20]."""
     blocks = raw.reshape(-1, Q4_K_BYTES)
     d = blocks[:, 0:2].view(np.float16).astype(np.float32)  # [N, 1]
     dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)

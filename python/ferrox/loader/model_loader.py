@@ -27,7 +27,7 @@ from ferrox.layers.quant_linear import (
     dequantize,
 )
 from ferrox.loader.gguf import load_gguf
-from ferrox.loader.gguf_dequant import BlockTensor, requantized
+from ferrox.loader.gguf_dequant import BlockTensor, q4_k_as_q4_1, requantized
 from ferrox.model_files.hub import resolve_model_path
 from ferrox.models.base import CausalLM
 from ferrox.models.registry import resolve_model_class
@@ -187,7 +187,8 @@ def _block_kernels(config: EngineConfig) -> str | None:
 def _runnable_formats(kernels: str | None, quantization: str | None) -> tuple[str, ...]:
     """The block formats a GGUF file's modules may keep: those the kernels
     run, and on the CPU with quantization="gguf" (the file's blocks as
-    stored) also the ones its kernels run no faster than Q8_0 (Q6_K)."""
+    stored) also the K-quants its kernels run in less memory but no faster
+    in batches (Q6_K, Q4_K)."""
     if kernels == "native" and quantization == "gguf":
         return KERNEL_FORMATS + STORED_FORMATS
     return KERNEL_FORMATS
@@ -213,20 +214,27 @@ def block_plan(
     runnable: tuple[str, ...] = KERNEL_FORMATS,
 ) -> dict[str, str]:
     """Model modules (our names) that keep block-format weights, and their
-    format: those whose every tensor part is in a block format. The merged
-    q/k/v and gate/up projections hold one format: parts in different ones
-    (a Q4_K_M file's Q4_K queries and keys beside Q6_K values), or in one
-    not `runnable` (Q6_K, unless the file's blocks are kept as stored), all
-    come to Q8_0 (`_with_plan`); a tied LM head follows the embedding."""
+    format: those whose every tensor part is in a block format. Q4_K where
+    it is not `runnable` (by default, on a GPU) comes to Q4_1 (its 4-bit
+    values kept, `q4_k_as_q4_1`). The merged q/k/v and gate/up
+    projections hold one format: parts in different ones (a Q4_K_M file's
+    Q4_K queries and keys beside Q6_K values), or in one not `runnable`
+    (Q6_K, unless the file's blocks are kept as stored), all come to Q8_0
+    (`_with_plan`); a tied LM head follows the embedding."""
     parts: dict[str, set[str | None]] = {}
     for name, t in state.items():
         if not name.endswith(".weight"):
             continue
-        parts.setdefault(module_of(name), set()).add(t.fmt if isinstance(t, BlockTensor) else None)
+        fmt = t.fmt if isinstance(t, BlockTensor) else None
+        if fmt == "q4_k" and fmt not in runnable:
+            fmt = "q4_1"
+        parts.setdefault(module_of(name), set()).add(fmt)
     plan: dict[str, str] = {}
     for module, formats in parts.items():
         blocks = {fmt for fmt in formats if fmt is not None}
         if len(blocks) == len(formats):
+            if blocks == {"q4_k", "q4_1"}:  # (Q4_0 or Q4_1 parts beside Q4_K)
+                blocks = {"q4_1"}
             (plan[module],) = blocks if len(blocks) == 1 and blocks <= set(runnable) else {"q8_0"}
     if tied and "embed_tokens" in plan:
         plan["lm_head"] = plan["embed_tokens"]
@@ -246,6 +254,9 @@ def _with_plan(
             fmt = plan.get(module_of(name))
             if fmt == t.fmt:
                 yield name, t.data
+            elif fmt == "q4_1" and t.fmt == "q4_k":
+                q4_1 = q4_k_as_q4_1(t.data.numpy().reshape(-1))
+                yield name, torch.from_numpy(q4_1.reshape(*t.data.shape[:-1], -1))
             elif fmt is not None:
                 rows = t.data.reshape(-1, t.data.shape[-1])
                 dense = dequantize(rows, t.fmt, t.in_features)

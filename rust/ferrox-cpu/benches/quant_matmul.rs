@@ -59,6 +59,14 @@ fn weights(fmt: QuantFormat, n: usize, k: usize) -> Vec<u8> {
         }
         return out;
     }
+    if fmt == QuantFormat::Q4_K {
+        for _ in 0..n * k / 256 {
+            out.extend(scale); // d
+            out.extend(scale); // dmin
+            out.extend((0..140).map(|_| next() as u8)); // 6-bit scales and mins, nibbles
+        }
+        return out;
+    }
     for _ in 0..n * k / 32 {
         out.extend(scale);
         match fmt {
@@ -69,7 +77,7 @@ fn weights(fmt: QuantFormat, n: usize, k: usize) -> Vec<u8> {
             QuantFormat::Q8_0 => {
                 out.extend((0..32).map(|_| ((next() % 255) as i16 - 127) as i8 as u8))
             }
-            QuantFormat::Q6_K => unreachable!(),
+            QuantFormat::Q6_K | QuantFormat::Q4_K => unreachable!(),
         }
     }
     out

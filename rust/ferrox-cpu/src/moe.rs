@@ -336,9 +336,21 @@ mod tests {
         out
     }
 
+    /// Q4_K super-blocks of random scales, mins and nibbles, d = dmin = 2^-12.
+    fn q4_k_weight(rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for _ in 0..rows * k / 256 {
+            out.extend_from_slice(&0x0c00u16.to_le_bytes());
+            out.extend_from_slice(&0x0c00u16.to_le_bytes());
+            out.extend((0..140).map(|_| ((lcg(seed) + 0.5) * 256.0) as u8));
+        }
+        out
+    }
+
     fn weight(fmt: QuantFormat, rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
         match fmt {
             QuantFormat::Q6_K => q6_k_weight(rows, k, seed),
+            QuantFormat::Q4_K => q4_k_weight(rows, k, seed),
             _ => q8_weight(rows, k, seed),
         }
     }
@@ -370,7 +382,7 @@ mod tests {
 
     /// The block against each expert run alone, one quant_matmul at a
     /// time; with biases and gpt-oss's clamped SwiGLU too, and with down
-    /// projections in Q6_K (a Q4_K_M file's).
+    /// projections in Q6_K and Q4_K (a Q4_K_M file's).
     #[test]
     fn equals_the_experts_one_matmul_at_a_time() {
         let clamped = Gate::ClampedSwiGlu {
@@ -381,10 +393,11 @@ mod tests {
             check_against_one_at_a_time(activation, with_bias, QuantFormat::Q8_0);
         }
         check_against_one_at_a_time(Gate::Silu, false, QuantFormat::Q6_K);
+        check_against_one_at_a_time(Gate::Silu, false, QuantFormat::Q4_K);
     }
 
     fn check_against_one_at_a_time(activation: Gate, with_bias: bool, down_fmt: QuantFormat) {
-        let inter = if down_fmt == QuantFormat::Q6_K {
+        let inter = if down_fmt.block_values() == 256 {
             256
         } else {
             96

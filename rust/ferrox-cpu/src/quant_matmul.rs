@@ -13,6 +13,12 @@
 //!   with the 6-bit q. llama.cpp's K-quant files keep their LM heads and
 //!   some value and down projections in it: 6.56 bits a weight, where Q8_0
 //!   would take 8.5.
+//! - `Q4_K` (144 bytes, a super-block of 256): `d` and `dmin` (float16),
+//!   twelve bytes of 6-bit scales and mins (one of each per 32 weights,
+//!   `q4_k_scale_min`), then 128 bytes of nibbles (per 64 weights, 32 bytes:
+//!   the low nibbles the first 32, the high ones the next);
+//!   weight = d * scale * q - dmin * min. The 4-bit type of llama.cpp's
+//!   K-quant files (Q4_K_M): 4.5 bits a weight, where Q4_1 takes 5.
 //!
 //! The activations are quantized on the fly to signed bytes, one scale per
 //! block of 32 (as llama.cpp does), so each block's dot product is an
@@ -35,6 +41,7 @@ pub enum QuantFormat {
     Q4_1,
     Q8_0,
     Q6_K,
+    Q4_K,
 }
 
 /// Weights in a K-quant super-block.
@@ -47,6 +54,7 @@ impl QuantFormat {
             QuantFormat::Q4_1 => 20,
             QuantFormat::Q8_0 => 34,
             QuantFormat::Q6_K => Q6_K_BYTES,
+            QuantFormat::Q4_K => Q4_K_BYTES,
         }
     }
 
@@ -54,7 +62,7 @@ impl QuantFormat {
     pub fn block_values(self) -> usize {
         match self {
             QuantFormat::Q4_1 | QuantFormat::Q8_0 => BLOCK,
-            QuantFormat::Q6_K => SUPER_BLOCK,
+            QuantFormat::Q6_K | QuantFormat::Q4_K => SUPER_BLOCK,
         }
     }
 
@@ -95,7 +103,7 @@ fn half(bytes: &[u8], at: usize) -> f32 {
 }
 
 /// Activations quantized per block of 32: `q` signed bytes, `d` the scale,
-/// `s` = d * sum(q) (what a Q4_1 offset multiplies).
+/// `s` = d * sum(q) (what a Q4_1 offset and a Q4_K min multiply).
 pub struct QuantizedActivations {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
@@ -184,6 +192,36 @@ pub(crate) fn q6_k_value(block: &[u8], i: usize) -> u8 {
     low | high << 4
 }
 
+/// A Q4_K super-block's 4-bit value `i` (0..256): per 64 values, 32
+/// bytes, the first 32 values in their low nibbles, the next in the high.
+#[inline(always)]
+pub(crate) fn q4_k_value(block: &[u8], i: usize) -> u8 {
+    let byte = block[Q4_K_QUANTS + 32 * (i / 64) + i % 32];
+    byte >> (4 * (i % 64 / 32)) & 0x0f
+}
+
+/// A Q4_K super-block's 6-bit scale and min of 32-value block `j` (0..8):
+/// blocks 0..4 in the low six bits of scale bytes j and j + 4, blocks 4..8
+/// in the nibbles of byte j + 4 with the top bits of bytes j - 4 and j.
+#[inline(always)]
+pub(crate) fn q4_k_scale_min(block: &[u8], j: usize) -> (u8, u8) {
+    let s = &block[Q4_K_SCALES..Q4_K_QUANTS];
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0f) | (s[j - 4] >> 6) << 4,
+            (s[j + 4] >> 4) | (s[j] >> 6) << 4,
+        )
+    }
+}
+
+/// A Q4_K block's bytes, and where its scales and its nibbles start (`d`
+/// and `dmin` first).
+const Q4_K_BYTES: usize = 144;
+const Q4_K_SCALES: usize = 4;
+const Q4_K_QUANTS: usize = 16;
+
 /// A Q6_K block's bytes, and where its sixteen scales and `d` start.
 const Q6_K_BYTES: usize = 210;
 pub(crate) const Q6_K_SCALES: usize = 192;
@@ -199,6 +237,14 @@ fn dequantize_block(row: &[u8], fmt: QuantFormat, b: usize, out: &mut [f32]) {
             for (i, v) in out[..SUPER_BLOCK].iter_mut().enumerate() {
                 let scale = block[Q6_K_SCALES + i / 16] as i8;
                 *v = d * f32::from(scale) * (i32::from(q6_k_value(block, i)) - 32) as f32;
+            }
+        }
+        QuantFormat::Q4_K => {
+            let block = &row[at..at + fmt.block_bytes()];
+            let (d, dmin) = (half(block, 0), half(block, 2));
+            for (i, v) in out[..SUPER_BLOCK].iter_mut().enumerate() {
+                let (scale, min) = q4_k_scale_min(block, i / BLOCK);
+                *v = d * f32::from(scale) * f32::from(q4_k_value(block, i)) - dmin * f32::from(min);
             }
         }
         QuantFormat::Q4_1 => {
@@ -253,7 +299,7 @@ pub fn dequantize_rows(
             &w[r * row_bytes..(r + 1) * row_bytes]
         };
         #[cfg(target_arch = "x86_64")]
-        if vector && fmt != QuantFormat::Q6_K {
+        if vector && fmt.block_values() == BLOCK {
             // SAFETY: the features were detected; `row` holds K / 32 blocks.
             unsafe { crate::quant_matmul_avx2::dequantize_row(row, fmt, dst) };
             return;
@@ -535,8 +581,8 @@ pub unsafe fn columns_portable(
         for i in 0..args.m {
             let mut acc = 0f32;
             for b in 0..blocks {
-                // (block b's bytes in a 32-value format; `q6_k_block` finds
-                // Q6_K's in its super-block)
+                // (block b's bytes in a 32-value format; `q6_k_block` and
+                // `q4_k_block` find theirs in the super-block)
                 let at = b * args.fmt.block_bytes();
                 let xb = i * blocks + b;
                 let xq = &acts.q[xb * BLOCK..(xb + 1) * BLOCK];
@@ -559,6 +605,7 @@ pub unsafe fn columns_portable(
                         acc += half(row, at) * acts.d[xb] * dot as f32;
                     }
                     QuantFormat::Q6_K => acc += q6_k_block(row, b, xq, acts.d[xb]),
+                    QuantFormat::Q4_K => acc += q4_k_block(row, b, xq, acts.d[xb], acts.s[xb]),
                 }
             }
             let bias = args.bias.map_or(0.0, |b| b[col]);
@@ -585,6 +632,22 @@ fn q6_k_block(row: &[u8], b: usize, xq: &[i8], dx: f32) -> f32 {
         acc += dot as f32 * (scale * dx);
     }
     acc
+}
+
+/// The dot product of a Q4_K row's 32-value block `b` (of the whole row)
+/// and one activation block (`xq`, scale `dx`, `sx` = dx * sum(xq)): the
+/// integer sum of q x times d * scale * dx, less dmin * min * sx (the
+/// vector kernels' terms).
+fn q4_k_block(row: &[u8], b: usize, xq: &[i8], dx: f32, sx: f32) -> f32 {
+    let per = SUPER_BLOCK / BLOCK;
+    let block = &row[b / per * Q4_K_BYTES..(b / per + 1) * Q4_K_BYTES];
+    let j = b % per;
+    let dot: i32 = (0..BLOCK)
+        .map(|i| i32::from(q4_k_value(block, BLOCK * j + i)) * i32::from(xq[i]))
+        .sum();
+    let (scale, min) = q4_k_scale_min(block, j);
+    let (d, dmin) = (half(block, 0), half(block, 2));
+    dot as f32 * (d * f32::from(scale) * dx) - dmin * f32::from(min) * sx
 }
 
 #[cfg(test)]

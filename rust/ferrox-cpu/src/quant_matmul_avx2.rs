@@ -152,8 +152,11 @@ pub unsafe fn columns(
     match args.fmt {
         QuantFormat::Q4_1 => columns_of::<true>(args, acts, start, end, out),
         QuantFormat::Q8_0 => columns_of::<false>(args, acts, start, end, out),
-        // (the columns past a Q6_K weight's last panel: few, in portable code)
-        QuantFormat::Q6_K => crate::quant_matmul::columns_portable(args, acts, start, end, out),
+        // (the columns past a K-quant weight's last panel: few, in portable
+        // code)
+        QuantFormat::Q6_K | QuantFormat::Q4_K => {
+            crate::quant_matmul::columns_portable(args, acts, start, end, out)
+        }
     }
 }
 
@@ -161,17 +164,17 @@ pub unsafe fn columns(
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `row` holds `out.len() / 32` blocks;
-/// `fmt` is not Q6_K.
+/// `fmt` has blocks of 32 (not a K-quant's super-blocks).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dequantize_row(row: &[u8], fmt: QuantFormat, out: &mut [f32]) {
-    debug_assert_ne!(fmt, QuantFormat::Q6_K);
+    debug_assert_eq!(fmt.block_values(), BLOCK);
     let block_bytes = fmt.block_bytes();
     for b in 0..out.len() / BLOCK {
         let p = row.as_ptr().add(b * block_bytes);
         let o = out.as_mut_ptr().add(b * BLOCK);
         let (bytes, d, m) = match fmt {
             QuantFormat::Q4_1 => unpack::<true>(p),
-            QuantFormat::Q8_0 | QuantFormat::Q6_K => unpack::<false>(p),
+            QuantFormat::Q8_0 | QuantFormat::Q6_K | QuantFormat::Q4_K => unpack::<false>(p),
         };
         let (dv, mv) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
         let halves = [
@@ -187,7 +190,9 @@ pub unsafe fn dequantize_row(row: &[u8], fmt: QuantFormat, out: &mut [f32]) {
                 };
                 let ints = match fmt {
                     QuantFormat::Q4_1 => _mm256_cvtepu8_epi32(eight),
-                    QuantFormat::Q8_0 | QuantFormat::Q6_K => _mm256_cvtepi8_epi32(eight),
+                    QuantFormat::Q8_0 | QuantFormat::Q6_K | QuantFormat::Q4_K => {
+                        _mm256_cvtepi8_epi32(eight)
+                    }
                 };
                 let values = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), dv, mv);
                 _mm256_storeu_ps(o.add(16 * h + 8 * e), values);

@@ -76,7 +76,7 @@ pub(crate) unsafe fn pack_panel(args: &QuantMatmulArgs<'_>, col: usize, panel: &
     let (quants_at, halves) = match fmt {
         QuantFormat::Q4_1 => (4, 1), // 16 nibble bytes: one transpose a half
         QuantFormat::Q8_0 => (2, 2), // 32 bytes: two
-        QuantFormat::Q6_K => {
+        QuantFormat::Q6_K | QuantFormat::Q4_K => {
             return crate::quant_pack::pack_panel_portable(args.w, fmt, args.k, col, panel);
         }
     };
@@ -319,11 +319,45 @@ unsafe fn store_half<const R: usize>(
     }
 }
 
-/// Rows `i0..i0 + R` of a half panel, in the format `half_rows` (Q4_1 or
-/// Q8_0) or `q6_k_half_rows` reads.
+/// The six-bit scales (or mins) of blocks 0..4 and 4..8 of a half panel's
+/// eight columns, a byte each in each column's lane, from the three groups
+/// of its scale bytes (`quant_matmul::q4_k_scale_min`'s arrangement: `a`
+/// holds bytes 0..4 of each column, `b` bytes 4..8, `c` bytes 8..12):
+/// for the scales a, b, c; for the mins b, c >> 4, ... (`MINS`).
+#[inline(always)]
+unsafe fn q4_k_six_bits<const MINS: bool>(a: __m256i, b: __m256i, c: __m256i) -> [__m256i; 2] {
+    let (six, low, top) = (
+        _mm256_set1_epi8(0x3f),
+        _mm256_set1_epi8(0x0f),
+        _mm256_set1_epi8(0x30),
+    );
+    let (first, nibbles) = if MINS {
+        (b, _mm256_srli_epi16(c, 4))
+    } else {
+        (a, c)
+    };
+    // blocks 4..8: the nibble, with the top two bits of blocks 0..4's byte
+    let high = _mm256_and_si256(_mm256_srli_epi16(first, 2), top);
+    [
+        _mm256_and_si256(first, six),
+        _mm256_or_si256(_mm256_and_si256(nibbles, low), high),
+    ]
+}
+
+/// Byte `j % 4` of each lane of `bytes[j / 4]`, as float32, times `d`.
+#[inline(always)]
+unsafe fn q4_k_lane_scale(bytes: &[__m256i; 2], j: usize, d: __m256) -> __m256 {
+    let shifted = _mm256_srl_epi32(bytes[j / 4], _mm_cvtsi32_si128(8 * (j % 4) as i32));
+    let ints = _mm256_and_si256(shifted, _mm256_set1_epi32(0xff));
+    _mm256_mul_ps(d, _mm256_cvtepi32_ps(ints))
+}
+
+/// Rows `i0..i0 + R` of a Q4_K half panel's eight columns: each 32-value
+/// block's nibbles (the low ones of its 64 values' bytes, or the high) as
+/// one integer sum a row, times d * scale * dx, less dmin * min * sx.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_of<const R: usize, const Q4: bool, const Q6_K: bool>(
+unsafe fn q4_k_half_rows<const R: usize>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -332,15 +366,95 @@ unsafe fn rows_of<const R: usize, const Q4: bool, const Q6_K: bool>(
     i0: usize,
     out: *mut f32,
 ) {
-    if Q6_K {
-        q6_k_half_rows::<R>(args, acts, panel, half, col, i0, out)
-    } else {
-        half_rows::<R, Q4>(args, acts, panel, half, col, i0, out)
+    let (blocks, supers) = (args.k / BLOCK, args.k / SUPER_BLOCK);
+    let (panel_block, heads) = (args.fmt.panel_block_bytes(), args.fmt.panel_scales_at());
+    let ones = _mm256_set1_epi16(1);
+    let mask = _mm256_set1_epi8(0x0f);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for sb in 0..supers {
+        let p = panel.add(sb * panel_block);
+        // (the next super-block's scales, d and dmin: `quant_matmul_vnni`)
+        let next = p.wrapping_add(panel_block);
+        for at in [0, 64, 128, heads] {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(at) as *const i8);
+        }
+        let (a, b, c) = (
+            half_group(p, 0, half),
+            half_group(p, 1, half),
+            half_group(p, 2, half),
+        );
+        let (scales, mins) = (
+            q4_k_six_bits::<false>(a, b, c),
+            q4_k_six_bits::<true>(a, b, c),
+        );
+        let at = p.add(heads + 2 * HALF * half);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(at.add(2 * PANEL) as *const __m128i));
+        for j in 0..8 {
+            let first = i0 * blocks + 8 * sb + j;
+            let mut sums = [_mm256_setzero_si256(); R];
+            let mut rows = [std::ptr::null::<i8>(); R];
+            for (r, row) in rows.iter_mut().enumerate() {
+                *row = acts.q.as_ptr().add((first + r * blocks) * BLOCK);
+            }
+            // 8 groups x 2 x 15 x 127 fits 16 bits
+            for g in 0..8 {
+                let v = half_group(p, 3 + 8 * (j / 2) + g, half);
+                let w = if j % 2 == 0 {
+                    _mm256_and_si256(v, mask)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)
+                };
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    let pairs = _mm256_maddubs_epi16(w, broadcast(rows[r], 4 * g));
+                    *sum = _mm256_add_epi16(*sum, pairs);
+                }
+            }
+            let (scale, min) = (
+                q4_k_lane_scale(&scales, j, d),
+                q4_k_lane_scale(&mins, j, dmin),
+            );
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xb = first + r * blocks;
+                let ints = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+                let dx = _mm256_set1_ps(*acts.d.get_unchecked(xb));
+                *acc = _mm256_fmadd_ps(ints, _mm256_mul_ps(scale, dx), *acc);
+                *acc = _mm256_fnmadd_ps(min, _mm256_set1_ps(*acts.s.get_unchecked(xb)), *acc);
+            }
+        }
+    }
+    store_half(args, &acc, col + HALF * half, i0, out);
+}
+
+/// The panel formats' loops (`rows_of`).
+const Q4_1: u8 = 0;
+const Q8_0: u8 = 1;
+const Q6_K: u8 = 2;
+const Q4_K: u8 = 3;
+
+/// Rows `i0..i0 + R` of a half panel, in the format `FMT` (one of the
+/// constants above).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_of<const R: usize, const FMT: u8>(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    half: usize,
+    col: usize,
+    i0: usize,
+    out: *mut f32,
+) {
+    match FMT {
+        Q6_K => q6_k_half_rows::<R>(args, acts, panel, half, col, i0, out),
+        Q4_K => q4_k_half_rows::<R>(args, acts, panel, half, col, i0, out),
+        Q4_1 => half_rows::<R, true>(args, acts, panel, half, col, i0, out),
+        _ => half_rows::<R, false>(args, acts, panel, half, col, i0, out),
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn panel_of<const Q4: bool, const Q6_K: bool>(
+unsafe fn panel_of<const FMT: u8>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -352,10 +466,10 @@ unsafe fn panel_of<const Q4: bool, const Q6_K: bool>(
         while i < args.m {
             let rows = (args.m - i).min(ROWS);
             match rows {
-                1 => rows_of::<1, Q4, Q6_K>(args, acts, panel, half, col, i, out),
-                2 => rows_of::<2, Q4, Q6_K>(args, acts, panel, half, col, i, out),
-                3 => rows_of::<3, Q4, Q6_K>(args, acts, panel, half, col, i, out),
-                _ => rows_of::<ROWS, Q4, Q6_K>(args, acts, panel, half, col, i, out),
+                1 => rows_of::<1, FMT>(args, acts, panel, half, col, i, out),
+                2 => rows_of::<2, FMT>(args, acts, panel, half, col, i, out),
+                3 => rows_of::<3, FMT>(args, acts, panel, half, col, i, out),
+                _ => rows_of::<ROWS, FMT>(args, acts, panel, half, col, i, out),
             }
             i += rows;
         }
@@ -377,8 +491,9 @@ pub unsafe fn panel(
     out: *mut f32,
 ) {
     match args.fmt {
-        QuantFormat::Q4_1 => panel_of::<true, false>(args, acts, panel, col, out),
-        QuantFormat::Q8_0 => panel_of::<false, false>(args, acts, panel, col, out),
-        QuantFormat::Q6_K => panel_of::<false, true>(args, acts, panel, col, out),
+        QuantFormat::Q4_1 => panel_of::<Q4_1>(args, acts, panel, col, out),
+        QuantFormat::Q8_0 => panel_of::<Q8_0>(args, acts, panel, col, out),
+        QuantFormat::Q6_K => panel_of::<Q6_K>(args, acts, panel, col, out),
+        QuantFormat::Q4_K => panel_of::<Q4_K>(args, acts, panel, col, out),
     }
 }

@@ -41,6 +41,17 @@ fn weight_bytes(fmt: QuantFormat, n: usize, k: usize, seed: &[u16]) -> Vec<u8> {
         }
         return bytes;
     }
+    if fmt == QuantFormat::Q4_K {
+        for _ in 0..n * (k / SUPER_BLOCK) {
+            // d and dmin of either sign, any scales, mins and nibbles
+            for _ in 0..2 {
+                let (e, f, s) = (next(), next(), next());
+                bytes.extend(half_bits(e, f, s % 2 == 0));
+            }
+            bytes.extend((0..140).map(|_| next() as u8));
+        }
+        return bytes;
+    }
     for _ in 0..n * (k / BLOCK) {
         let (e, f) = (next(), next());
         bytes.extend(half_bits(e, f, false));
@@ -54,7 +65,7 @@ fn weight_bytes(fmt: QuantFormat, n: usize, k: usize, seed: &[u16]) -> Vec<u8> {
                 // -127..=127, as llama.cpp writes them
                 bytes.extend((0..BLOCK).map(|_| ((next() % 255) as i16 - 127) as i8 as u8));
             }
-            QuantFormat::Q6_K => unreachable!(),
+            QuantFormat::Q6_K | QuantFormat::Q4_K => unreachable!(),
         }
     }
     bytes
@@ -98,8 +109,9 @@ fn case() -> impl Strategy<Value = (usize, usize, usize, Vec<f32>, Vec<u16>, boo
         })
 }
 
-/// Each format with the case's K and activations, but Q6_K (super-blocks
-/// of 256) with K = 256 or 512 and the activations repeated to fill it.
+/// Each format with the case's K and activations, but the K-quants
+/// (super-blocks of 256) with K = 256 or 512 and the activations repeated
+/// to fill it.
 fn formats(m: usize, k: usize, x: &[f32]) -> Vec<(QuantFormat, usize, Vec<f32>)> {
     let k6 = SUPER_BLOCK * (1 + k / BLOCK % 2);
     let x6 = x
@@ -111,7 +123,8 @@ fn formats(m: usize, k: usize, x: &[f32]) -> Vec<(QuantFormat, usize, Vec<f32>)>
     vec![
         (QuantFormat::Q4_1, k, x.to_vec()),
         (QuantFormat::Q8_0, k, x.to_vec()),
-        (QuantFormat::Q6_K, k6, x6.collect()),
+        (QuantFormat::Q6_K, k6, x6.clone().collect()),
+        (QuantFormat::Q4_K, k6, x6.collect()),
     ]
 }
 
@@ -266,8 +279,8 @@ proptest! {
         kb in 1usize..20, n in 1usize..30, seed in prop::collection::vec(any::<u16>(), 1..64),
         picks in prop::collection::vec(any::<prop::sample::Index>(), 0..40), threads in 1usize..4,
     ) {
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0, QuantFormat::Q6_K] {
-            let kb = if fmt == QuantFormat::Q6_K { 1 + kb % 3 } else { kb };
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0, QuantFormat::Q6_K, QuantFormat::Q4_K] {
+            let kb = if fmt.block_values() == SUPER_BLOCK { 1 + kb % 3 } else { kb };
             let k = kb * fmt.block_values();
             let values = fmt.block_values();
             let w = weight_bytes(fmt, n, k, &seed);

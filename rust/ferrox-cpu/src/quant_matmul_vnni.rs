@@ -21,6 +21,8 @@ use crate::quant_pack::PANEL;
 const ROWS: usize = 8;
 /// The same for Q6_K (three registers each: two halves' sums and the result).
 const Q6_K_ROWS: usize = 4;
+/// The same for Q4_K (three registers each: two blocks' sums and the result).
+const Q4_K_ROWS: usize = 4;
 
 /// Four activation bytes at `q + at`, in every lane.
 #[inline(always)]
@@ -163,6 +165,157 @@ unsafe fn q6_k_rows<const R: usize>(
         }
     }
     store_rows(args, &acc, col, i0, out);
+}
+
+/// The six-bit scales (or mins, `MINS`) of blocks 0..4 and 4..8 of a
+/// Q4_K panel's sixteen columns, a byte each in each column's lane, from
+/// the three groups of its scale bytes (`a` bytes 0..4 of each column, `b`
+/// 4..8, `c` 8..12; `quant_matmul::q4_k_scale_min`).
+#[inline(always)]
+unsafe fn q4_k_six_bits<const MINS: bool>(a: __m512i, b: __m512i, c: __m512i) -> [__m512i; 2] {
+    let (six, low, top) = (
+        _mm512_set1_epi8(0x3f),
+        _mm512_set1_epi8(0x0f),
+        _mm512_set1_epi8(0x30),
+    );
+    let (first, nibbles) = if MINS {
+        (b, _mm512_srli_epi16::<4>(c))
+    } else {
+        (a, c)
+    };
+    // blocks 4..8: the nibble, with the top two bits of blocks 0..4's byte
+    let high = _mm512_and_si512(_mm512_srli_epi16::<2>(first), top);
+    [
+        _mm512_and_si512(first, six),
+        _mm512_or_si512(_mm512_and_si512(nibbles, low), high),
+    ]
+}
+
+/// The 64-byte group `g` of a panel block. (A helper function, not a
+/// closure: see `byte_scales`.)
+#[inline(always)]
+unsafe fn load_group(p: *const u8, g: usize) -> __m512i {
+    _mm512_loadu_si512(p.add(g * 4 * PANEL) as *const __m512i)
+}
+
+/// Byte `j % 4` of each lane of `bytes[j / 4]`, as float32, times `d`.
+#[inline(always)]
+unsafe fn q4_k_lane_scale(bytes: &[__m512i; 2], j: usize, d: __m512) -> __m512 {
+    let shifted = _mm512_srl_epi32(bytes[j / 4], _mm_cvtsi32_si128(8 * (j % 4) as i32));
+    let ints = _mm512_and_si512(shifted, _mm512_set1_epi32(0xff));
+    _mm512_mul_ps(d, _mm512_cvtepi32_ps(ints))
+}
+
+/// Blocks `2C` and `2C + 1` of a Q4_K panel's super-block at `p` (the low
+/// and the high nibbles of the same 64 values' bytes) for rows `first..`,
+/// `stride` blocks apart: each block's integer sum a row, times
+/// d * scale * dx, less dmin * min * sx, onto `acc`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q4_k_pair<const R: usize, const C: usize>(
+    acts: &QuantizedActivations,
+    p: *const u8,
+    scales: &[[__m512; 2]; 8], // each block's d * scale and dmin * min
+    first: usize,              // block 2C's index among row i0's activation blocks
+    stride: usize,
+    acc: &mut [__m512; R],
+) {
+    let mask = _mm512_set1_epi8(0x0f);
+    let mut sums = [[_mm512_setzero_si512(); R]; 2];
+    // each row's activation bytes of block 2C (then 2C + 1 at BLOCK past)
+    let mut rows = [std::ptr::null::<i8>(); R];
+    for (r, row) in rows.iter_mut().enumerate() {
+        *row = acts.q.as_ptr().add((first + r * stride) * BLOCK);
+    }
+    for g in 0..8 {
+        let v = load_group(p, 3 + 8 * C + g);
+        let nibbles = [
+            _mm512_and_si512(v, mask),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask),
+        ];
+        for (h, sums) in sums.iter_mut().enumerate() {
+            for (r, sum) in sums.iter_mut().enumerate() {
+                let at = BLOCK * h + 4 * g;
+                *sum = _mm512_dpbusd_epi32(*sum, nibbles[h], broadcast(rows[r], at));
+            }
+        }
+    }
+    for (h, sums) in sums.iter().enumerate() {
+        let [scale, min] = scales[2 * C + h];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let xb = first + h + r * stride;
+            let dx = _mm512_set1_ps(*acts.d.get_unchecked(xb));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(scale, dx), *acc);
+            *acc = _mm512_fnmadd_ps(min, _mm512_set1_ps(*acts.s.get_unchecked(xb)), *acc);
+        }
+    }
+}
+
+/// Rows `i0..i0 + R` of a Q4_K panel's sixteen columns.
+#[inline(always)]
+unsafe fn q4_k_rows<const R: usize>(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    i0: usize,
+    out: *mut f32,
+) {
+    let (blocks, supers) = (args.k / BLOCK, args.k / SUPER_BLOCK);
+    let (panel_block, heads) = (args.fmt.panel_block_bytes(), args.fmt.panel_scales_at());
+    let mut acc = [_mm512_setzero_ps(); R];
+    for sb in 0..supers {
+        let p = panel.add(sb * panel_block);
+        // The next super-block's scales and its d and dmin, at both ends of
+        // it, which its first blocks wait for.
+        let next = p.wrapping_add(panel_block);
+        for at in [0, 64, 128, heads] {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(at) as *const i8);
+        }
+        let (a, b, c) = (load_group(p, 0), load_group(p, 1), load_group(p, 2));
+        let (scales, mins) = (
+            q4_k_six_bits::<false>(a, b, c),
+            q4_k_six_bits::<true>(a, b, c),
+        );
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(heads) as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(
+            p.add(heads + 2 * PANEL) as *const __m256i
+        ));
+        let mut each = [[_mm512_setzero_ps(); 2]; 8];
+        for (j, each) in each.iter_mut().enumerate() {
+            *each = [
+                q4_k_lane_scale(&scales, j, d),
+                q4_k_lane_scale(&mins, j, dmin),
+            ];
+        }
+        let first = i0 * blocks + 8 * sb;
+        q4_k_pair::<R, 0>(acts, p, &each, first, blocks, &mut acc);
+        q4_k_pair::<R, 1>(acts, p, &each, first + 2, blocks, &mut acc);
+        q4_k_pair::<R, 2>(acts, p, &each, first + 4, blocks, &mut acc);
+        q4_k_pair::<R, 3>(acts, p, &each, first + 6, blocks, &mut acc);
+    }
+    store_rows(args, &acc, col, i0, out);
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+unsafe fn q4_k_panel(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    out: *mut f32,
+) {
+    let mut i = 0;
+    while i < args.m {
+        let rows = (args.m - i).min(Q4_K_ROWS);
+        match rows {
+            1 => q4_k_rows::<1>(args, acts, panel, col, i, out),
+            2 => q4_k_rows::<2>(args, acts, panel, col, i, out),
+            3 => q4_k_rows::<3>(args, acts, panel, col, i, out),
+            _ => q4_k_rows::<Q4_K_ROWS>(args, acts, panel, col, i, out),
+        }
+        i += rows;
+    }
 }
 
 /// `acc` (rows `i0..`, columns `col..col + 16`) plus the bias into `out`.
@@ -343,6 +496,7 @@ pub unsafe fn panel(
         QuantFormat::Q4_1 => panel_of::<true>(args, acts, panel, col, out),
         QuantFormat::Q8_0 => panel_of::<false>(args, acts, panel, col, out),
         QuantFormat::Q6_K => q6_k_panel(args, acts, panel, col, out),
+        QuantFormat::Q4_K => q4_k_panel(args, acts, panel, col, out),
     }
 }
 

@@ -23,6 +23,10 @@
 //!         16 x 16 bytes  scale i of each column (signed bytes)
 //!         32 bytes       the sixteen `d` (float16)
 //!         (column c's four bytes at 4c within each 64-byte group)
+//!   q4_k  (blocks of 256 weights: [N/16 panels, K/256, 16])
+//!         3 x 64 bytes   the twelve bytes of 6-bit scales and mins
+//!         32 x 64 bytes  groups of four of each column's 128 nibble bytes
+//!         32 + 32 bytes  the sixteen `d`, then the sixteen `dmin` (float16)
 //! then the last N % 16 columns in the rows layout.
 //! ```
 //!
@@ -78,6 +82,16 @@ impl QuantFormat {
                 bytes: 0,
                 heads_at: 0,
                 heads: 1,
+            },
+            // (the scale bytes and the nibbles follow d and dmin: one run
+            // of 35 groups)
+            QuantFormat::Q4_K => Pieces {
+                quants_at: 4,
+                groups: 35,
+                bytes_at: 0,
+                bytes: 0,
+                heads_at: 0,
+                heads: 2,
             },
             QuantFormat::Q6_K => Pieces {
                 quants_at: 0,
@@ -288,7 +302,12 @@ mod tests {
 
     #[test]
     fn packing_is_a_permutation_and_unpacks_back() {
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0, QuantFormat::Q6_K] {
+        for fmt in [
+            QuantFormat::Q4_1,
+            QuantFormat::Q8_0,
+            QuantFormat::Q6_K,
+            QuantFormat::Q4_K,
+        ] {
             for (n, blocks) in [(1, 1), (16, 1), (17, 2), (40, 3), (48, 1)] {
                 let k = blocks * fmt.block_values();
                 let rows = bytes(n * fmt.row_bytes(k), (n * k) as u32);

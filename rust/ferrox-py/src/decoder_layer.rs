@@ -22,7 +22,7 @@ pub(crate) type LinearArrays<'py> = (
 );
 /// A per-head norm pair: the query heads' and the key heads' weights.
 type HeadNorms<T> = (T, T);
-/// (weight bytes, bias, format: "q4_1" / "q8_0" / "q6_k" / "f32", packed: block
+/// (weight bytes, bias, format: "q4_1" / "q8_0" / "q6_k" / "q4_k" / "f32", packed: block
 /// weights in the kernels' panels)
 pub(crate) type LinearSpec<'py> = (
     Bound<'py, PyArray2<u8>>,
@@ -180,7 +180,7 @@ pub struct CpuDecoderLayer {
 #[pymethods]
 impl CpuDecoderLayer {
     /// Each linear layer is (weight uint8 [N, row bytes], bias or None,
-    /// format): format "q8_0" / "q4_1" for blocks, "f32" for a float32
+    /// format): format "q8_0" / "q4_1" / "q6_k" / "q4_k" for blocks, "f32" for a float32
     /// [N, K] weight viewed as uint8 [N, 4 K]. `head_norms`: the q and k
     /// norms' weights ([head_dim] each), or None; `gate_up` and `down` both
     /// None: no dense MLP. `window`: the layer's sliding window (its steps

@@ -280,8 +280,9 @@ pub(crate) fn quant_format(name: &str) -> PyResult<QuantFormat> {
         "q4_1" => Ok(QuantFormat::Q4_1),
         "q8_0" => Ok(QuantFormat::Q8_0),
         "q6_k" => Ok(QuantFormat::Q6_K),
+        "q4_k" => Ok(QuantFormat::Q4_K),
         other => Err(invalid_argument(format!(
-            "unknown block format {other:?}; expected 'q4_1', 'q8_0' or 'q6_k'"
+            "unknown block format {other:?}; expected 'q4_1', 'q8_0', 'q6_k' or 'q4_k'"
         ))),
     }
 }

@@ -35,7 +35,7 @@ impl CpuMoeExperts {
     /// `router`: float32 [experts, hidden], picking `top_k` experts a
     /// token (their weights rescaled to sum to one with `renormalize`);
     /// `gate_up[e]` and `down[e]`: expert e's block-format weights (uint8),
-    /// in `gate_up_fmt` and `down_fmt` ("q8_0" / "q4_1" / "q6_k"), all in the
+    /// in `gate_up_fmt` and `down_fmt` ("q8_0" / "q4_1" / "q6_k" / "q4_k"), all in the
     /// kernels' panels with `packed`. gpt-oss:
     /// `router_bias` [experts], `expert_biases` (gate/up [E, 2 I], down [E,
     /// hidden]), `clamped_swiglu` (alpha, limit) for the experts' gate.
