@@ -21,8 +21,8 @@ use crate::quant_pack::PANEL;
 const ROWS: usize = 8;
 /// The same for Q6_K (three registers each: two halves' sums and the result).
 const Q6_K_ROWS: usize = 4;
-/// The same for Q4_K (three registers each: two blocks' sums and the result).
-const Q4_K_ROWS: usize = 4;
+/// The same for Q4_K (two registers each: a block's sums and the result).
+const Q4_K_ROWS: usize = 8;
 
 /// Four activation bytes at `q + at`, in every lane.
 #[inline(always)]
@@ -221,26 +221,27 @@ unsafe fn q4_k_pair<const R: usize, const C: usize>(
     acc: &mut [__m512; R],
 ) {
     let mask = _mm512_set1_epi8(0x0f);
-    let mut sums = [[_mm512_setzero_si512(); R]; 2];
     // each row's activation bytes of block 2C (then 2C + 1 at BLOCK past)
     let mut rows = [std::ptr::null::<i8>(); R];
     for (r, row) in rows.iter_mut().enumerate() {
         *row = acts.q.as_ptr().add((first + r * stride) * BLOCK);
     }
-    for g in 0..8 {
-        let v = load_group(p, 3 + 8 * C + g);
-        let nibbles = [
-            _mm512_and_si512(v, mask),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask),
-        ];
-        for (h, sums) in sums.iter_mut().enumerate() {
+    // (one block at a time: both blocks' sums at once hold more vectors
+    // than the registers have room for at four rows)
+    for h in 0..2 {
+        let mut sums = [_mm512_setzero_si512(); R];
+        for g in 0..8 {
+            let v = load_group(p, 3 + 8 * C + g);
+            let nibbles = if h == 0 {
+                _mm512_and_si512(v, mask)
+            } else {
+                _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask)
+            };
             for (r, sum) in sums.iter_mut().enumerate() {
                 let at = BLOCK * h + 4 * g;
-                *sum = _mm512_dpbusd_epi32(*sum, nibbles[h], broadcast(rows[r], at));
+                *sum = _mm512_dpbusd_epi32(*sum, nibbles, broadcast(rows[r], at));
             }
         }
-    }
-    for (h, sums) in sums.iter().enumerate() {
         let [scale, min] = scales[2 * C + h];
         for (r, acc) in acc.iter_mut().enumerate() {
             let xb = first + h + r * stride;
@@ -312,6 +313,10 @@ unsafe fn q4_k_panel(
             1 => q4_k_rows::<1>(args, acts, panel, col, i, out),
             2 => q4_k_rows::<2>(args, acts, panel, col, i, out),
             3 => q4_k_rows::<3>(args, acts, panel, col, i, out),
+            4 => q4_k_rows::<4>(args, acts, panel, col, i, out),
+            5 => q4_k_rows::<5>(args, acts, panel, col, i, out),
+            6 => q4_k_rows::<6>(args, acts, panel, col, i, out),
+            7 => q4_k_rows::<7>(args, acts, panel, col, i, out),
             _ => q4_k_rows::<Q4_K_ROWS>(args, acts, panel, col, i, out),
         }
         i += rows;
