@@ -17,12 +17,11 @@ use crate::quant_matmul::quantize_activations_impl;
 use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK, SUPER_BLOCK};
 use crate::quant_pack::PANEL;
 
-/// Activation rows per pass over a panel (two registers each).
+/// Activation rows per pass over a panel (two registers each: a block's
+/// sums and the result).
 const ROWS: usize = 8;
 /// The same for Q6_K (three registers each: two halves' sums and the result).
 const Q6_K_ROWS: usize = 4;
-/// The same for Q4_K (two registers each: a block's sums and the result).
-const Q4_K_ROWS: usize = 8;
 
 /// Four activation bytes at `q + at`, in every lane.
 #[inline(always)]
@@ -298,31 +297,6 @@ unsafe fn q4_k_rows<const R: usize>(
     store_rows(args, &acc, col, i0, out);
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn q4_k_panel(
-    args: &QuantMatmulArgs<'_>,
-    acts: &QuantizedActivations,
-    panel: *const u8,
-    col: usize,
-    out: *mut f32,
-) {
-    let mut i = 0;
-    while i < args.m {
-        let rows = (args.m - i).min(Q4_K_ROWS);
-        match rows {
-            1 => q4_k_rows::<1>(args, acts, panel, col, i, out),
-            2 => q4_k_rows::<2>(args, acts, panel, col, i, out),
-            3 => q4_k_rows::<3>(args, acts, panel, col, i, out),
-            4 => q4_k_rows::<4>(args, acts, panel, col, i, out),
-            5 => q4_k_rows::<5>(args, acts, panel, col, i, out),
-            6 => q4_k_rows::<6>(args, acts, panel, col, i, out),
-            7 => q4_k_rows::<7>(args, acts, panel, col, i, out),
-            _ => q4_k_rows::<Q4_K_ROWS>(args, acts, panel, col, i, out),
-        }
-        i += rows;
-    }
-}
-
 /// `acc` (rows `i0..`, columns `col..col + 16`) plus the bias into `out`.
 #[inline(always)]
 unsafe fn store_rows<const R: usize>(
@@ -458,8 +432,31 @@ unsafe fn q6_k_panel(
     }
 }
 
+/// The formats' loops over a pass of rows (`rows_of`).
+const Q4_1: u8 = 0;
+const Q8_0: u8 = 1;
+const Q4_K: u8 = 2;
+
+/// Rows `i0..i0 + R` of a panel in the format `FMT` (one of the constants
+/// above).
+#[inline(always)]
+unsafe fn rows_of<const R: usize, const FMT: u8>(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    i0: usize,
+    out: *mut f32,
+) {
+    match FMT {
+        Q4_K => q4_k_rows::<R>(args, acts, panel, col, i0, out),
+        Q4_1 => panel_rows::<R, true>(args, acts, panel, col, i0, out),
+        _ => panel_rows::<R, false>(args, acts, panel, col, i0, out),
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn panel_of<const Q4: bool>(
+unsafe fn panel_of<const FMT: u8>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -470,14 +467,14 @@ unsafe fn panel_of<const Q4: bool>(
     while i < args.m {
         let rows = (args.m - i).min(ROWS);
         match rows {
-            1 => panel_rows::<1, Q4>(args, acts, panel, col, i, out),
-            2 => panel_rows::<2, Q4>(args, acts, panel, col, i, out),
-            3 => panel_rows::<3, Q4>(args, acts, panel, col, i, out),
-            4 => panel_rows::<4, Q4>(args, acts, panel, col, i, out),
-            5 => panel_rows::<5, Q4>(args, acts, panel, col, i, out),
-            6 => panel_rows::<6, Q4>(args, acts, panel, col, i, out),
-            7 => panel_rows::<7, Q4>(args, acts, panel, col, i, out),
-            _ => panel_rows::<ROWS, Q4>(args, acts, panel, col, i, out),
+            1 => rows_of::<1, FMT>(args, acts, panel, col, i, out),
+            2 => rows_of::<2, FMT>(args, acts, panel, col, i, out),
+            3 => rows_of::<3, FMT>(args, acts, panel, col, i, out),
+            4 => rows_of::<4, FMT>(args, acts, panel, col, i, out),
+            5 => rows_of::<5, FMT>(args, acts, panel, col, i, out),
+            6 => rows_of::<6, FMT>(args, acts, panel, col, i, out),
+            7 => rows_of::<7, FMT>(args, acts, panel, col, i, out),
+            _ => rows_of::<ROWS, FMT>(args, acts, panel, col, i, out),
         }
         i += rows;
     }
@@ -498,10 +495,10 @@ pub unsafe fn panel(
     out: *mut f32,
 ) {
     match args.fmt {
-        QuantFormat::Q4_1 => panel_of::<true>(args, acts, panel, col, out),
-        QuantFormat::Q8_0 => panel_of::<false>(args, acts, panel, col, out),
+        QuantFormat::Q4_1 => panel_of::<Q4_1>(args, acts, panel, col, out),
+        QuantFormat::Q8_0 => panel_of::<Q8_0>(args, acts, panel, col, out),
         QuantFormat::Q6_K => q6_k_panel(args, acts, panel, col, out),
-        QuantFormat::Q4_K => q4_k_panel(args, acts, panel, col, out),
+        QuantFormat::Q4_K => panel_of::<Q4_K>(args, acts, panel, col, out),
     }
 }
 
