@@ -13,8 +13,9 @@ with four scalars of its own (transformers' names):
 GGUF (llama.cpp's `granite`): Llama's tensors, names and Q/K row order, the
 four scalars as `granite.embedding_scale`, `granite.attention.scale`,
 `granite.residual_scale` and `granite.logit_scale`. Where `attn_output` or
-`ffn_down` stay in blocks (Q8_0, Q4_0, Q4_1, Q4_K as Q4_1 blocks), the
-residual scale goes into each block's float16 scale and offset
+`ffn_down` stay in blocks (Q8_0, Q4_0, Q4_1, Q4_K as Q4_1 blocks or, with
+`quantization="gguf"`, Q4_K and Q6_K as stored), the residual scale goes
+into each block's float16 factors (scale and offset, Q4_K's d and dmin)
 (`quant_linear.scale_blocks`: the codes as stored, each scale within 2^-11
 of the exact product, where llama.cpp scales the branch's output instead);
 formats that load dequantized take it in float. GraniteMoE and Granite 4's
