@@ -64,7 +64,7 @@ KERNEL_FORMATS = ("q4_1", "q8_0")
 # weight to unpack: a 1024 x 49152 LM head on AVX-512 VNNI 1.27x Q8_0's
 # speed at one row, 0.66-0.86x at 4 to 64; AVX2: 0.74x at one row. Q4_K
 # (else given Q4_1, its scales rounded to float16) reads 0.9x Q4_1's bytes:
-# on AVX-512 VNNI 1.03-1.13x Q4_1's speed at one row, 0.77-0.95x at 4 to 64;
+# on AVX-512 VNNI 1.07-1.14x Q4_1's speed at one row, 0.79-1.10x at 4 to 64;
 # AVX2 0.76-0.96x at every row count. The portable loop runs them far
 # slower still.
 STORED_FORMATS = () if quant_matmul_kernel_cpu() == "pairs" else ("q6_k", "q4_k")
