@@ -85,8 +85,9 @@ def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray:
     d * scale_j * q - dmin * min_j with 6-bit scale_j and min_j) as eight
     Q4_1 blocks each (d' q + m'): the same 4-bit q, d' = d * scale_j and
     m' = -dmin * min_j rounded to float16 (a relative 2^-11 at most: the only
-    change), for the kernels that do not run Q4_K (a GPU's, the portable
-    loop). [blocks x 144] -> [blocks x 8 x 20]."""
+    change), where Q4_K is not kept as stored (by default, and for the
+    kernels that do not run it: a GPU's, the portable loop).
+    [blocks x 144] -> [blocks x 8 x 20]."""
     blocks = raw.reshape(-1, Q4_K_BYTES)
     d = blocks[:, 0:2].view(np.float16).astype(np.float32)  # [N, 1]
     dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
