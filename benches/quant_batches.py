@@ -8,19 +8,28 @@ AVX-512 would), every version and cap in its own process, interleaved:
   single    one 256-token prompt (`--prompt-len`), 128 greedy tokens: tok/s
             over the whole request, and of its decode alone (first to last
             token, from the request's metrics)
+  shared    16 requests with a common 700-token system prompt (already in
+            the prefix cache) and 60 tokens of their own, 128 greedy tokens
+            each, one `LLM.generate`: output tok/s (the chat archetype's many
+            streams over long contexts, where decode attention weighs most)
 
-Also checks batch invariance: the first offline request's tokens, run
-alone, must equal its tokens in the batch.
+Also reports whether the first offline request's tokens, run alone, equal
+its tokens in the batch (by default they need not: a request's logprobs
+move a little with its batch, which can flip a near tie; with
+`batch_invariant=True` they are the same bits: docs/performance.md, "Batch
+invariance").
 
     python benches/quant_batches.py [--baseline REF] [--isa native,avx2] [--repeats 3] [--json FILE]
     python benches/quant_batches.py --model FILE --workloads single  # another GGUF, one stream
     python benches/quant_batches.py --model FILE --quantization gguf  # and the blocks as stored
+    python benches/quant_batches.py --block-size 32 --workloads shared  # and 32-token KV blocks
 
 `--model` takes a GGUF with the bundled model's vocabulary (the files
 `benches/make_bench_gguf.py` writes); `--workloads single` skips the
 offline batch and the invariance check. `--quantization Q` runs the current
 code a second time with `LLM(quantization=Q)` (for a GGUF, "gguf" keeps
-its K-quant blocks as stored), interleaved with the others.
+its K-quant blocks as stored), interleaved with the others;
+`--block-size N` likewise with `LLM(block_size=N)`.
 """
 
 from __future__ import annotations
@@ -33,16 +42,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from baseline import ROOT, build_baseline, remove_baseline, run_child  # isort: skip
 from machine import spread, write_record  # isort: skip
 
 NUM_REQUESTS = 64
 OUTPUT_LEN = 128
+SHARED_REQUESTS, SYSTEM_LEN, QUESTION_LEN = 16, 700, 60
+WORKLOADS = ("offline", "single", "shared")
 
 
 def measure(
-    model: str | None, workloads: list[str], prompt_len: int, quantization: str | None
+    model: str | None,
+    workloads: list[str],
+    prompt_len: int,
+    quantization: str | None,
+    block_size: int | None,
 ) -> dict[str, object]:
     import numpy as np
 
@@ -55,9 +71,11 @@ def measure(
         rng.integers(100, 49000, size=int(rng.integers(64, 257))).tolist()
         for _ in range(NUM_REQUESTS)
     ]
-    options: dict[str, str] = {"model": model} if model else {}
+    options: dict[str, Any] = {"model": model} if model else {}
     if quantization:
         options["quantization"] = quantization
+    if block_size:
+        options["block_size"] = block_size
     llm = LLM(max_num_seqs=NUM_REQUESTS, **options)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -84,6 +102,18 @@ def measure(
         assert m is not None and m.first_token_time and m.last_token_time
         decode_s = m.last_token_time - m.first_token_time
         result["single_decode_tok_s"] = (OUTPUT_LEN - 1) / decode_s
+    if "shared" in workloads:
+        llm.reset_prefix_cache()
+        system = rng.integers(100, 49000, size=SYSTEM_LEN).tolist()
+        llm.generate([system], SamplingParams(max_tokens=1), use_tqdm=False)
+        questions = [
+            system + rng.integers(100, 49000, size=QUESTION_LEN).tolist()
+            for _ in range(SHARED_REQUESTS)
+        ]
+        start = time.perf_counter()
+        outs = llm.generate(questions, params, use_tqdm=False)
+        shared_s = time.perf_counter() - start
+        result["shared_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / shared_s
     return result
 
 
@@ -107,42 +137,50 @@ def main() -> int:
     parser.add_argument("--workloads", default="offline,single")
     parser.add_argument("--prompt-len", type=int, default=256, help="the single stream's prompt")
     parser.add_argument("--quantization", default=None, help="also run the current code so")
+    parser.add_argument("--block-size", type=int, default=None, help="also run it so")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-quantization", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-block-size", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     workloads = args.workloads.split(",")
-    if not workloads or not set(workloads) <= {"offline", "single"}:
-        parser.error("--workloads: a comma-separated list of offline and single")
+    if not workloads or not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--workloads: a comma-separated list of {', '.join(WORKLOADS)}")
     if args.child:
-        print(json.dumps(measure(args.model, workloads, args.prompt_len, args.child_quantization)))
+        result = measure(
+            args.model, workloads, args.prompt_len, args.child_quantization, args.child_block_size
+        )
+        print(json.dumps(result))
         return 0
     child_args = ["--workloads", args.workloads, "--prompt-len", str(args.prompt_len)]
     if args.model:
         child_args += ["--model", str(Path(args.model).expanduser().resolve())]
     work = Path(tempfile.mkdtemp(prefix="ferrox-quant-batches-"))
     try:
-        # name: (the package's path, quantization)
-        versions: dict[str, tuple[Path, str | None]] = {"current": (ROOT / "python", None)}
+        # name: (the package's path, the child's extra arguments)
+        versions: dict[str, tuple[Path, list[str]]] = {"current": (ROOT / "python", [])}
         if args.baseline:
             built = build_baseline(args.baseline, work / "baseline")
-            versions = {"baseline": (built, None), **versions}
+            versions = {"baseline": (built, []), **versions}
         if args.quantization:
-            versions[args.quantization] = (ROOT / "python", args.quantization)
+            quantized = ["--child-quantization", args.quantization]
+            versions[args.quantization] = (ROOT / "python", quantized)
+        blocks = f"block-size-{args.block_size}"
+        if args.block_size:
+            versions[blocks] = (ROOT / "python", ["--child-block-size", str(args.block_size)])
         caps = args.isa.split(",")
         runs: dict[str, dict[str, list[dict[str, object]]]] = {
             cap: {name: [] for name in versions} for cap in caps
         }
         for r in range(args.repeats):
             for cap in caps:
-                for name, (path, quantization) in versions.items():
-                    extra = ["--child-quantization", quantization] if quantization else []
+                for name, (path, extra) in versions.items():
                     result = measure_in_child(path, cap, [*child_args, *extra])
                     runs[cap][name].append(result)
                     print(f"run {r + 1} {cap:>6} {name:>8}: {result}", flush=True)
-        keys = [f"{w}_tok_s" for w in ("offline", "single") if w in workloads]
+        keys = [f"{w}_tok_s" for w in WORKLOADS if w in workloads]
         keys += ["single_decode_tok_s"] if "single" in workloads else []
         header = "".join(f"{k.replace('_tok_s', ' tok/s'):>24}" for k in keys)
-        print(f"\n{'cap':>6} {'version':>8}{header} invariant")
+        print(f"\n{'cap':>6} {'version':>13}{header} invariant")
         for cap in caps:
             for name, results in runs[cap].items():
                 cells = "".join(
@@ -150,9 +188,10 @@ def main() -> int:
                     for k in keys
                 )
                 same = all(x.get("alone_equals_batch", True) for x in results)
-                print(f"{cap:>6} {name:>8}{cells} {same if 'offline' in workloads else '-'}")
+                print(f"{cap:>6} {name:>13}{cells} {same if 'offline' in workloads else '-'}")
             compared = [("current", "baseline")] if args.baseline else []
             compared += [(args.quantization, "current")] if args.quantization else []
+            compared += [("current", blocks)] if args.block_size else []
             for top, bottom in compared:
                 for key in keys:
                     pairs = zip(runs[cap][top], runs[cap][bottom], strict=True)
@@ -160,7 +199,11 @@ def main() -> int:
                     print(f"{cap:>6} {top}/{bottom} {key}: {spread(ratios, 'x', 2)}")
         if args.json:
             write_record(
-                args.json, baseline=args.baseline, quantization=args.quantization, runs=runs
+                args.json,
+                baseline=args.baseline,
+                quantization=args.quantization,
+                block_size=args.block_size,
+                runs=runs,
             )
     finally:
         if args.baseline:
