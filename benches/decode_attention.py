@@ -29,17 +29,6 @@ from machine import cpu_description, spread, write_record
 BLOCK = 16
 
 
-def caches(
-    rng: np.random.Generator, layers: int, blocks: int, kv_heads: int, head_dim: int
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Float16 K/V pools (as int16 views, what the kernel takes) per layer."""
-    shape = (blocks, BLOCK, kv_heads, head_dim)
-    return [
-        tuple(rng.standard_normal(shape).astype(np.float16).view(np.int16) for _ in "kv")  # type: ignore[misc]
-        for _ in range(layers)
-    ]
-
-
 def tables(rows: int, prefix: int, own: int, shared: bool) -> np.ndarray:
     """Block tables: `prefix` blocks shared by every row (or each row's own
     copy), then `own` blocks of each row's."""
@@ -57,32 +46,44 @@ def tables(rows: int, prefix: int, own: int, shared: bool) -> np.ndarray:
     return table
 
 
-def step_times(args: argparse.Namespace, shared: bool, threads: int) -> tuple[float, float]:
-    """(median seconds of one step, multiply-adds of one step)."""
-    rng = np.random.default_rng(0)
-    prefix, own = args.prefix // BLOCK, -(-args.own // BLOCK)
-    table = tables(args.rows, prefix, own, shared)
-    pools = caches(rng, args.layers, int(table.max()) + 1, args.kv_heads, args.head_dim)
-    context = args.prefix + args.own
-    q = rng.standard_normal((args.rows, args.heads, args.head_dim)).astype(np.float32)
-    out = np.empty_like(q)
-    starts = np.arange(args.rows + 1, dtype=np.int32)
-    seq_lens = np.full(args.rows, context, np.int32)
-    rows = np.arange(args.rows, dtype=np.int32)
-    scale = args.head_dim**-0.5
+class Step:
+    """One step's decode rows and every layer's float16 K/V pool (int16
+    views, what the kernel takes), made once per layout."""
 
-    def one_step() -> None:
-        for k, v in pools:
-            paged_attention_cpu(out, q, k, v, table, starts, seq_lens, rows, scale, threads)
+    def __init__(self, args: argparse.Namespace, shared: bool) -> None:
+        rng = np.random.default_rng(0)
+        self.table = tables(args.rows, args.prefix // BLOCK, -(-args.own // BLOCK), shared)
+        shape = (int(self.table.max()) + 1, BLOCK, args.kv_heads, args.head_dim)
 
-    one_step()  # warm up
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        one_step()
-        times.append(time.perf_counter() - start)
-    macs = 2 * args.rows * args.heads * args.head_dim * context * args.layers
-    return statistics.median(times), macs
+        def pool() -> np.ndarray:
+            return rng.standard_normal(shape).astype(np.float16).view(np.int16)
+
+        self.pools = [(pool(), pool()) for _ in range(args.layers)]
+        context = args.prefix + args.own
+        self.q = rng.standard_normal((args.rows, args.heads, args.head_dim)).astype(np.float32)
+        self.out = np.empty_like(self.q)
+        self.starts = np.arange(args.rows + 1, dtype=np.int32)
+        self.seq_lens = np.full(args.rows, context, np.int32)
+        self.rows = np.arange(args.rows, dtype=np.int32)
+        self.scale = args.head_dim**-0.5
+        self.macs = 2 * args.rows * args.heads * args.head_dim * context * args.layers
+
+    def run(self, threads: int) -> None:
+        for k, v in self.pools:
+            paged_attention_cpu(
+                self.out, self.q, k, v, self.table, self.starts, self.seq_lens, self.rows,
+                self.scale, threads,
+            )  # fmt: skip
+
+    def seconds(self, threads: int, repeats: int) -> float:
+        """The median time of one step (after one to warm up)."""
+        self.run(threads)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.run(threads)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
 
 def main() -> int:
@@ -107,14 +108,15 @@ def main() -> int:
         f"{args.head_dim}, float16 cache, {args.prefix} prefix + {args.own} own tokens, "
         f"{args.layers} layers; one step, median of {args.repeats}, over {args.rounds} rounds"
     )
+    steps = {layout: Step(args, layout == "shared") for layout in ("shared", "own")}
     results: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         for threads in (int(t) for t in args.threads.split(",")):
-            for layout in ("shared", "own"):
-                seconds, macs = step_times(args, layout == "shared", threads)
+            for layout, step in steps.items():
+                seconds = step.seconds(threads, args.repeats)
                 cell = results.setdefault(f"{layout}, {threads} threads", {"ms": [], "gmacs": []})
                 cell["ms"].append(seconds * 1e3)
-                cell["gmacs"].append(macs / seconds / 1e9)
+                cell["gmacs"].append(step.macs / seconds / 1e9)
     for name, cell in results.items():
         print(f"{name:>20}: {spread(cell['ms'], ' ms', 2)}, {spread(cell['gmacs'], ' GMAC/s')}")
     for threads in (int(t) for t in args.threads.split(",")):
