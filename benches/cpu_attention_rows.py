@@ -10,7 +10,8 @@ through `CpuAttentionBackend.forward` with every row sent to the paged kernel
 and then to the matrix-multiply path. Prints the time of one call (median of
 `--repeats`) and matmul / paged for each (q, ctx): where the ratio falls below
 1 the matrix-multiply path wins; `SHORT_QUERY_LEN_AFTER_CONTEXT` in
-`layers/attention/cpu_backend.py` sits below that point.
+`layers/attention/cpu_backend.py` sits below that point (no limit since the
+paged kernel's tile loops: it won at every cell measured).
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ last call).
     python benches/decode_attention.py                 # SmolLM2's heads, 30 layers
     FERROX_CPU_ISA=avx2 python benches/decode_attention.py --threads 1,2
 
-Per layout and thread count: the median time of one step (every layer's
-call, `--repeats` steps), its multiply-adds per second (scores and values:
-2 x heads x head size x context per row and layer), and how much faster
-the shared layout runs than the own one (the shared blocks are read, and a
-float16 block widened, once for up to eight rows: `QUERY_TILE`).
+Per layout, set of loops and thread count: the median time of one step
+(every layer's call, `--repeats` steps), its multiply-adds per second
+(scores and values: 2 x heads x head size x context per row and layer).
+The loops: `tile` (the default: the rows of a tile of up to eight,
+`QUERY_TILE`, that read one block take it together, as small matrix
+products) against `per-query` (each row as it is alone, what
+`batch_invariant` runs), alternating in one process; then how much faster
+the tile loops run, and the shared layout than the own one.
 """
 
 from __future__ import annotations
@@ -68,20 +71,20 @@ class Step:
         self.scale = args.head_dim**-0.5
         self.macs = 2 * args.rows * args.heads * args.head_dim * context * args.layers
 
-    def run(self, threads: int) -> None:
+    def run(self, threads: int, per_query: bool) -> None:
         for k, v in self.pools:
             paged_attention_cpu(
                 self.out, self.q, k, v, self.table, self.starts, self.seq_lens, self.rows,
-                self.scale, threads,
+                self.scale, threads, batch_invariant=per_query,
             )  # fmt: skip
 
-    def seconds(self, threads: int, repeats: int) -> float:
+    def seconds(self, threads: int, per_query: bool, repeats: int) -> float:
         """The median time of one step (after one to warm up)."""
-        self.run(threads)
+        self.run(threads, per_query)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            self.run(threads)
+            self.run(threads, per_query)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -97,7 +100,9 @@ def main() -> int:
     parser.add_argument("--own", type=int, default=124, help="each row's own tokens after it")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the layouts")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alternations of the layouts and loops"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.prefix % BLOCK:
@@ -109,20 +114,32 @@ def main() -> int:
         f"{args.layers} layers; one step, median of {args.repeats}, over {args.rounds} rounds"
     )
     steps = {layout: Step(args, layout == "shared") for layout in ("shared", "own")}
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    loops = {"tile": False, "per-query": True}
     results: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
-        for threads in (int(t) for t in args.threads.split(",")):
+        for threads in thread_counts:
             for layout, step in steps.items():
-                seconds = step.seconds(threads, args.repeats)
-                cell = results.setdefault(f"{layout}, {threads} threads", {"ms": [], "gmacs": []})
-                cell["ms"].append(seconds * 1e3)
-                cell["gmacs"].append(step.macs / seconds / 1e9)
+                for name, per_query in loops.items():
+                    seconds = step.seconds(threads, per_query, args.repeats)
+                    key = f"{layout}, {name}, {threads} threads"
+                    cell = results.setdefault(key, {"ms": [], "gmacs": []})
+                    cell["ms"].append(seconds * 1e3)
+                    cell["gmacs"].append(step.macs / seconds / 1e9)
     for name, cell in results.items():
-        print(f"{name:>20}: {spread(cell['ms'], ' ms', 2)}, {spread(cell['gmacs'], ' GMAC/s')}")
-    for threads in (int(t) for t in args.threads.split(",")):
-        own, shared = results[f"own, {threads} threads"], results[f"shared, {threads} threads"]
-        ratios = [o / s for o, s in zip(own["ms"], shared["ms"], strict=True)]
-        print(f"{threads} threads: shared prefix {spread(ratios, 'x', 2)} faster than own contexts")
+        print(f"{name:>30}: {spread(cell['ms'], ' ms', 2)}, {spread(cell['gmacs'], ' GMAC/s')}")
+
+    def ratio(slow: str, fast: str) -> str:
+        pairs = zip(results[slow]["ms"], results[fast]["ms"], strict=True)
+        return spread([a / b for a, b in pairs], "x", 2)
+
+    for threads in thread_counts:
+        for layout in steps:
+            tile, per_query = (f"{layout}, {n}, {threads} threads" for n in loops)
+            print(f"{threads} threads, {layout}: tile loops {ratio(per_query, tile)} faster")
+        for name in loops:
+            shared, own = (f"{layout}, {name}, {threads} threads" for layout in steps)
+            print(f"{threads} threads, {name}: shared prefix {ratio(own, shared)} faster than own")
     if args.json:
         write_record(args.json, config=vars(args), results=results)
     return 0

@@ -305,6 +305,7 @@ def paged_attention_cpu(
     num_threads: int,
     window: int = 0,
     sinks: npt.NDArray[np.float32] | None = None,
+    batch_invariant: bool = False,
 ) -> None: ...
 def rotary_in_place_cpu(
     x: npt.NDArray[np.float32],
@@ -408,6 +409,7 @@ class CpuDecoderLayer:
         query_start_loc: npt.NDArray[np.int32],
         seq_lens: npt.NDArray[np.int32],
         num_threads: int,
+        batch_invariant: bool = False,
     ) -> None: ...
 
 @final

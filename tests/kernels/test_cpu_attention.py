@@ -1,7 +1,6 @@
 """The CPU attention backend's row routing: rows behind a computed context
-(a prefix-cache hit's tail, a later chunk) of up to
-SHORT_QUERY_LEN_AFTER_CONTEXT tokens go to the paged kernel, and give what
-the torch backend gives."""
+(a prefix-cache hit's tail, a later chunk), of any length, go to the paged
+kernel, as do short fresh rows, and give what the torch backend gives."""
 
 from __future__ import annotations
 
@@ -51,10 +50,10 @@ def metadata(rows: list[tuple[int, int]], shared: int) -> AttentionMetadata:
     )
 
 
-# Decodes first, as the scheduler orders them; then a row just past the
-# short limit, rows behind a context up to and past the after-context limit,
-# and fresh prompts on either side of the short limit.
-ROWS = [(1, 37), (1, 9), (18, 40), (64, 5), (40, 64), (65, 70), (17, 0), (40, 0)]
+# Decodes first, as the scheduler orders them; then rows behind a context
+# from just past the short limit to long ones, and fresh prompts on either
+# side of the short limit.
+ROWS = [(1, 37), (1, 9), (18, 40), (64, 5), (40, 64), (65, 70), (17, 0), (40, 0), (130, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -63,8 +62,7 @@ def test_rows_behind_a_context_take_the_paged_kernel_and_match_torch(dtype: torc
     short, long = meta.row_split(
         cpu_backend.SHORT_QUERY_LEN, cpu_backend.SHORT_QUERY_LEN_AFTER_CONTEXT
     )
-    assert cpu_backend.SHORT_QUERY_LEN_AFTER_CONTEXT == 64
-    assert short.tolist() == [0, 1, 2, 3, 4, 6] and long.tolist() == [5, 7]
+    assert short.tolist() == [0, 1, 2, 3, 4, 5, 6, 8] and long.tolist() == [7]
     g = torch.Generator().manual_seed(0)
     num_blocks = int(meta.block_table_cpu.max()) + 1
     cache = (num_blocks, BLOCK, KV_HEADS, DIM)

@@ -22,11 +22,13 @@ module-by-module path.
 With `batch_invariant` every step takes the native path, prefill included:
 each row then goes through the same kernels in the same order whatever the
 batch (the block matmul rounds a row alike in any call, the paged attention
-reads a query's keys from the cache in block order, rounded as cached), so a
-request's tokens and logprobs do not depend on what runs beside it, on
-chunking or on prefix hits. The price is prefill, whose attention runs the
-paged kernel's per-query dot products instead of one matrix multiply per
-chunk.
+reads a query's keys from the cache in block order, rounded as cached, with
+its per-query loops), so a request's tokens and logprobs do not depend on
+what runs beside it, on chunking or on prefix hits. The price is prefill,
+whose attention runs the paged kernel's per-query dot products instead of
+one matrix multiply per chunk. (Without it the paged kernel's tile loops
+take a block that several queries of a step read, a shared prefix or one
+row's queries, for all of them at once: faster, rounded otherwise.)
 """
 
 from __future__ import annotations
@@ -285,7 +287,9 @@ class FusedCpuDecode:
             getattr(layer.mlp, "activation", "silu") if _dense_mlp(layer) else "silu",
         )
 
-    def _step(self, meta: AttentionMetadata) -> tuple:
+    def _step(
+        self, meta: AttentionMetadata
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """The step arrays one pool's layers read."""
         block_table = (
             meta.block_table_cpu if meta.block_table_cpu is not None else meta.block_table.numpy()
@@ -359,7 +363,10 @@ class FusedCpuDecode:
                 assert step is not None, "a sliding-window layer needs the window pool's metadata"
                 assert table is not None
                 cos, sin = table
-                layer.forward(res, out, cache_a, cache_b, pos, cos, sin, *step)
+                layer.forward(
+                    res, out, cache_a, cache_b, pos, cos, sin, *step,
+                    batch_invariant=self.every_step,
+                )  # fmt: skip
             if moe is None:
                 continue
             # `out` holds the experts' normed input.

@@ -85,6 +85,8 @@ pub struct DecoderLayerStep<'a> {
     pub query_start_loc: &'a [i32], // [B + 1]
     pub seq_lens: &'a [i32],        // [B]
     pub block_size: usize,
+    /// The paged attention's `batch_invariant`.
+    pub batch_invariant: bool,
     pub num_threads: usize,
 }
 
@@ -274,6 +276,7 @@ pub fn decoder_layer<T: KvElement>(
         scale: weights.scale,
         window: weights.window,
         sinks: weights.sinks,
+        batch_invariant: step.batch_invariant,
         num_threads: threads,
     };
     paged_attention(&args, &mut attn)?;
@@ -451,6 +454,7 @@ mod tests {
             query_start_loc: &[0, 1],
             seq_lens: &[1],
             block_size: 4,
+            batch_invariant: false,
             num_threads: 1,
         };
         let (mut residual, mut x) = (vec![1.0; hidden], vec![0.5; hidden]);

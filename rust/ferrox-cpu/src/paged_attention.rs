@@ -46,6 +46,11 @@ pub struct PagedAttentionArgs<'a, T: KvElement = f32> {
     /// Attention sinks (gpt-oss): per query head, a logit that joins each
     /// softmax's denominator with no value of its own. None: no sinks.
     pub sinks: Option<&'a [f32]>,
+    /// Every query computed in the order it has alone (the per-query loops):
+    /// its result is the same bits whatever else the call holds. Otherwise
+    /// the queries of a tile that read one block take it together (the
+    /// tile loops, `paged_attention_tile`), rounded differently.
+    pub batch_invariant: bool,
     pub num_threads: usize,
 }
 
@@ -206,28 +211,42 @@ fn paged_attention_on<T: KvElement>(
         acc += cost(r);
         runs.last_mut().expect("a run").push(r);
     }
-    // With fewer runs than threads (a decode step of one or a few rows),
-    // each run's KV heads are split between threads too: a head's result
-    // does not depend on which thread computes it.
+    // With fewer runs than threads (a decode step of one or a few rows, a
+    // prefill chunk), each run's tiles are split between threads (every
+    // `tile_parts`-th tile: later ones see more keys), and where a run has
+    // too few its KV heads: a query's result does not depend on which
+    // thread computes it.
     let runs: Vec<Vec<usize>> = runs.into_iter().filter(|r| !r.is_empty()).collect();
-    let head_parts = (args.num_threads / runs.len().max(1)).clamp(1, args.num_kv_heads.max(1));
-    let pieces: Vec<(&[usize], Range<usize>)> = runs
+    let spare = (args.num_threads / runs.len().max(1)).max(1);
+    let pieces: Vec<(&[usize], Range<usize>, usize, usize)> = runs
         .iter()
         .flat_map(|run| {
-            (0..head_parts).map(move |p| {
-                let heads =
-                    p * args.num_kv_heads / head_parts..(p + 1) * args.num_kv_heads / head_parts;
-                (run.as_slice(), heads)
+            let queries: usize = run
+                .iter()
+                .map(|&r| (args.query_start_loc[r + 1] - args.query_start_loc[r]) as usize)
+                .sum();
+            let tile_parts = spare.min(queries.div_ceil(QUERY_TILE)).max(1);
+            let head_parts = (spare / tile_parts).clamp(1, args.num_kv_heads.max(1));
+            (0..tile_parts).flat_map(move |t| {
+                (0..head_parts).map(move |p| {
+                    let heads = p * args.num_kv_heads / head_parts
+                        ..(p + 1) * args.num_kv_heads / head_parts;
+                    (run.as_slice(), heads, t, tile_parts)
+                })
             })
         })
         .collect();
     let token_width = args.num_heads * args.head_dim;
     let out = OutPtr(out.as_mut_ptr());
     run_parts(pieces.len(), &|part| {
-        let (run, ref kv_heads) = pieces[part];
+        let (run, ref kv_heads, tile_part, tile_parts) = pieces[part];
         let queries = tiles(args, run);
         let mut scratch = Scratch::new(args, queries.len().min(QUERY_TILE));
-        for tile in queries.chunks(QUERY_TILE) {
+        let mine = queries
+            .chunks(QUERY_TILE)
+            .skip(tile_part)
+            .step_by(tile_parts);
+        for tile in mine {
             run_tile(
                 args,
                 tile,
@@ -237,7 +256,8 @@ fn paged_attention_on<T: KvElement>(
                 &mut |t, h, v| {
                     // SAFETY: `out` holds T * H * D floats (`validate`); each
                     // (token, head) is written by the one piece whose run holds
-                    // the token's row and whose KV heads hold the head.
+                    // the token's row, whose tiles its query and whose KV
+                    // heads the head.
                     unsafe {
                         let at = out.get().add(t * token_width + h * args.head_dim);
                         std::ptr::copy_nonoverlapping(v.as_ptr(), at, args.head_dim);
@@ -296,6 +316,8 @@ struct Scratch {
     /// query read by the vector loops, never needs them).
     keys: Vec<f32>,
     values: Vec<f32>,
+    /// The blocks the tile's queries take together (`tile`).
+    tile: TileState,
 }
 
 impl Scratch {
@@ -314,6 +336,7 @@ impl Scratch {
             states: (0..queries).map(|_| state()).collect(),
             keys: Vec::new(),
             values: Vec::new(),
+            tile: TileState::new(),
         }
     }
 }
@@ -391,6 +414,27 @@ trait VectorOps: Sized {
     /// elements one at a time: such blocks are widened before they are read).
     fn has_loop(_d: usize) -> bool {
         false
+    }
+
+    /// Whether `tile_block` has loops: the queries of a tile that read one
+    /// block then take it together (unless `batch_invariant`).
+    const TILE: bool = false;
+
+    /// `tile::block`: keys `range.0..range.0 + range.1` of a float32 block
+    /// (rows `stride` apart from `at`) for the lanes of `vectors` of the
+    /// tile's KV head `local`.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_block(
+        _tile: &mut TileState,
+        _local: usize,
+        _keys: &[f32],
+        _values: &[f32],
+        _at: usize,
+        _stride: usize,
+        _range: (usize, usize),
+        _vectors: Range<usize>,
+    ) {
+        unreachable!("these vector loops have no tile loops")
     }
 
     /// `scores` for the query heads that share one KV head (`maxes.len()`
@@ -543,6 +587,10 @@ pub(crate) mod avx2;
 #[path = "paged_attention_avx512.rs"]
 mod avx512;
 
+#[path = "paged_attention_tile.rs"]
+pub(crate) mod tile;
+use tile::TileState;
+
 #[inline(always)]
 fn sum(values: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
@@ -599,7 +647,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
     let width = args.block_table.len() / args.seq_lens.len();
     // Per query: its token, its row's table, and the keys it sees,
     // [first, end): up to itself, within the window if there is one.
-    let queries: Vec<(usize, &[i32], usize, usize)> = tile
+    let queries: Vec<TileQuery<'_>> = tile
         .iter()
         .map(|&(row, i)| {
             let q_start = args.query_start_loc[row] as usize;
@@ -627,12 +675,11 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
         }
         state.acc.fill(0.0);
     }
-    // A query's chunk of block position `block`, as offsets in the block.
-    let chunk = |&(_, _, first, end): &(usize, &[i32], usize, usize), block: usize| {
-        let lo = (block * bs).max(first);
-        let hi = ((block + 1) * bs).min(end);
-        (lo < hi).then(|| (lo - block * bs, hi - block * bs))
-    };
+    let chunk = |query: &TileQuery<'_>, block: usize| chunk(query, block, bs);
+    // Blocks several queries read taken together (the tile loops; their
+    // state is set up at the first such block).
+    let together = V::TILE && !args.batch_invariant && shares_a_block(&queries, bs);
+    s.tile.started = false;
     let first_block = queries.iter().map(|q| q.2 / bs).min().unwrap_or(0);
     let blocks = queries.iter().map(|q| q.3.div_ceil(bs)).max().unwrap_or(0);
     let token = hkv * d;
@@ -647,6 +694,10 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
                 asked = Some(table[block + 1]);
             }
         }
+        let served = match together {
+            true => attend_together::<V, T>(args, &queries, block, &kv_heads, s),
+            false => 0,
+        };
         // The float16 keys and values in `s.keys` / `s.values`: the
         // physical block and the offsets widened.
         let mut widened: Option<(i32, usize, usize)> = None;
@@ -654,6 +705,9 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
             let Some((lo, hi)) = chunk(query, block) else {
                 continue;
             };
+            if served & (1 << e) != 0 {
+                continue;
+            }
             let (t, table, _, _) = *query;
             let physical = table[block];
             let at = physical as usize * bs * token;
@@ -726,14 +780,146 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
             }
         }
     }
-    for (&(t, _, _, _), state) in queries.iter().zip(&mut s.states) {
+    for (e, (&(t, _, _, _), state)) in queries.iter().zip(&mut s.states).enumerate() {
         for head in kv_heads.start * group..kv_heads.end * group {
-            let inv = 1.0 / state.sum[head];
             let acc = &mut state.acc[head * d..(head + 1) * d];
+            if s.tile.started {
+                let (local, g) = (head / group - kv_heads.start, head % group);
+                let (max, sum) = (&mut state.max[head], &mut state.sum[head]);
+                s.tile.merge_into(local, e, g, max, sum, acc);
+            }
+            let inv = 1.0 / state.sum[head];
             acc.iter_mut().for_each(|a| *a *= inv);
             emit(t, head, acc);
         }
     }
+}
+
+/// A tile's query: its token, its row's block table, and the keys it sees,
+/// [first, end).
+type TileQuery<'a> = (usize, &'a [i32], usize, usize);
+
+/// A query's chunk of block position `block`, as offsets in the block.
+#[inline(always)]
+fn chunk(&(_, _, first, end): &TileQuery<'_>, block: usize, bs: usize) -> Option<(usize, usize)> {
+    let lo = (block * bs).max(first);
+    let hi = ((block + 1) * bs).min(end);
+    (lo < hi).then(|| (lo - block * bs, hi - block * bs))
+}
+
+/// Whether two of a tile's queries read one physical block. Rows whose
+/// tables share blocks are neighbours in the tile (`tiles`), and so are one
+/// row's queries, so neighbours are compared: at the first block position
+/// both read.
+fn shares_a_block(queries: &[TileQuery<'_>], bs: usize) -> bool {
+    queries.windows(2).any(|pair| {
+        let (a, b) = (&pair[0], &pair[1]);
+        let block = (a.2.max(b.2)) / bs;
+        block * bs < a.3.min(b.3) && a.1[block] == b.1[block]
+    })
+}
+
+/// Rows `rows` of the block at `at` widened into `s.keys` / `s.values`.
+#[inline(always)]
+fn widen_rows<V: VectorOps, T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    at: usize,
+    rows: Range<usize>,
+    s: &mut Scratch,
+) {
+    let token = args.num_kv_heads * args.head_dim;
+    if s.keys.is_empty() {
+        s.keys.resize(args.block_size * token, 0.0);
+        s.values.resize(args.block_size * token, 0.0);
+    }
+    let span = rows.start * token..rows.end * token;
+    V::widen(
+        &args.k_cache[at + span.start..at + span.end],
+        &mut s.keys[span.clone()],
+    );
+    V::widen(
+        &args.v_cache[at + span.start..at + span.end],
+        &mut s.values[span],
+    );
+}
+
+/// Block position `block` of a tile whose queries take the blocks they
+/// share together: each physical block read there by two or more of them
+/// goes through the tile loops once (widened to float32 once). Returns the
+/// queries served (bit e: query e); a block one query reads alone is left
+/// to the per-query loops.
+#[inline(always)]
+fn attend_together<V: VectorOps, T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    queries: &[TileQuery<'_>],
+    block: usize,
+    kv_heads: &Range<usize>,
+    s: &mut Scratch,
+) -> u32 {
+    let (h, hkv, d, bs) = (
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        args.block_size,
+    );
+    let token = hkv * d;
+    let mut served = 0u32; // (QUERY_TILE <= 32)
+    for (e, query) in queries.iter().enumerate() {
+        if served & (1 << e) != 0 {
+            continue;
+        }
+        let Some((lo, hi)) = chunk(query, block, bs) else {
+            continue;
+        };
+        // The later queries reading the same physical block here.
+        let physical = query.1[block];
+        let (mut members, mut keys, mut last) = (1u32 << e, (lo, hi), e);
+        for (o, other) in queries.iter().enumerate().skip(e + 1) {
+            if other.1[block] != physical {
+                continue;
+            }
+            if let Some((olo, ohi)) = chunk(other, block, bs) {
+                members |= 1 << o;
+                keys = (keys.0.min(olo), keys.1.max(ohi));
+                last = o;
+            }
+        }
+        if members == 1 << e {
+            continue;
+        }
+        served |= members;
+        if !s.tile.started {
+            let rows: Vec<&[f32]> = queries
+                .iter()
+                .map(|&(t, ..)| &args.q[t * h * d..(t + 1) * h * d])
+                .collect();
+            s.tile
+                .start(&rows, (h, hkv, d, bs), kv_heads.clone(), args.scale);
+        }
+        let at = physical as usize * bs * token;
+        widen_rows::<V, T>(args, at, keys.0..keys.1, s);
+        s.tile.clear_lanes();
+        for (o, other) in queries.iter().enumerate().skip(e) {
+            if members & (1 << o) != 0 {
+                let (olo, ohi) = chunk(other, block, bs).expect("a member reads the block");
+                s.tile.set_lanes(o, olo, ohi);
+            }
+        }
+        let vectors = s.tile.vectors(e, last);
+        for (local, kv_head) in kv_heads.clone().enumerate() {
+            V::tile_block(
+                &mut s.tile,
+                local,
+                &s.keys,
+                &s.values,
+                keys.0 * token + kv_head * d,
+                token,
+                (keys.0, keys.1 - keys.0),
+                vectors.clone(),
+            );
+        }
+    }
+    served
 }
 
 /// Asks the second-level cache for the keys and values of `kv_heads` in

@@ -11,7 +11,9 @@
 //! widened once per pass, not once per head.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
+use super::tile::{self, TileState};
 use super::{accumulate_by_head, scores_by_head, Portable, VectorOps};
 use crate::kv_element::KvElement;
 
@@ -271,7 +273,7 @@ macro_rules! grouped {
     };
 }
 
-// SAFETY (every method): only reached from `run_row_avx2`, where AVX2,
+// SAFETY (every method): only reached from `run_tile_avx2`, where AVX2,
 // FMA and F16C are enabled; `validate` has checked that every key and value
 // row `base + j * stride .. + d` lies inside the cache, and `d == 8 * R`.
 impl VectorOps for Avx2 {
@@ -372,6 +374,24 @@ impl VectorOps for Avx2 {
             );
             first += size;
         }
+    }
+
+    const TILE: bool = true;
+
+    #[inline(always)]
+    fn tile_block(
+        tile: &mut TileState,
+        local: usize,
+        keys: &[f32],
+        values: &[f32],
+        at: usize,
+        stride: usize,
+        range: (usize, usize),
+        vectors: Range<usize>,
+    ) {
+        // SAFETY: AVX2 and FMA are enabled (`run_tile_avx2`); the caller
+        // passes a started tile, its lanes, and rows inside the block.
+        unsafe { tile::block(tile, local, keys, values, at, stride, range, vectors) }
     }
 
     fn has_loop(d: usize) -> bool {

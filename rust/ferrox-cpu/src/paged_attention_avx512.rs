@@ -3,8 +3,10 @@
 //! head sizes that are multiples of 16; others take the AVX2 loops.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use super::avx2::Avx2;
+use super::tile::{self, TileState};
 use super::{accumulate_by_head, scores_by_head, VectorOps};
 use crate::kv_element::KvElement;
 
@@ -321,7 +323,7 @@ fn head_groups(heads: usize) -> impl Iterator<Item = usize> {
     (0..groups).map(move |i| size + usize::from(i < larger))
 }
 
-// SAFETY (every method): only reached from `run_row_avx512`, where AVX-512 F
+// SAFETY (every method): only reached from `run_tile_avx512`, where AVX-512 F
 // (and AVX2, FMA, F16C) are enabled; `validate` has checked that every key
 // and value row `base + j * stride .. + d` lies inside the cache, and
 // `d == 16 * R`.
@@ -421,6 +423,24 @@ impl VectorOps for Avx512 {
             );
             first += size;
         }
+    }
+
+    const TILE: bool = true;
+
+    #[inline(always)]
+    fn tile_block(
+        tile: &mut TileState,
+        local: usize,
+        keys: &[f32],
+        values: &[f32],
+        at: usize,
+        stride: usize,
+        range: (usize, usize),
+        vectors: Range<usize>,
+    ) {
+        // SAFETY: AVX2 and FMA are enabled (`run_tile_avx512`); the caller
+        // passes a started tile, its lanes, and rows inside the block.
+        unsafe { tile::block(tile, local, keys, values, at, stride, range, vectors) }
     }
 
     fn has_loop(d: usize) -> bool {

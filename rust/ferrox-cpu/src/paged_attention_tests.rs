@@ -206,12 +206,25 @@ fn check_case<T: KvElement>(c: &Case, q: &[f32], k: &[T], v: &[T], table: &[i32]
         scale: 1.0 / (d as f32).sqrt(),
         window: c.window,
         sinks: sinks.as_deref(),
+        batch_invariant: false,
         num_threads: c.threads,
     };
     let expected = reference(&args, num_tokens);
-    // Every set of vector loops this CPU has, not only the widest.
+    // Every set of vector loops this CPU has, not only the widest; the
+    // queries that share blocks taken together, then each as it is alone.
     for loops in Loops::supported() {
         let mut out = vec![0.0; q.len()];
+        paged_attention_on(&args, &mut out, loops).unwrap();
+        for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-5,
+                "{loops:?}, together, element {i}: {a} vs {b}"
+            );
+        }
+        let args = PagedAttentionArgs {
+            batch_invariant: true,
+            ..args
+        };
         paged_attention_on(&args, &mut out, loops).unwrap();
         for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
             assert!((a - b).abs() < 1e-5, "{loops:?}, element {i}: {a} vs {b}");
@@ -276,6 +289,7 @@ fn out_of_range_blocks_are_rejected() {
         scale: 1.0,
         window: 0,
         sinks: None,
+        batch_invariant: false,
         num_threads: 1,
     };
     assert!(paged_attention(&args, &mut out).is_err());

@@ -279,8 +279,9 @@ impl CpuDecoderLayer {
     /// The layer on a step of short rows: `residual` and `x` ([T, hidden])
     /// are updated in place (the stream after attention, the MLP output);
     /// the tokens' K and V go into the caches ([N, BS, Hkv, D]; float32, or
-    /// float16 viewed as int16) at `slot_mapping`.
-    #[pyo3(signature = (residual, x, k_cache, v_cache, positions, cos, sin, slot_mapping, block_table, query_start_loc, seq_lens, num_threads))]
+    /// float16 viewed as int16) at `slot_mapping`. `batch_invariant`: the
+    /// paged attention's (`paged_attention_cpu`).
+    #[pyo3(signature = (residual, x, k_cache, v_cache, positions, cos, sin, slot_mapping, block_table, query_start_loc, seq_lens, num_threads, batch_invariant = false))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -297,6 +298,7 @@ impl CpuDecoderLayer {
         query_start_loc: PyReadonlyArray1<'_, i32>,
         seq_lens: PyReadonlyArray1<'_, i32>,
         num_threads: usize,
+        batch_invariant: bool,
     ) -> PyResult<()> {
         let k_cache = CacheArray::extract(k_cache, "k_cache")?;
         let v_cache = CacheArray::extract(v_cache, "v_cache")?;
@@ -370,6 +372,7 @@ impl CpuDecoderLayer {
             query_start_loc: contiguous(query_start_loc.as_slice())?,
             seq_lens: contiguous(seq_lens.as_slice())?,
             block_size: kv_shape[1],
+            batch_invariant,
             num_threads,
         };
         let mutable = |what: &str| invalid_argument(format!("{what} must be C-contiguous"));

@@ -78,8 +78,11 @@ pub(crate) fn half_slice_mut(bits: &mut [i16]) -> &mut [F16] {
 /// int16 bits) through `block_table`. `window`: a sliding window (each query
 /// sees the last `window` keys up to itself; 0: all keys). `sinks`: one
 /// logit per query head (float32) that joins each softmax's denominator.
+/// `batch_invariant`: each query computed as it is alone (its result the
+/// same bits whatever else the call holds), not together with the queries
+/// that share its blocks.
 #[pyfunction]
-#[pyo3(signature = (out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, rows, scale, num_threads, window = 0, sinks = None))]
+#[pyo3(signature = (out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, rows, scale, num_threads, window = 0, sinks = None, batch_invariant = false))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_cpu(
     py: Python<'_>,
@@ -95,6 +98,7 @@ pub fn paged_attention_cpu(
     num_threads: usize,
     window: usize,
     sinks: Option<PyReadonlyArray1<'_, f32>>,
+    batch_invariant: bool,
 ) -> PyResult<()> {
     let (k_cache, v_cache) = (
         CacheArray::extract(k_cache, "k_cache")?,
@@ -122,6 +126,7 @@ pub fn paged_attention_cpu(
         scale,
         window,
         sinks,
+        batch_invariant,
         num_threads,
     };
     let step = (
@@ -158,6 +163,7 @@ struct AttentionShape<'a> {
     scale: f32,
     window: usize,
     sinks: Option<&'a [f32]>,
+    batch_invariant: bool,
     num_threads: usize,
 }
 
@@ -186,6 +192,7 @@ fn attend<T: KvElement>(
         scale: shape.scale,
         window: shape.window,
         sinks: shape.sinks,
+        batch_invariant: shape.batch_invariant,
         num_threads: shape.num_threads,
     };
     py.detach(|| paged_attention(&args, out))

@@ -1,10 +1,13 @@
 """CPU attention: a Rust kernel reads the paged cache in place for rows of
-a few query tokens (decodes, speculative verifications); longer prefill
-chunks, and rows whose image tokens attend both ways, use torch's
-matrix-multiply attention (fused causal attention for fresh prompts, a
-gathered context and a mask after a cached prefix or with images).
+a few query tokens (decodes, speculative verifications) and for rows behind
+a context computed before (a prompt's tail after a prefix-cache hit, a later
+prefill chunk); longer fresh prompts, and rows whose image tokens attend
+both ways, use torch's matrix-multiply attention (fused causal attention for
+fresh prompts, a gathered context and a mask with images).
 Float32 queries only (other dtypes fall back to the torch backend), over a
 float32 or float16 cache."""
+
+import sys
 
 import numpy as np
 import torch
@@ -18,10 +21,12 @@ from ferrox.layers.native import kernel_threads, kv_array
 # cached keys once per query token, cheaper than gathering the context for
 # matrix-multiply attention while the queries are few.
 SHORT_QUERY_LEN = 17
-# ... and rows of at most this many after a context computed before (a prompt's
-# tail behind a prefix-cache hit, a later prefill chunk): there matrix-multiply
-# attention would first gather the whole context, block by block.
-SHORT_QUERY_LEN_AFTER_CONTEXT = 64
+# ... and rows of any length after a context computed before (a prompt's tail
+# behind a prefix-cache hit, a later prefill chunk): there matrix-multiply
+# attention would first gather the whole context, block by block, and the
+# kernel's tile loops (a tile's queries take each block together) measured
+# faster at every length and context (`benches/cpu_attention_rows.py`).
+SHORT_QUERY_LEN_AFTER_CONTEXT = sys.maxsize
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

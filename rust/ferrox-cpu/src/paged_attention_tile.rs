@@ -1,0 +1,423 @@
+//! The tile loops of the CPU paged attention: the queries of a tile that
+//! read one physical block (rows behind a shared prefix, the queries of one
+//! prefill chunk or speculative verification) take it together, as two
+//! small matrix products per KV head, with the (query, head) pairs in the
+//! lanes of the vectors:
+//!
+//! ```text
+//!  scores[j][lane] = sum_i qt[i][lane] * key_j[i]      (i over the head dim)
+//!  out[i][lane]   += sum_j p[j][lane] * value_j[i]     (j over the block's keys)
+//! ```
+//!
+//! Each key and value element is broadcast once for the up to eight
+//! (query, head) pairs of a vector, where the per-query loops multiply each
+//! query head by every key on its own and reduce each score across the
+//! lanes. The softmax's running maxima, sums and rescaling are vectors over
+//! the lanes too, and a lane's keys outside its query's range (causal end,
+//! sliding window, another query's chunk) are masked out.
+//!
+//! The sums run in another order than the per-query loops' (over the head
+//! dimension one element at a time, not eight partial sums), so a query's
+//! result depends on whether it shared a block with another one: the
+//! default, not `batch_invariant`. A tile keeps both kinds of state: blocks
+//! one query reads alone go through the per-query loops, and each query's
+//! two partial softmax states are merged when the tile ends.
+
+use std::ops::Range;
+
+/// Where a tile's queries stand in the lanes, and the running state of the
+/// blocks they took together.
+pub(crate) struct TileState {
+    /// Whether this tile's state is set up (`start`): a tile whose queries
+    /// share no block never needs it.
+    pub(crate) started: bool,
+    /// Query heads per KV head.
+    group: usize,
+    head_dim: usize,
+    /// Lanes a head-dim element spans: the tile's (query, head) pairs of one
+    /// KV head, `query * group + head`, rounded up to whole vectors.
+    lanes: usize,
+    /// Per KV head of the part: the queries, scaled, [D][lanes].
+    qt: Vec<f32>,
+    /// Per KV head: the weighted values so far, [D][lanes].
+    ot: Vec<f32>,
+    /// Per KV head: the running maximum and sum, [lanes].
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    /// One block's scores, then probabilities, [BS][lanes].
+    scores: Vec<f32>,
+    /// Each lane's keys in this block, offsets [lo, hi) (empty: masked).
+    lo: Vec<i32>,
+    hi: Vec<i32>,
+    /// Each lane's rescaling of this block.
+    correction: Vec<f32>,
+}
+
+/// The running maximum before any key: finite, so that a lane whose keys
+/// are all masked (scores of minus infinity) keeps a correction of 1.
+const NO_MAX: f32 = f32::MIN;
+
+impl TileState {
+    pub(crate) fn new() -> Self {
+        Self {
+            started: false,
+            group: 0,
+            head_dim: 0,
+            lanes: 0,
+            qt: Vec::new(),
+            ot: Vec::new(),
+            max: Vec::new(),
+            sum: Vec::new(),
+            scores: Vec::new(),
+            lo: Vec::new(),
+            hi: Vec::new(),
+            correction: Vec::new(),
+        }
+    }
+
+    /// Starts a tile: `queries[e]` is query e's row of `q` ([H, D]), each
+    /// head scaled by `scale` into its lane; `kv_heads` those of the part.
+    pub(crate) fn start(
+        &mut self,
+        queries: &[&[f32]],
+        (num_heads, num_kv_heads, head_dim, block_size): (usize, usize, usize, usize),
+        kv_heads: Range<usize>,
+        scale: f32,
+    ) {
+        self.started = true;
+        let group = num_heads / num_kv_heads;
+        let lanes = (queries.len() * group).div_ceil(8) * 8;
+        let heads = kv_heads.len();
+        (self.group, self.head_dim, self.lanes) = (group, head_dim, lanes);
+        let plane = head_dim * lanes;
+        for buffer in [&mut self.qt, &mut self.ot] {
+            buffer.clear();
+            buffer.resize(heads * plane, 0.0);
+        }
+        self.max.clear();
+        self.max.resize(heads * lanes, NO_MAX);
+        self.sum.clear();
+        self.sum.resize(heads * lanes, 0.0);
+        self.scores.resize(block_size * lanes, 0.0);
+        self.lo.resize(lanes, 0);
+        self.hi.resize(lanes, 0);
+        self.correction.resize(lanes, 1.0);
+        self.clear_lanes();
+        for (local, kv_head) in kv_heads.enumerate() {
+            let qt = &mut self.qt[local * plane..(local + 1) * plane];
+            for (e, q) in queries.iter().enumerate() {
+                for g in 0..group {
+                    let lane = e * group + g;
+                    let head = &q[(kv_head * group + g) * head_dim..][..head_dim];
+                    for (i, &x) in head.iter().enumerate() {
+                        qt[i * lanes + lane] = x * scale;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Query `e`'s keys in the next block: offsets `lo..hi` (its lanes'
+    /// masks until `clear_lanes`).
+    pub(crate) fn set_lanes(&mut self, e: usize, lo: usize, hi: usize) {
+        for lane in e * self.group..(e + 1) * self.group {
+            self.lo[lane] = lo as i32;
+            self.hi[lane] = hi as i32;
+        }
+    }
+
+    pub(crate) fn clear_lanes(&mut self) {
+        self.lo.fill(0);
+        self.hi.fill(0);
+    }
+
+    /// The vectors holding query `first..=last`'s lanes.
+    pub(crate) fn vectors(&self, first: usize, last: usize) -> Range<usize> {
+        first * self.group / 8..((last + 1) * self.group).div_ceil(8)
+    }
+
+    /// Query `e`'s head `g` (of KV head `local` of the part): this state's
+    /// maximum, sum and weighted values merged into the per-query loops'
+    /// (`max`, `sum`, `acc`), which then hold the whole context's.
+    pub(crate) fn merge_into(
+        &self,
+        local: usize,
+        e: usize,
+        g: usize,
+        max: &mut f32,
+        sum: &mut f32,
+        acc: &mut [f32],
+    ) {
+        let lane = e * self.group + g;
+        let (m2, s2) = (
+            self.max[local * self.lanes + lane],
+            self.sum[local * self.lanes + lane],
+        );
+        if s2 == 0.0 {
+            return; // no block taken together (or its keys all masked)
+        }
+        let m = max.max(m2);
+        let (c1, c2) = ((*max - m).exp(), (m2 - m).exp());
+        let plane = &self.ot[local * self.head_dim * self.lanes..];
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = *a * c1 + plane[i * self.lanes + lane] * c2;
+        }
+        *sum = *sum * c1 + s2 * c2;
+        *max = m;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::block;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::TileState;
+
+    /// e^x for x <= 0, lane by lane: `fast_exp`'s polynomial, its steps
+    /// fused (FMA).
+    #[inline(always)]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let t = _mm256_mul_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+        );
+        let n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        let f = _mm256_sub_ps(t, n);
+        let mut p = _mm256_set1_ps(0.000_154_035_3);
+        for c in [
+            0.001_333_355_8,
+            0.009_618_129,
+            0.055_504_11,
+            0.240_226_5,
+            std::f32::consts::LN_2,
+            1.0,
+        ] {
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+        }
+        let bits = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            23,
+        );
+        _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
+    }
+
+    /// All ones in the lanes where lo <= pos < hi. (A function, not a
+    /// closure: a closure is not compiled with the caller's target features,
+    /// and its intrinsics would not be inlined.)
+    #[inline(always)]
+    unsafe fn inside(lo: __m256i, hi: __m256i, pos: usize) -> __m256 {
+        let pos = _mm256_set1_epi32(pos as i32);
+        _mm256_castsi256_ps(_mm256_andnot_si256(
+            _mm256_cmpgt_epi32(lo, pos),
+            _mm256_cmpgt_epi32(hi, pos),
+        ))
+    }
+
+    /// scores[j][v] = sum_i qt[i][v] * key_j[i] for `K` keys and `VC`
+    /// vectors of lanes (`K * VC` accumulators).
+    #[inline(always)]
+    unsafe fn scores_tile<const K: usize, const VC: usize>(
+        qt: *const f32,
+        lanes: usize,
+        keys: *const f32,
+        stride: usize,
+        d: usize,
+        out: *mut f32,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); VC]; K];
+        for i in 0..d {
+            let mut q = [_mm256_setzero_ps(); VC];
+            for (v, q) in q.iter_mut().enumerate() {
+                *q = _mm256_loadu_ps(qt.add(i * lanes + 8 * v));
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let k = _mm256_broadcast_ss(&*keys.add(j * stride + i));
+                for (a, q) in acc.iter_mut().zip(&q) {
+                    *a = _mm256_fmadd_ps(*q, k, *a);
+                }
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            for (v, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(j * lanes + 8 * v), *a);
+            }
+        }
+    }
+
+    /// ot[i][v] = ot[i][v] * correction[v] + sum_j p[j][v] * value_j[i] for
+    /// `DC` head-dim elements and `VC` vectors of lanes.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn values_tile<const DC: usize, const VC: usize>(
+        probs: *const f32,
+        lanes: usize,
+        values: *const f32,
+        stride: usize,
+        n: usize,
+        ot: *mut f32,
+        correction: *const f32,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); VC]; DC];
+        for (i, acc) in acc.iter_mut().enumerate() {
+            for (v, a) in acc.iter_mut().enumerate() {
+                let c = _mm256_loadu_ps(correction.add(8 * v));
+                *a = _mm256_mul_ps(_mm256_loadu_ps(ot.add(i * lanes + 8 * v)), c);
+            }
+        }
+        for j in 0..n {
+            let mut p = [_mm256_setzero_ps(); VC];
+            for (v, p) in p.iter_mut().enumerate() {
+                *p = _mm256_loadu_ps(probs.add(j * lanes + 8 * v));
+            }
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let x = _mm256_broadcast_ss(&*values.add(j * stride + i));
+                for (a, p) in acc.iter_mut().zip(&p) {
+                    *a = _mm256_fmadd_ps(*p, x, *a);
+                }
+            }
+        }
+        for (i, acc) in acc.iter().enumerate() {
+            for (v, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(ot.add(i * lanes + 8 * v), *a);
+            }
+        }
+    }
+
+    /// `$f::<A, VC>(...)` for the vectors `$v..$v + $vc` (1 to 3 of them),
+    /// `A` given per `VC`.
+    macro_rules! by_vectors {
+        ($vc:expr, $f:ident::<$a1:literal, $a2:literal, $a3:literal>($($arg:expr),* $(,)?)) => {
+            match $vc {
+                1 => $f::<$a1, 1>($($arg),*),
+                2 => $f::<$a2, 2>($($arg),*),
+                _ => $f::<$a3, 3>($($arg),*),
+            }
+        };
+    }
+
+    /// Keys `first..first + n` of one block for the lanes of `vectors`, KV
+    /// head `local` of the part: its `n` keys (and values) at `keys[at +
+    /// j * stride..][..D]`, float32. Lanes outside their `lo..hi` get no
+    /// weight.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `st` started for this tile with `local` among its KV
+    /// heads, `vectors` within its lanes, `n` at most the block size; every
+    /// key and value row read lies inside `keys` / `values`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn block(
+        st: &mut TileState,
+        local: usize,
+        keys: &[f32],
+        values: &[f32],
+        at: usize,
+        stride: usize,
+        (first, n): (usize, usize),
+        vectors: Range<usize>,
+    ) {
+        let (d, lanes) = (st.head_dim, st.lanes);
+        let plane = local * d * lanes;
+        let (k, vals) = (keys.as_ptr().add(at), values.as_ptr().add(at));
+        // Scores, a few keys (and up to three vectors) at a time: eight or
+        // nine accumulators (twelve spill one: the broadcasts take two
+        // registers).
+        let mut v = vectors.start;
+        while v < vectors.end {
+            let vc = (vectors.end - v).min(3);
+            let qt = st.qt.as_ptr().add(plane + 8 * v);
+            let out = st.scores.as_mut_ptr().add(8 * v);
+            let step = [8, 4, 3][vc - 1];
+            let mut j = 0;
+            while j + step <= n {
+                let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
+                by_vectors!(vc, scores_tile::<8, 4, 3>(qt, lanes, kj, stride, d, oj));
+                j += step;
+            }
+            while j < n {
+                let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
+                by_vectors!(vc, scores_tile::<1, 1, 1>(qt, lanes, kj, stride, d, oj));
+                j += 1;
+            }
+            v += vc;
+        }
+        // The softmax's update, eight lanes at a time.
+        let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let state = local * lanes;
+        for v in vectors.clone() {
+            let lo = _mm256_loadu_si256(st.lo.as_ptr().add(8 * v) as *const __m256i);
+            let hi = _mm256_loadu_si256(st.hi.as_ptr().add(8 * v) as *const __m256i);
+            // Every lane reading every key (a decode step's rows behind a
+            // shared prefix): nothing to mask.
+            let whole = _mm256_movemask_ps(_mm256_and_ps(
+                inside(lo, hi, first),
+                inside(lo, hi, first + n - 1),
+            )) == 0xff;
+            let scores = st.scores.as_mut_ptr().add(8 * v);
+            let mut block_max = [neg_inf; 2];
+            for j in 0..n {
+                let mut s = _mm256_loadu_ps(scores.add(j * lanes));
+                if !whole {
+                    s = _mm256_blendv_ps(neg_inf, s, inside(lo, hi, first + j));
+                    _mm256_storeu_ps(scores.add(j * lanes), s);
+                }
+                block_max[j % 2] = _mm256_max_ps(block_max[j % 2], s);
+            }
+            let block_max = _mm256_max_ps(block_max[0], block_max[1]);
+            let max = st.max.as_mut_ptr().add(state + 8 * v);
+            let old = _mm256_loadu_ps(max);
+            let new = _mm256_max_ps(old, block_max);
+            _mm256_storeu_ps(max, new);
+            let correction = exp8(_mm256_sub_ps(old, new));
+            _mm256_storeu_ps(st.correction.as_mut_ptr().add(8 * v), correction);
+            let mut sum = _mm256_setzero_ps();
+            for j in 0..n {
+                let p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores.add(j * lanes)), new));
+                let p = if whole {
+                    p
+                } else {
+                    _mm256_and_ps(p, inside(lo, hi, first + j))
+                };
+                _mm256_storeu_ps(scores.add(j * lanes), p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            let total = st.sum.as_mut_ptr().add(state + 8 * v);
+            _mm256_storeu_ps(
+                total,
+                _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(total), correction), sum),
+            );
+        }
+        // The values, a few head-dim elements (and up to three vectors) at
+        // a time.
+        let mut v = vectors.start;
+        while v < vectors.end {
+            let vc = (vectors.end - v).min(3);
+            let probs = st.scores.as_ptr().add(8 * v);
+            let correction = st.correction.as_ptr().add(8 * v);
+            let ot = st.ot.as_mut_ptr().add(plane + 8 * v);
+            let chunk = [8, 4, 3][vc - 1];
+            let mut i = 0;
+            while i + chunk <= d {
+                let (x, o) = (vals.add(i), ot.add(i * lanes));
+                by_vectors!(
+                    vc,
+                    values_tile::<8, 4, 3>(probs, lanes, x, stride, n, o, correction)
+                );
+                i += chunk;
+            }
+            while i < d {
+                let (x, o) = (vals.add(i), ot.add(i * lanes));
+                by_vectors!(
+                    vc,
+                    values_tile::<1, 1, 1>(probs, lanes, x, stride, n, o, correction)
+                );
+                i += 1;
+            }
+            v += vc;
+        }
+    }
+}
