@@ -29,7 +29,7 @@ import torch
 from ferrox.layers.attention import cpu_backend
 from ferrox.layers.attention.base import AttentionMetadata
 from ferrox.layers.attention.cpu_backend import CpuAttentionBackend
-from machine import cpu_description
+from machine import cpu_description, write_record
 
 BLOCK = 16
 
@@ -116,6 +116,7 @@ def main() -> None:
     )
     parser.add_argument("--kv-dtype", default="float16", choices=["float16", "float32"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     backend = CpuAttentionBackend(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
     print(f"CPU: {cpu_description()}, paged kernel threads: {backend.num_threads}")
@@ -127,6 +128,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     dtype = getattr(torch, args.kv_dtype)
     print("q \\ ctx " + "".join(f"{c:>24}" for c in contexts))
+    results: dict[str, dict[str, float]] = {}
     for q in (int(x) for x in args.queries.split(",")):
         cells = []
         for ctx in contexts:
@@ -143,7 +145,14 @@ def main() -> None:
             paged = timed(backend, s, q, args.repeats)
             matmul = timed(backend, s, 0, args.repeats)
             cells.append(f"{paged * 1e3:7.2f} |{matmul * 1e3:7.2f} |{matmul / paged:5.2f}")
+            results[f"q={q}, ctx={ctx}"] = {
+                "paged_ms": paged * 1e3,
+                "matmul_ms": matmul * 1e3,
+                "matmul_over_paged": matmul / paged,
+            }
         print(f"{q:>7} " + "".join(f"{c:>24}" for c in cells))
+    if args.json:
+        write_record(args.json, config=vars(args), results=results)
 
 
 if __name__ == "__main__":
