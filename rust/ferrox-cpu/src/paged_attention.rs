@@ -424,16 +424,27 @@ trait VectorOps: Sized {
     /// (rows `stride` apart from `at`) for the lanes of `vectors` of the
     /// tile's KV head `local`.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn tile_block(
-        _tile: &mut TileState,
-        _local: usize,
-        _keys: &[f32],
-        _values: &[f32],
-        _at: usize,
-        _stride: usize,
-        _range: (usize, usize),
-        _vectors: Range<usize>,
+        tile: &mut TileState,
+        local: usize,
+        keys: &[f32],
+        values: &[f32],
+        at: usize,
+        stride: usize,
+        range: (usize, usize),
+        vectors: Range<usize>,
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if Self::TILE {
+            // SAFETY: the loops that set TILE (AVX2, AVX-512) run inside
+            // `run_tile_avx2` / `run_tile_avx512`, where AVX2 and FMA are
+            // enabled; the caller passes a started tile, its lanes, and
+            // rows inside the block.
+            unsafe { tile::block(tile, local, keys, values, at, stride, range, vectors) };
+            return;
+        }
+        let _ = (tile, local, keys, values, at, stride, range, vectors);
         unreachable!("these vector loops have no tile loops")
     }
 

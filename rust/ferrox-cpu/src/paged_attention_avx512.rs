@@ -3,10 +3,8 @@
 //! head sizes that are multiples of 16; others take the AVX2 loops.
 
 use std::arch::x86_64::*;
-use std::ops::Range;
 
 use super::avx2::Avx2;
-use super::tile::{self, TileState};
 use super::{accumulate_by_head, scores_by_head, VectorOps};
 use crate::kv_element::KvElement;
 
@@ -426,22 +424,6 @@ impl VectorOps for Avx512 {
     }
 
     const TILE: bool = true;
-
-    #[inline(always)]
-    fn tile_block(
-        tile: &mut TileState,
-        local: usize,
-        keys: &[f32],
-        values: &[f32],
-        at: usize,
-        stride: usize,
-        range: (usize, usize),
-        vectors: Range<usize>,
-    ) {
-        // SAFETY: AVX2 and FMA are enabled (`run_tile_avx512`); the caller
-        // passes a started tile, its lanes, and rows inside the block.
-        unsafe { tile::block(tile, local, keys, values, at, stride, range, vectors) }
-    }
 
     fn has_loop(d: usize) -> bool {
         matches!(d, 16 | 32 | 64 | 80 | 96 | 128 | 256) || Avx2::has_loop(d)
