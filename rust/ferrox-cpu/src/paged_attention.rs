@@ -742,19 +742,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
                     }
                 }
                 if shared || !V::has_loop(d) {
-                    if s.keys.is_empty() {
-                        s.keys.resize(bs * token, 0.0);
-                        s.values.resize(bs * token, 0.0);
-                    }
-                    let span = a * token..b * token;
-                    V::widen(
-                        &args.k_cache[at + span.start..at + span.end],
-                        &mut s.keys[span.clone()],
-                    );
-                    V::widen(
-                        &args.v_cache[at + span.start..at + span.end],
-                        &mut s.values[span],
-                    );
+                    widen_rows::<V, T>(args, at, a..b, s);
                     widened = Some((physical, a, b));
                     from_widened = true;
                 }
