@@ -336,7 +336,7 @@ impl Scratch {
             states: (0..queries).map(|_| state()).collect(),
             keys: Vec::new(),
             values: Vec::new(),
-            tile: TileState::new(),
+            tile: TileState::default(),
         }
     }
 }
@@ -615,6 +615,18 @@ fn sum(values: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + rest
 }
 
+/// The Taylor coefficients of 2^f = e^(f ln 2), degree 6 down to 0
+/// (Horner's order): `fast_exp`'s polynomial, and the tile loops'.
+pub(crate) const EXP2_TAYLOR: [f32; 7] = [
+    0.000_154_035_3,
+    0.001_333_355_8,
+    0.009_618_129,
+    0.055_504_11,
+    0.240_226_5,
+    std::f32::consts::LN_2,
+    1.0,
+];
+
 /// e^x for x <= 0 (a softmax weight), within about 2e-7 relative error:
 /// 2^(x log2 e) split into 2^n (built in the exponent bits) times a degree-6
 /// polynomial of 2^f with |f| <= 1/2. Written so the compiler vectorises it.
@@ -624,12 +636,10 @@ fn fast_exp(x: f32) -> f32 {
     let t = x.max(-87.0) * LOG2_E;
     let n = t.round();
     let f = t - n;
-    // Taylor coefficients of 2^f = e^(f ln 2).
-    let p = 1.0
-        + f * (std::f32::consts::LN_2
-            + f * (0.240_226_5
-                + f * (0.055_504_11
-                    + f * (0.009_618_129 + f * (0.001_333_355_8 + f * 0.000_154_035_3)))));
+    let mut p = EXP2_TAYLOR[0];
+    for c in &EXP2_TAYLOR[1..] {
+        p = c + f * p;
+    }
     // SAFETY: n lies in [-126, 0] after the clamp, so it fits an i32.
     let n = unsafe { n.to_int_unchecked::<i32>() };
     p * f32::from_bits(((n + 127) << 23) as u32)

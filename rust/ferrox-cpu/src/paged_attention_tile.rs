@@ -26,7 +26,8 @@
 use std::ops::Range;
 
 /// Where a tile's queries stand in the lanes, and the running state of the
-/// blocks they took together.
+/// blocks they took together (empty until `start`).
+#[derive(Default)]
 pub(crate) struct TileState {
     /// Whether this tile's state is set up (`start`): a tile whose queries
     /// share no block never needs it.
@@ -58,23 +59,6 @@ pub(crate) struct TileState {
 const NO_MAX: f32 = f32::MIN;
 
 impl TileState {
-    pub(crate) fn new() -> Self {
-        Self {
-            started: false,
-            group: 0,
-            head_dim: 0,
-            lanes: 0,
-            qt: Vec::new(),
-            ot: Vec::new(),
-            max: Vec::new(),
-            sum: Vec::new(),
-            scores: Vec::new(),
-            lo: Vec::new(),
-            hi: Vec::new(),
-            correction: Vec::new(),
-        }
-    }
-
     /// Starts a tile: `queries[e]` is query e's row of `q` ([H, D]), each
     /// head scaled by `scale` into its lane; `kv_heads` those of the part.
     pub(crate) fn start(
@@ -176,6 +160,7 @@ mod avx2 {
     use std::ops::Range;
 
     use super::TileState;
+    use crate::paged_attention::EXP2_TAYLOR;
 
     /// e^x for x <= 0, lane by lane: `fast_exp`'s polynomial, its steps
     /// fused (FMA).
@@ -187,15 +172,8 @@ mod avx2 {
         );
         let n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         let f = _mm256_sub_ps(t, n);
-        let mut p = _mm256_set1_ps(0.000_154_035_3);
-        for c in [
-            0.001_333_355_8,
-            0.009_618_129,
-            0.055_504_11,
-            0.240_226_5,
-            std::f32::consts::LN_2,
-            1.0,
-        ] {
+        let mut p = _mm256_set1_ps(EXP2_TAYLOR[0]);
+        for &c in &EXP2_TAYLOR[1..] {
             p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
         }
         let bits = _mm256_slli_epi32(
@@ -287,8 +265,14 @@ mod avx2 {
         }
     }
 
-    /// `$f::<A, VC>(...)` for the vectors `$v..$v + $vc` (1 to 3 of them),
-    /// `A` given per `VC`.
+    /// Keys (scores) or head-dim elements (values) a register tile takes
+    /// for 1, 2 or 3 vectors of lanes: eight or nine accumulators (twelve
+    /// spill one: the broadcasts take two registers). `by_vectors!` is
+    /// given the same counts.
+    const PER_TILE: [usize; 3] = [8, 4, 3];
+
+    /// `$f::<A, VC>(...)` for `$vc` (1 to 3) vectors of lanes, `A` given per
+    /// `VC` (`PER_TILE`'s).
     macro_rules! by_vectors {
         ($vc:expr, $f:ident::<$a1:literal, $a2:literal, $a3:literal>($($arg:expr),* $(,)?)) => {
             match $vc {
@@ -323,15 +307,13 @@ mod avx2 {
         let (d, lanes) = (st.head_dim, st.lanes);
         let plane = local * d * lanes;
         let (k, vals) = (keys.as_ptr().add(at), values.as_ptr().add(at));
-        // Scores, a few keys (and up to three vectors) at a time: eight or
-        // nine accumulators (twelve spill one: the broadcasts take two
-        // registers).
+        // Scores, a few keys (and up to three vectors) at a time.
         let mut v = vectors.start;
         while v < vectors.end {
             let vc = (vectors.end - v).min(3);
             let qt = st.qt.as_ptr().add(plane + 8 * v);
             let out = st.scores.as_mut_ptr().add(8 * v);
-            let step = [8, 4, 3][vc - 1];
+            let step = PER_TILE[vc - 1];
             let mut j = 0;
             while j + step <= n {
                 let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
@@ -399,7 +381,7 @@ mod avx2 {
             let probs = st.scores.as_ptr().add(8 * v);
             let correction = st.correction.as_ptr().add(8 * v);
             let ot = st.ot.as_mut_ptr().add(plane + 8 * v);
-            let chunk = [8, 4, 3][vc - 1];
+            let chunk = PER_TILE[vc - 1];
             let mut i = 0;
             while i + chunk <= d {
                 let (x, o) = (vals.add(i), ot.add(i * lanes));
