@@ -25,6 +25,9 @@
 
 use std::ops::Range;
 
+use super::{chunk, widen_rows, PagedAttentionArgs, Scratch, TileQuery, VectorOps};
+use crate::kv_element::KvElement;
+
 /// Where a tile's queries stand in the lanes, and the running state of the
 /// blocks they took together (empty until `start`).
 #[derive(Default)]
@@ -149,6 +152,97 @@ impl TileState {
         *sum = *sum * c1 + s2 * c2;
         *max = m;
     }
+}
+
+/// Whether two of a tile's queries read one physical block. Rows whose
+/// tables share blocks are neighbours in the tile (`tiles`), and so are one
+/// row's queries, so neighbours are compared: at the first block position
+/// both read.
+pub(super) fn shares_a_block(queries: &[TileQuery<'_>], bs: usize) -> bool {
+    queries.windows(2).any(|pair| {
+        let (a, b) = (&pair[0], &pair[1]);
+        let block = (a.2.max(b.2)) / bs;
+        block * bs < a.3.min(b.3) && a.1[block] == b.1[block]
+    })
+}
+
+/// Block position `block` of a tile whose queries take the blocks they
+/// share together: each physical block read there by two or more of them
+/// goes through the tile loops once (widened to float32 once). Returns the
+/// queries served (bit e: query e); a block one query reads alone is left
+/// to the per-query loops.
+#[inline(always)]
+pub(super) fn attend_together<V: VectorOps, T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    queries: &[TileQuery<'_>],
+    block: usize,
+    kv_heads: &Range<usize>,
+    s: &mut Scratch,
+) -> u32 {
+    let (h, hkv, d, bs) = (
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        args.block_size,
+    );
+    let token = hkv * d;
+    let mut served = 0u32; // (QUERY_TILE <= 32)
+    for (e, query) in queries.iter().enumerate() {
+        if served & (1 << e) != 0 {
+            continue;
+        }
+        let Some((lo, hi)) = chunk(query, block, bs) else {
+            continue;
+        };
+        // The later queries reading the same physical block here.
+        let physical = query.1[block];
+        let (mut members, mut keys, mut last) = (1u32 << e, (lo, hi), e);
+        for (o, other) in queries.iter().enumerate().skip(e + 1) {
+            if other.1[block] != physical {
+                continue;
+            }
+            if let Some((olo, ohi)) = chunk(other, block, bs) {
+                members |= 1 << o;
+                keys = (keys.0.min(olo), keys.1.max(ohi));
+                last = o;
+            }
+        }
+        if members == 1 << e {
+            continue;
+        }
+        served |= members;
+        if !s.tile.started {
+            let rows: Vec<&[f32]> = queries
+                .iter()
+                .map(|&(t, ..)| &args.q[t * h * d..(t + 1) * h * d])
+                .collect();
+            s.tile
+                .start(&rows, (h, hkv, d, bs), kv_heads.clone(), args.scale);
+        }
+        let at = physical as usize * bs * token;
+        widen_rows::<V, T>(args, at, keys.0..keys.1, s);
+        s.tile.clear_lanes();
+        for (o, other) in queries.iter().enumerate().skip(e) {
+            if members & (1 << o) != 0 {
+                let (olo, ohi) = chunk(other, block, bs).expect("a member reads the block");
+                s.tile.set_lanes(o, olo, ohi);
+            }
+        }
+        let vectors = s.tile.vectors(e, last);
+        for (local, kv_head) in kv_heads.clone().enumerate() {
+            V::tile_block(
+                &mut s.tile,
+                local,
+                &s.keys,
+                &s.values,
+                keys.0 * token + kv_head * d,
+                token,
+                (keys.0, keys.1 - keys.0),
+                vectors.clone(),
+            );
+        }
+    }
+    served
 }
 
 #[cfg(target_arch = "x86_64")]
