@@ -146,6 +146,9 @@ def test_what_cannot_run_is_refused(gemma_vl: Path) -> None:
         llm.generate(request(text, images), greedy(), use_tqdm=False)
     assert llm.engine.stats().num_used_blocks == 0
     assert llm.generate(request(chat("hi"), []), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    # (the fused layers attend causally: image rows need the module path's mask)
+    with pytest.raises(InvalidArgumentError, match="attend both ways"):
+        LLM(str(gemma_vl), max_model_len=256, batch_invariant=True, quantization="q8_0")
 
     from transformers import AutoConfig
 

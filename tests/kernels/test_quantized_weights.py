@@ -647,6 +647,39 @@ def test_fused_decode_layers_match_the_module_path(
     assert len(calls) == steps
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gpt-oss", "gemma3-window"])
+def test_long_rows_behind_a_context_run_fused(
+    tiny_models: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose long rows all follow a context computed before (prompt
+    tails of 20 and 10 tokens behind a cached 32-token prefix) runs the
+    fused layers, whose attention takes the paged kernel as the module path
+    gives it such rows; the same tokens and logprobs as the module path
+    (gpt-oss: sinks, windows and experts; Gemma 3: windows and its norms).
+    A fresh prompt of more than 17 tokens keeps the module path."""
+    gen = torch.Generator().manual_seed(11)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist()
+
+    prefix = tokens(32)
+    prompts = [prefix + tokens(20), prefix + tokens(10)]
+    llm, _ = _run(tiny_models[name], [prefix], quantization="q8_0")
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None
+    calls: list[int] = []
+    monkeypatch.setattr(model.fused_decode, "run", _counted(model.fused_decode.run, calls))
+    fused = _run_again(llm, prompts)
+    assert len(calls) == MAX_TOKENS  # the tails' step too
+    calls.clear()
+    _run_again(llm, [tokens(20)])
+    assert len(calls) == MAX_TOKENS - 1  # all but the fresh prompt's step
+    model.fused_decode = None
+    llm.reset_prefix_cache()
+    _run_again(llm, [prefix])
+    _assert_close(_run_again(llm, prompts), fused)
+
+
 def _assert_close(got: Greedy, expected: Greedy) -> None:
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
         assert tokens == want_tokens

@@ -25,6 +25,7 @@ from ferrox._native import BatchPlan
 from ferrox.layers.attention import AttentionMetadata
 from ferrox.loader.model_loader import LoadedModel
 from ferrox.runner.kv_cache import KVCache, bytes_per_block, kv_layout
+from ferrox.runner.sampler import greedy_tokens
 
 
 class DraftRunner:
@@ -147,5 +148,5 @@ class DraftRunner:
             meta,
         )
         logits = self.model.compute_logits(hidden[torch.from_numpy(qsl[1:] - 1).to(dev)])
-        next_tokens = logits.argmax(dim=-1).cpu().numpy()
+        next_tokens = greedy_tokens(logits).cpu().numpy()
         return next_tokens[inverse]

@@ -9,6 +9,9 @@
 //! 6912-wide MLP a token's tanh calls alone cost more than a layer's
 //! element-wise work should.
 
+use crate::pool::run_parts;
+use crate::quant_matmul::OutPtr;
+
 /// e^x within about 3e-7 relative error (x clamped to [-87, 88]; e^-87 is
 /// 1.6e-38, e^88 1.7e38): x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two
 /// parts, so that n ln 2 loses no bits), e^r by its degree-6 Taylor
@@ -120,6 +123,11 @@ pub fn silu_in_place(x: &mut [f32]) {
 /// [rows, inter].
 pub fn gate_rows(gate: Gate, gate_up: &[f32], inter: usize) -> Vec<f32> {
     let mut out = vec![0.0; gate_up.len() / 2];
+    gate_rows_into(gate, gate_up, inter, &mut out);
+    out
+}
+
+fn gate_rows_into(gate: Gate, gate_up: &[f32], inter: usize, out: &mut [f32]) {
     for (row, dst) in gate_up
         .chunks_exact(2 * inter)
         .zip(out.chunks_exact_mut(inter))
@@ -127,6 +135,44 @@ pub fn gate_rows(gate: Gate, gate_up: &[f32], inter: usize) -> Vec<f32> {
         let (g, u) = row.split_at(inter);
         gate_row(gate, g, u, dst);
     }
+}
+
+/// Outputs below which `gate_rows_threaded` stays on the calling thread.
+const PARALLEL_MIN_OUTPUTS: usize = 1 << 15;
+
+/// `gate_rows`, its rows split between up to `num_threads` threads of the
+/// pool where there are enough of them (a prefill chunk's MLP): the same
+/// values, each computed alone.
+pub fn gate_rows_threaded(
+    gate: Gate,
+    gate_up: &[f32],
+    inter: usize,
+    num_threads: usize,
+) -> Vec<f32> {
+    let rows = gate_up.len() / (2 * inter).max(1);
+    let parts = num_threads.min(rows).max(1);
+    if parts == 1 || rows * inter < PARALLEL_MIN_OUTPUTS {
+        return gate_rows(gate, gate_up, inter);
+    }
+    let mut out = vec![0.0; rows * inter];
+    let per = rows.div_ceil(parts);
+    let dst = OutPtr(out.as_mut_ptr());
+    run_parts(parts, &|part| {
+        let (first, last) = (part * per, ((part + 1) * per).min(rows));
+        if first >= last {
+            return;
+        }
+        // SAFETY: each part writes its own rows of `out`, which outlives the call.
+        let mine = unsafe {
+            std::slice::from_raw_parts_mut(dst.get().add(first * inter), (last - first) * inter)
+        };
+        gate_rows_into(
+            gate,
+            &gate_up[first * 2 * inter..last * 2 * inter],
+            inter,
+            mine,
+        );
+    });
     out
 }
 
@@ -184,6 +230,29 @@ mod tests {
                         (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
                         "{gate:?} at {}: {got} vs {want}",
                         g[i]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn threaded_rows_are_the_rows_alone() {
+        // Row counts below, at and above the threshold, odd ones included.
+        for (rows, inter) in [(1, 24), (7, 4097), (64, 512), (33, 1536), (101, 1000)] {
+            let gate_up: Vec<f32> = (0..rows * 2 * inter)
+                .map(|i| ((i * 7919) % 1000) as f32 / 125.0 - 4.0)
+                .collect();
+            for gate in [Gate::Silu, Gate::GeluTanh] {
+                let alone = gate_rows(gate, &gate_up, inter);
+                for threads in 1..4 {
+                    let split = gate_rows_threaded(gate, &gate_up, inter, threads);
+                    assert!(
+                        split
+                            .iter()
+                            .zip(&alone)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{gate:?}, {rows} rows of {inter}, {threads} threads"
                     );
                 }
             }

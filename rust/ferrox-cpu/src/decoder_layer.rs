@@ -12,7 +12,7 @@
 //! fused, a layer costs one call from Python instead of about twenty tensor
 //! operations, which at one token per step cost more than the arithmetic.
 
-use crate::activation::{exp, gate_rows, Gate};
+use crate::activation::{exp, gate_rows_threaded, Gate};
 use crate::elementwise::{add_rms_norm, rotary_partial_in_place, RotaryHeads};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::kv_element::KvElement;
@@ -336,7 +336,7 @@ impl MlpTail<'_> {
         };
         let inter = mlp.gate_up.out_features / 2;
         let gate_up = linear(&mlp.gate_up, normed, hidden, threads)?;
-        let act = gate_rows(self.activation, &gate_up, inter);
+        let act = gate_rows_threaded(self.activation, &gate_up, inter, threads);
         let mut out = linear(&mlp.down, &act, inter, threads)?;
         if let Some(norm) = self.mlp_out_norm {
             rms_norm_rows(&mut out, norm, self.eps, threads)?;
