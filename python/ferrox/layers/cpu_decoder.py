@@ -139,11 +139,12 @@ def _fp32_cpu(*tensors: torch.Tensor) -> bool:
 # A step with rows of more than SHORT_QUERY_LEN query tokens (all behind a
 # context) runs fused while it has at most this many tokens. One mixed step
 # (15 decodes and a prompt's tail behind a cached 700-token prefix, the
-# bundled model; `benches/cpu_mixed_steps.py`) ran 1.14-1.24x the module
-# path's speed at 35 tokens and 1.05-1.08x at 175 (AVX2, AVX-512 VNNI), and
-# no longer measurably faster from 215: there the fused layer's serial parts
-# (its zero-filled buffers, the cache writes) catch up with the module
-# path's per-operation overhead.
+# bundled model; `benches/cpu_mixed_steps.py`) ran 1.14-1.25x the module
+# path's speed at 35 tokens and 1.05-1.09x at 175 (AVX2, AVX-512 VNNI), and
+# within the machine's noise of it from 215: there the module path's
+# per-operation overhead is a small share of the step, and the fused
+# layer's serial parts (the cache writes, the activations' quantization)
+# weigh as much.
 FUSED_MAX_TOKENS_AFTER_CONTEXT = 160
 
 

@@ -140,21 +140,26 @@ fn gate_rows_into(gate: Gate, gate_up: &[f32], inter: usize, out: &mut [f32]) {
 /// Outputs below which `gate_rows_threaded` stays on the calling thread.
 const PARALLEL_MIN_OUTPUTS: usize = 1 << 15;
 
-/// `gate_rows`, its rows split between up to `num_threads` threads of the
-/// pool where there are enough of them (a prefill chunk's MLP): the same
-/// values, each computed alone.
+/// `gate_rows` into `out` ([rows, inter]), the rows split between up to
+/// `num_threads` threads of the pool where there are enough of them (a
+/// prefill chunk's MLP): the same values, each computed alone.
 pub fn gate_rows_threaded(
     gate: Gate,
     gate_up: &[f32],
     inter: usize,
     num_threads: usize,
-) -> Vec<f32> {
-    let rows = gate_up.len() / (2 * inter).max(1);
+    out: &mut [f32],
+) {
+    let rows = out.len() / inter.max(1);
+    assert_eq!(
+        gate_up.len(),
+        2 * out.len(),
+        "gate_up must be [rows, 2 inter]"
+    );
     let parts = num_threads.min(rows).max(1);
     if parts == 1 || rows * inter < PARALLEL_MIN_OUTPUTS {
-        return gate_rows(gate, gate_up, inter);
+        return gate_rows_into(gate, gate_up, inter, out);
     }
-    let mut out = vec![0.0; rows * inter];
     let per = rows.div_ceil(parts);
     let dst = OutPtr(out.as_mut_ptr());
     run_parts(parts, &|part| {
@@ -173,7 +178,6 @@ pub fn gate_rows_threaded(
             mine,
         );
     });
-    out
 }
 
 #[cfg(test)]
@@ -246,7 +250,8 @@ mod tests {
             for gate in [Gate::Silu, Gate::GeluTanh] {
                 let alone = gate_rows(gate, &gate_up, inter);
                 for threads in 1..4 {
-                    let split = gate_rows_threaded(gate, &gate_up, inter, threads);
+                    let mut split = vec![f32::NAN; rows * inter];
+                    gate_rows_threaded(gate, &gate_up, inter, threads, &mut split);
                     assert!(
                         split
                             .iter()

@@ -12,6 +12,8 @@
 //! fused, a layer costs one call from Python instead of about twenty tensor
 //! operations, which at one token per step cost more than the arithmetic.
 
+use std::cell::RefCell;
+
 use crate::activation::{exp, gate_rows_threaded, Gate};
 use crate::elementwise::{add_rms_norm, rotary_partial_in_place, RotaryHeads};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
@@ -96,8 +98,23 @@ pub(crate) fn linear(
     k: usize,
     threads: usize,
 ) -> Result<Vec<f32>, ShapeError> {
+    let mut out = vec![0.0; x.len() / k * layer.out_features];
+    linear_into(layer, x, k, threads, &mut out)?;
+    Ok(out)
+}
+
+/// `x @ w^T (+ bias)` into `out` ([M, N]), every element written.
+fn linear_into(
+    layer: &LayerLinear<'_>,
+    x: &[f32],
+    k: usize,
+    threads: usize,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
     let (m, n) = (x.len() / k, layer.out_features);
-    let mut out = vec![0.0; m * n];
+    if out.len() != m * n {
+        return Err(ShapeError("linear: the output is not [M, N]".into()));
+    }
     let done = match layer.weight {
         LinearWeight::Blocks(w, fmt, layout) => {
             let args = QuantMatmulArgs {
@@ -111,7 +128,7 @@ pub(crate) fn linear(
                 layout,
                 num_threads: threads,
             };
-            quant_matmul(&args, &mut out)
+            quant_matmul(&args, out)
         }
         LinearWeight::F32(w) => {
             let args = F32MatmulArgs {
@@ -123,11 +140,51 @@ pub(crate) fn linear(
                 n,
                 num_threads: threads,
             };
-            f32_matmul(&args, &mut out)
+            f32_matmul(&args, out)
         }
     };
-    done.map_err(|e| ShapeError(e.to_string()))?;
-    Ok(out)
+    done.map_err(|e| ShapeError(e.to_string()))
+}
+
+/// Buffers a layer call writes whole before it reads them, kept by the
+/// calling thread from one call to the next. A new buffer comes zero-filled
+/// (calloc writes every byte of a reused heap chunk): in a step of many
+/// tokens that was tens of megabytes of writes a layer on the calling
+/// thread while the pool's workers waited. A buffer grows to the largest
+/// call's size and stays so (as the heap would keep it: `runtime.py`).
+#[derive(Default)]
+struct AttentionBuffers {
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    o: Vec<f32>,
+}
+
+/// The MLP's share of those buffers (`MlpTail`, which linear-attention
+/// layers run too).
+#[derive(Default)]
+struct MlpBuffers {
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+thread_local! {
+    static ATTENTION_BUFFERS: RefCell<AttentionBuffers> = RefCell::default();
+    static MLP_BUFFERS: RefCell<MlpBuffers> = RefCell::default();
+}
+
+/// The first `len` values of `buffer`, grown where it is shorter; what they
+/// hold is left from an earlier call (NaN in debug builds, so that a value
+/// read before it is written shows).
+fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+    let part = &mut buffer[..len];
+    if cfg!(debug_assertions) {
+        part.fill(f32::NAN);
+    }
+    part
 }
 
 /// RMSNorm of each row of `x` by `weight`, in place.
@@ -160,7 +217,6 @@ pub fn decoder_layer<T: KvElement>(
     let hidden = weights.input_norm.len();
     let (h, hkv, d) = (weights.num_heads, weights.num_kv_heads, weights.head_dim);
     let tokens = step.positions.len();
-    let row_len = (h + 2 * hkv) * d;
     let query_width = if weights.query_gate { 2 * h * d } else { h * d };
     let dense_ok = |m: &DenseMlp<'_>| {
         m.down.out_features == hidden && m.gate_up.out_features.is_multiple_of(2)
@@ -213,23 +269,45 @@ pub fn decoder_layer<T: KvElement>(
             "decoder layer: slot {s} outside the cache"
         )));
     }
+    let mut buffers = ATTENTION_BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    let done = attend(weights, step, residual, x, k_cache, v_cache, &mut buffers);
+    ATTENTION_BUFFERS.with(|b| *b.borrow_mut() = buffers);
+    done
+}
+
+/// `decoder_layer` after its checks, in `buffers`.
+fn attend<T: KvElement>(
+    weights: &DecoderLayerWeights<'_>,
+    step: &DecoderLayerStep<'_>,
+    residual: &mut [f32],
+    x: &mut [f32],
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+    buffers: &mut AttentionBuffers,
+) -> Result<(), ShapeError> {
+    let hidden = weights.input_norm.len();
+    let (h, hkv, d) = (weights.num_heads, weights.num_kv_heads, weights.head_dim);
+    let tokens = step.positions.len();
+    let row_len = (h + 2 * hkv) * d;
     let threads = step.num_threads;
-    let mut normed = vec![0.0; residual.len()];
+    let normed = sized(&mut buffers.normed, residual.len());
     add_rms_norm(
         residual,
         Some(x),
         weights.input_norm,
         weights.eps,
-        &mut normed,
+        normed,
         threads,
     )?;
 
-    let mut qkv = linear(&weights.qkv, &normed, hidden, threads)?;
+    let qkv = sized(&mut buffers.qkv, tokens * weights.qkv.out_features);
+    linear_into(&weights.qkv, normed, hidden, threads, qkv)?;
     let gates = weights
         .query_gate
-        .then(|| split_query_gates(&mut qkv, tokens, h, hkv, d));
+        .then(|| split_query_gates(qkv, tokens, h, hkv, d));
+    let qkv = &mut qkv[..tokens * row_len];
     if let (Some(q_norm), Some(k_norm)) = (weights.q_norm, weights.k_norm) {
-        head_norms(&mut qkv, row_len, h, hkv, d, q_norm, k_norm, weights.eps)?;
+        head_norms(qkv, row_len, h, hkv, d, q_norm, k_norm, weights.eps)?;
     }
     let heads = RotaryHeads {
         row_len,
@@ -237,14 +315,7 @@ pub fn decoder_layer<T: KvElement>(
         head_dim: d,
         rotary_dim: weights.rotary_dim,
     };
-    rotary_partial_in_place(
-        &mut qkv,
-        &heads,
-        step.positions,
-        step.cos,
-        step.sin,
-        threads,
-    )?;
+    rotary_partial_in_place(qkv, &heads, step.positions, step.cos, step.sin, threads)?;
     let kv_width = hkv * d;
     let mut q = Vec::with_capacity(tokens * h * d);
     for (row, &slot) in qkv.chunks_exact(row_len).zip(step.slot_mapping) {
@@ -260,7 +331,7 @@ pub fn decoder_layer<T: KvElement>(
     }
 
     let rows: Vec<i32> = (0..step.seq_lens.len() as i32).collect();
-    let mut attn = vec![0.0; q.len()];
+    let attn = sized(&mut buffers.attn, q.len());
     let args = PagedAttentionArgs {
         q: &q,
         k_cache,
@@ -279,15 +350,16 @@ pub fn decoder_layer<T: KvElement>(
         batch_invariant: step.batch_invariant,
         num_threads: threads,
     };
-    paged_attention(&args, &mut attn)?;
+    paged_attention(&args, attn)?;
     if let Some(gates) = gates {
         for (a, &g) in attn.iter_mut().zip(&gates) {
             *a *= 1.0 / (1.0 + exp(-g));
         }
     }
-    let mut o = linear(&weights.o, &attn, h * d, threads)?;
+    let o = sized(&mut buffers.o, tokens * hidden);
+    linear_into(&weights.o, attn, h * d, threads, o)?;
     if let Some(norm) = weights.attention_out_norm {
-        rms_norm_rows(&mut o, norm, weights.eps, threads)?;
+        rms_norm_rows(o, norm, weights.eps, threads)?;
     }
     let tail = MlpTail {
         post_attention_norm: weights.post_attention_norm,
@@ -296,7 +368,7 @@ pub fn decoder_layer<T: KvElement>(
         mlp_out_norm: weights.mlp_out_norm,
         eps: weights.eps,
     };
-    tail.run(residual, x, &o, &mut normed, threads)
+    tail.run(residual, x, o, normed, threads)
 }
 
 /// A decoder layer's second half, the same whatever mixed the tokens
@@ -321,7 +393,6 @@ impl MlpTail<'_> {
         normed: &mut [f32],
         threads: usize,
     ) -> Result<(), ShapeError> {
-        let hidden = self.post_attention_norm.len();
         add_rms_norm(
             residual,
             Some(mixed),
@@ -334,28 +405,41 @@ impl MlpTail<'_> {
             x.copy_from_slice(normed);
             return Ok(());
         };
+        let mut buffers = MLP_BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+        let done = self.mlp(mlp, normed, x, &mut buffers, threads);
+        MLP_BUFFERS.with(|b| *b.borrow_mut() = buffers);
+        done
+    }
+
+    /// The dense MLP of `normed` into `x`.
+    fn mlp(
+        &self,
+        mlp: &DenseMlp<'_>,
+        normed: &[f32],
+        x: &mut [f32],
+        buffers: &mut MlpBuffers,
+        threads: usize,
+    ) -> Result<(), ShapeError> {
+        let hidden = self.post_attention_norm.len();
         let inter = mlp.gate_up.out_features / 2;
-        let gate_up = linear(&mlp.gate_up, normed, hidden, threads)?;
-        let act = gate_rows_threaded(self.activation, &gate_up, inter, threads);
-        let mut out = linear(&mlp.down, &act, inter, threads)?;
+        let rows = normed.len() / hidden;
+        let gate_up = sized(&mut buffers.gate_up, rows * 2 * inter);
+        linear_into(&mlp.gate_up, normed, hidden, threads, gate_up)?;
+        let act = sized(&mut buffers.act, rows * inter);
+        gate_rows_threaded(self.activation, gate_up, inter, threads, act);
+        linear_into(&mlp.down, act, inter, threads, x)?;
         if let Some(norm) = self.mlp_out_norm {
-            rms_norm_rows(&mut out, norm, self.eps, threads)?;
+            rms_norm_rows(x, norm, self.eps, threads)?;
         }
-        x.copy_from_slice(&out);
         Ok(())
     }
 }
 
 /// Gated attention's projection rows ([T, (2 H + 2 Hkv) D], each query
 /// head followed by its gate) become the usual q/k/v rows ([T, (H + 2 Hkv)
-/// D], in place, shortened); the gates ([T, H D]) are returned.
-fn split_query_gates(
-    qkv: &mut Vec<f32>,
-    tokens: usize,
-    h: usize,
-    hkv: usize,
-    d: usize,
-) -> Vec<f32> {
+/// D], in place: the first T (H + 2 Hkv) D values); the gates ([T, H D])
+/// are returned.
+fn split_query_gates(qkv: &mut [f32], tokens: usize, h: usize, hkv: usize, d: usize) -> Vec<f32> {
     let (wide, row_len) = ((2 * h + 2 * hkv) * d, (h + 2 * hkv) * d);
     let mut gates = Vec::with_capacity(tokens * h * d);
     for t in 0..tokens {
@@ -369,7 +453,6 @@ fn split_query_gates(
         // its source, and each copy reads what no earlier copy wrote)
         qkv.copy_within(src + 2 * h * d..src + wide, dst + h * d);
     }
-    qkv.truncate(tokens * row_len);
     gates
 }
 
