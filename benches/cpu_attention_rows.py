@@ -91,7 +91,7 @@ def step(
 
 def timed(backend: CpuAttentionBackend, args: tuple, limit: int, repeats: int) -> float:
     meta, (kc, vc), (q, k, v) = args
-    cpu_backend.SHORT_QUERY_LEN = cpu_backend.SHORT_QUERY_LEN_AFTER_CONTEXT = limit
+    cpu_backend.PAGED_FRESH_QUERY_LEN = cpu_backend.SHORT_QUERY_LEN_AFTER_CONTEXT = limit
     meta._row_split = None
     backend.forward(q, k, v, kc, vc, meta)  # warm up
     times = []

@@ -12,7 +12,7 @@ the module path, alternating in one process, `--repeats` times each:
 
 Prints each path's median milliseconds and module / fused per pair, median
 (min-max): where that ratio falls below 1 sets
-`cpu_decoder.FUSED_MAX_TOKENS_AFTER_CONTEXT`.
+`cpu_decoder.FUSED_MAX_TOKENS_LONG_ROWS`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"CPU: {cpu_description()}")
-    limit = cpu_decoder.FUSED_MAX_TOKENS_AFTER_CONTEXT
+    limit = cpu_decoder.FUSED_MAX_TOKENS_LONG_ROWS
     llm = LLM(max_num_seqs=64, max_model_len=4096)
     engine = llm.engine
     rng = np.random.default_rng(0)
@@ -62,7 +62,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for path in seconds:
                     # module: no step with a long row runs fused; fused: any such step does
-                    cpu_decoder.FUSED_MAX_TOKENS_AFTER_CONTEXT = (
+                    cpu_decoder.FUSED_MAX_TOKENS_LONG_ROWS = (
                         SHORT_QUERY_LEN if path == "module" else 1 << 30
                     )
                     engine.step()
@@ -81,7 +81,7 @@ def main() -> None:
             )
             figures[str(tail)] = {"seconds": seconds, "module_over_fused": ratios}
     finally:
-        cpu_decoder.FUSED_MAX_TOKENS_AFTER_CONTEXT = limit
+        cpu_decoder.FUSED_MAX_TOKENS_LONG_ROWS = limit
         for rid in engine.request_ids():
             engine.abort_request(rid)
     if args.json:

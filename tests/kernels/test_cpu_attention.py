@@ -57,12 +57,16 @@ ROWS = [(1, 37), (1, 9), (18, 40), (64, 5), (40, 64), (65, 70), (17, 0), (40, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rows_behind_a_context_take_the_paged_kernel_and_match_torch(dtype: torch.dtype) -> None:
+def test_every_row_takes_the_paged_kernel_and_matches_torch(dtype: torch.dtype) -> None:
     meta = metadata(ROWS, shared=2)
-    short, long = meta.row_split(
-        cpu_backend.SHORT_QUERY_LEN, cpu_backend.SHORT_QUERY_LEN_AFTER_CONTEXT
-    )
+    # (the split itself: the fresh 40-token row is the one past 17 without a context)
+    short, long = meta.row_split(cpu_backend.SHORT_QUERY_LEN, 1 << 30)
     assert short.tolist() == [0, 1, 2, 3, 4, 5, 6, 8] and long.tolist() == [7]
+    meta._row_split = None
+    short, long = meta.row_split(
+        cpu_backend.PAGED_FRESH_QUERY_LEN, cpu_backend.SHORT_QUERY_LEN_AFTER_CONTEXT
+    )
+    assert short.tolist() == list(range(len(ROWS))) and not len(long)
     g = torch.Generator().manual_seed(0)
     num_blocks = int(meta.block_table_cpu.max()) + 1
     cache = (num_blocks, BLOCK, KV_HEADS, DIM)
@@ -77,6 +81,7 @@ def test_rows_behind_a_context_take_the_paged_kernel_and_match_torch(dtype: torc
     )
     meta._row_split = None
     got = CpuAttentionBackend(HEADS, KV_HEADS, DIM, scale).forward(q, k, v, k_cache, v_cache, meta)
-    # (float16: the torch path attends a fresh prompt over its unrounded K/V)
+    # (float16: the torch path attends a fresh prompt over its unrounded K/V,
+    # the paged kernel over the cache's)
     atol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)

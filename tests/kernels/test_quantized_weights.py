@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 from ferrox import LLM, SamplingParams
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError
-from ferrox.layers import cpu_linear, quant_linear
+from ferrox.layers import cpu_decoder, cpu_linear, quant_linear
 from ferrox.layers.moe import SparseMoe
 from ferrox.layers.quant_linear import (
     QuantEmbedding,
@@ -656,7 +656,8 @@ def test_long_rows_behind_a_context_run_fused(
     fused layers, whose attention takes the paged kernel as the module path
     gives it such rows; the same tokens and logprobs as the module path
     (gpt-oss: sinks, windows and experts; Gemma 3: windows and its norms).
-    A fresh prompt of more than 17 tokens keeps the module path."""
+    A fresh 20-token prompt runs fused too; a 200-token one, a step over
+    the limit, on the module path."""
     gen = torch.Generator().manual_seed(11)
 
     def tokens(n: int) -> list[int]:
@@ -673,7 +674,10 @@ def test_long_rows_behind_a_context_run_fused(
     assert len(calls) == MAX_TOKENS  # the tails' step too
     calls.clear()
     _run_again(llm, [tokens(20)])
-    assert len(calls) == MAX_TOKENS - 1  # all but the fresh prompt's step
+    assert len(calls) == MAX_TOKENS
+    calls.clear()
+    _run_again(llm, [tokens(cpu_decoder.FUSED_MAX_TOKENS_LONG_ROWS + 40)])
+    assert len(calls) == MAX_TOKENS - 1  # all but the long prompt's step
     model.fused_decode = None
     llm.reset_prefix_cache()
     _run_again(llm, [prefix])

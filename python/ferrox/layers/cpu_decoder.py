@@ -42,12 +42,9 @@ import torch
 from ferrox._native import CpuDecoderLayer, CpuGatedDeltaLayer
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers import quant_linear
+from ferrox.layers.attention import cpu_backend
 from ferrox.layers.attention.base import AttentionMetadata, KvCache
-from ferrox.layers.attention.cpu_backend import (
-    SHORT_QUERY_LEN,
-    SHORT_QUERY_LEN_AFTER_CONTEXT,
-    CpuAttentionBackend,
-)
+from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBackend
 from ferrox.layers.cpu_linear import PackedLinear
 from ferrox.layers.gated_delta import state_rows
 from ferrox.layers.moe import SparseMoe
@@ -136,8 +133,9 @@ def _fp32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
-# A step with rows of more than SHORT_QUERY_LEN query tokens (all behind a
-# context) runs fused while it has at most this many tokens. One mixed step
+# A step with rows of more than SHORT_QUERY_LEN query tokens (which the
+# module path would give the paged kernel too) runs fused while it has at
+# most this many tokens. One mixed step
 # (15 decodes and a prompt's tail behind a cached 700-token prefix, the
 # bundled model; `benches/cpu_mixed_steps.py`) ran 1.14-1.25x the module
 # path's speed at 35 tokens and 1.05-1.09x at 175 (AVX2, AVX-512 VNNI), and
@@ -145,7 +143,7 @@ def _fp32_cpu(*tensors: torch.Tensor) -> bool:
 # per-operation overhead is a small share of the step, and the fused
 # layer's serial parts (the cache writes, the activations' quantization)
 # weigh as much.
-FUSED_MAX_TOKENS_AFTER_CONTEXT = 160
+FUSED_MAX_TOKENS_LONG_ROWS = 160
 
 
 class FusedCpuDecode:
@@ -325,9 +323,8 @@ class FusedCpuDecode:
 
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Rows whose attention the module path would give the paged kernel
-        too (few query tokens; or any number behind a context computed
-        before, see `cpu_backend`, in a step of at most
-        FUSED_MAX_TOKENS_AFTER_CONTEXT tokens), none with image tokens
+        too (few query tokens; or more, see `cpu_backend`, in a step of at
+        most FUSED_MAX_TOKENS_LONG_ROWS tokens), none with image tokens
         (which attend both ways), and few enough tokens that the module path
         would run the block kernel too (not dequantize and GEMM). A
         hybrid's: decodes only."""
@@ -339,9 +336,11 @@ class FusedCpuDecode:
             return False
         if self.every_step or meta.max_query_len <= SHORT_QUERY_LEN:
             return True
-        if num_tokens > FUSED_MAX_TOKENS_AFTER_CONTEXT:
+        if num_tokens > FUSED_MAX_TOKENS_LONG_ROWS:
             return False
-        _, module_rows = meta.row_split(SHORT_QUERY_LEN, SHORT_QUERY_LEN_AFTER_CONTEXT)
+        _, module_rows = meta.row_split(
+            cpu_backend.PAGED_FRESH_QUERY_LEN, cpu_backend.SHORT_QUERY_LEN_AFTER_CONTEXT
+        )
         return len(module_rows) == 0
 
     def _arrays(self, kv_caches: list[KvCache]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -13,6 +13,7 @@
 //! operations, which at one token per step cost more than the arithmetic.
 
 use std::cell::RefCell;
+use std::thread::LocalKey;
 
 use crate::activation::{exp, gate_rows_threaded, Gate};
 use crate::elementwise::{add_rms_norm, rotary_partial_in_place, RotaryHeads};
@@ -173,6 +174,14 @@ thread_local! {
     static MLP_BUFFERS: RefCell<MlpBuffers> = RefCell::default();
 }
 
+/// `f` over this thread's kept buffers (taken out while it runs).
+fn with_kept<B: Default, R>(kept: &'static LocalKey<RefCell<B>>, f: impl FnOnce(&mut B) -> R) -> R {
+    let mut buffers = kept.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    let result = f(&mut buffers);
+    kept.with(|b| *b.borrow_mut() = buffers);
+    result
+}
+
 /// The first `len` values of `buffer`, grown where it is shorter; what they
 /// hold is left from an earlier call (NaN in debug builds, so that a value
 /// read before it is written shows).
@@ -269,10 +278,9 @@ pub fn decoder_layer<T: KvElement>(
             "decoder layer: slot {s} outside the cache"
         )));
     }
-    let mut buffers = ATTENTION_BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
-    let done = attend(weights, step, residual, x, k_cache, v_cache, &mut buffers);
-    ATTENTION_BUFFERS.with(|b| *b.borrow_mut() = buffers);
-    done
+    with_kept(&ATTENTION_BUFFERS, |buffers| {
+        attend(weights, step, residual, x, k_cache, v_cache, buffers)
+    })
 }
 
 /// `decoder_layer` after its checks, in `buffers`.
@@ -405,10 +413,9 @@ impl MlpTail<'_> {
             x.copy_from_slice(normed);
             return Ok(());
         };
-        let mut buffers = MLP_BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
-        let done = self.mlp(mlp, normed, x, &mut buffers, threads);
-        MLP_BUFFERS.with(|b| *b.borrow_mut() = buffers);
-        done
+        with_kept(&MLP_BUFFERS, |buffers| {
+            self.mlp(mlp, normed, x, buffers, threads)
+        })
     }
 
     /// The dense MLP of `normed` into `x`.

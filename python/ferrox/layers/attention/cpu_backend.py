@@ -17,15 +17,21 @@ from ferrox.layers.attention.base import AttentionMetadata
 from ferrox.layers.attention.torch_backend import TorchAttentionBackend, store_kv
 from ferrox.layers.native import kernel_threads, kv_array
 
-# Rows of at most this many query tokens go to the paged kernel: it reads the
-# cached keys once per query token, cheaper than gathering the context for
-# matrix-multiply attention while the queries are few.
+# Rows of at most this many query tokens are decode-like (decodes, a
+# speculative verification's few positions): the fused CPU layers take any
+# step of them (layers/cpu_decoder.py).
 SHORT_QUERY_LEN = 17
-# ... and rows of any length after a context computed before (a prompt's tail
-# behind a prefix-cache hit, a later prefill chunk): there matrix-multiply
-# attention would first gather the whole context, block by block, and the
-# kernel's tile loops (a tile's queries take each block together) measured
-# faster at every length and context (`benches/cpu_attention_rows.py`).
+# Which rows the paged kernel attends: fresh prompts of at most
+# PAGED_FRESH_QUERY_LEN query tokens, and rows after a context computed
+# before (a prompt's tail behind a prefix-cache hit, a later prefill chunk)
+# of at most SHORT_QUERY_LEN_AFTER_CONTEXT; longer ones (none: both have no
+# limit) and rows with image tokens take matrix-multiply attention. Behind
+# a context that would first gather the whole context, block by block, and
+# the kernel's tile loops (a tile's queries take each block together)
+# measured faster at every length and context (`benches/cpu_attention_rows.py`);
+# for fresh prompts the kernel, reading their keys back from the cache,
+# measured faster end to end too (`benches/quant_batches.py`, performance.md).
+PAGED_FRESH_QUERY_LEN = sys.maxsize
 SHORT_QUERY_LEN_AFTER_CONTEXT = sys.maxsize
 
 
@@ -58,7 +64,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, H, D]
-        single_rows, chunk_rows = meta.row_split(SHORT_QUERY_LEN, SHORT_QUERY_LEN_AFTER_CONTEXT)
+        single_rows, chunk_rows = meta.row_split(
+            PAGED_FRESH_QUERY_LEN, SHORT_QUERY_LEN_AFTER_CONTEXT
+        )
         if meta.image_spans:  # the paged kernel is causal: image rows take the mask path
             masked = np.isin(single_rows, list(meta.image_spans))
             chunk_rows = np.concatenate((single_rows[masked], chunk_rows))
