@@ -152,7 +152,9 @@ fn linear_into(
 /// (calloc writes every byte of a reused heap chunk): in a step of many
 /// tokens that was tens of megabytes of writes a layer on the calling
 /// thread while the pool's workers waited. A buffer grows to the largest
-/// call's size and stays so (as the heap would keep it: `runtime.py`).
+/// call's size and stays so, up to `KEEP_MAX_ELEMENTS` (a larger one, a
+/// long prefill chunk's under `batch_invariant`, is given back after the
+/// call).
 #[derive(Default)]
 struct AttentionBuffers {
     normed: Vec<f32>,
@@ -169,15 +171,44 @@ struct MlpBuffers {
     act: Vec<f32>,
 }
 
+/// The largest buffer kept between calls, in floats (64 MiB).
+const KEEP_MAX_ELEMENTS: usize = 1 << 24;
+
+/// Kept buffers, each given back once it outgrows `KEEP_MAX_ELEMENTS`.
+trait Kept: Default {
+    fn buffers(&mut self) -> Vec<&mut Vec<f32>>;
+
+    fn trim(&mut self) {
+        for buffer in self.buffers() {
+            if buffer.len() > KEEP_MAX_ELEMENTS {
+                *buffer = Vec::new();
+            }
+        }
+    }
+}
+
+impl Kept for AttentionBuffers {
+    fn buffers(&mut self) -> Vec<&mut Vec<f32>> {
+        vec![&mut self.normed, &mut self.qkv, &mut self.attn, &mut self.o]
+    }
+}
+
+impl Kept for MlpBuffers {
+    fn buffers(&mut self) -> Vec<&mut Vec<f32>> {
+        vec![&mut self.gate_up, &mut self.act]
+    }
+}
+
 thread_local! {
     static ATTENTION_BUFFERS: RefCell<AttentionBuffers> = RefCell::default();
     static MLP_BUFFERS: RefCell<MlpBuffers> = RefCell::default();
 }
 
 /// `f` over this thread's kept buffers (taken out while it runs).
-fn with_kept<B: Default, R>(kept: &'static LocalKey<RefCell<B>>, f: impl FnOnce(&mut B) -> R) -> R {
+fn with_kept<B: Kept, R>(kept: &'static LocalKey<RefCell<B>>, f: impl FnOnce(&mut B) -> R) -> R {
     let mut buffers = kept.with(|b| std::mem::take(&mut *b.borrow_mut()));
     let result = f(&mut buffers);
+    buffers.trim();
     kept.with(|b| *b.borrow_mut() = buffers);
     result
 }
@@ -553,6 +584,17 @@ mod tests {
         // Zero weights: attention adds nothing, the MLP outputs zeros.
         assert!(residual.iter().all(|&r| r == 1.5) && x.iter().all(|&v| v == 0.0));
         Ok(())
+    }
+
+    #[test]
+    fn kept_buffers_past_the_bound_are_given_back() {
+        let mut kept = MlpBuffers {
+            gate_up: vec![0.0; KEEP_MAX_ELEMENTS + 1],
+            act: vec![0.0; KEEP_MAX_ELEMENTS],
+        };
+        kept.trim();
+        assert_eq!(kept.gate_up.capacity(), 0);
+        assert_eq!(kept.act.len(), KEEP_MAX_ELEMENTS);
     }
 
     #[test]
