@@ -176,26 +176,26 @@ const KEEP_MAX_ELEMENTS: usize = 1 << 24;
 
 /// Kept buffers, each given back once it outgrows `KEEP_MAX_ELEMENTS`.
 trait Kept: Default {
-    fn buffers(&mut self) -> Vec<&mut Vec<f32>>;
+    fn trim(&mut self);
+}
 
-    fn trim(&mut self) {
-        for buffer in self.buffers() {
-            if buffer.len() > KEEP_MAX_ELEMENTS {
-                *buffer = Vec::new();
-            }
+fn trim_each<const N: usize>(buffers: [&mut Vec<f32>; N]) {
+    for buffer in buffers {
+        if buffer.len() > KEEP_MAX_ELEMENTS {
+            *buffer = Vec::new();
         }
     }
 }
 
 impl Kept for AttentionBuffers {
-    fn buffers(&mut self) -> Vec<&mut Vec<f32>> {
-        vec![&mut self.normed, &mut self.qkv, &mut self.attn, &mut self.o]
+    fn trim(&mut self) {
+        trim_each([&mut self.normed, &mut self.qkv, &mut self.attn, &mut self.o]);
     }
 }
 
 impl Kept for MlpBuffers {
-    fn buffers(&mut self) -> Vec<&mut Vec<f32>> {
-        vec![&mut self.gate_up, &mut self.act]
+    fn trim(&mut self) {
+        trim_each([&mut self.gate_up, &mut self.act]);
     }
 }
 
@@ -310,104 +310,88 @@ pub fn decoder_layer<T: KvElement>(
         )));
     }
     with_kept(&ATTENTION_BUFFERS, |buffers| {
-        attend(weights, step, residual, x, k_cache, v_cache, buffers)
+        let row_len = (h + 2 * hkv) * d;
+        let threads = step.num_threads;
+        let normed = sized(&mut buffers.normed, residual.len());
+        add_rms_norm(
+            residual,
+            Some(x),
+            weights.input_norm,
+            weights.eps,
+            normed,
+            threads,
+        )?;
+
+        let qkv = sized(&mut buffers.qkv, tokens * weights.qkv.out_features);
+        linear_into(&weights.qkv, normed, hidden, threads, qkv)?;
+        let gates = weights
+            .query_gate
+            .then(|| split_query_gates(qkv, tokens, h, hkv, d));
+        let qkv = &mut qkv[..tokens * row_len];
+        if let (Some(q_norm), Some(k_norm)) = (weights.q_norm, weights.k_norm) {
+            head_norms(qkv, row_len, h, hkv, d, q_norm, k_norm, weights.eps)?;
+        }
+        let heads = RotaryHeads {
+            row_len,
+            num_heads: h + hkv, // queries, then keys
+            head_dim: d,
+            rotary_dim: weights.rotary_dim,
+        };
+        rotary_partial_in_place(qkv, &heads, step.positions, step.cos, step.sin, threads)?;
+        let kv_width = hkv * d;
+        let mut q = Vec::with_capacity(tokens * h * d);
+        for (row, &slot) in qkv.chunks_exact(row_len).zip(step.slot_mapping) {
+            let at = slot as usize * kv_width;
+            let (k, v) = (&row[h * d..(h + hkv) * d], &row[(h + hkv) * d..]);
+            for (dst, &src) in k_cache[at..at + kv_width].iter_mut().zip(k) {
+                *dst = T::from_f32(src);
+            }
+            for (dst, &src) in v_cache[at..at + kv_width].iter_mut().zip(v) {
+                *dst = T::from_f32(src);
+            }
+            q.extend_from_slice(&row[..h * d]);
+        }
+
+        let rows: Vec<i32> = (0..step.seq_lens.len() as i32).collect();
+        let attn = sized(&mut buffers.attn, q.len());
+        let args = PagedAttentionArgs {
+            q: &q,
+            k_cache,
+            v_cache,
+            block_table: step.block_table,
+            query_start_loc: step.query_start_loc,
+            seq_lens: step.seq_lens,
+            rows: &rows,
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+            block_size: step.block_size,
+            scale: weights.scale,
+            window: weights.window,
+            sinks: weights.sinks,
+            batch_invariant: step.batch_invariant,
+            num_threads: threads,
+        };
+        paged_attention(&args, attn)?;
+        if let Some(gates) = gates {
+            for (a, &g) in attn.iter_mut().zip(&gates) {
+                *a *= 1.0 / (1.0 + exp(-g));
+            }
+        }
+        let o = sized(&mut buffers.o, tokens * hidden);
+        linear_into(&weights.o, attn, h * d, threads, o)?;
+        if let Some(norm) = weights.attention_out_norm {
+            rms_norm_rows(o, norm, weights.eps, threads)?;
+        }
+        let tail = MlpTail {
+            post_attention_norm: weights.post_attention_norm,
+            mlp: weights.mlp.as_ref(),
+            activation: weights.activation,
+            mlp_out_norm: weights.mlp_out_norm,
+            eps: weights.eps,
+        };
+        tail.run(residual, x, o, normed, threads)
     })
-}
-
-/// `decoder_layer` after its checks, in `buffers`.
-fn attend<T: KvElement>(
-    weights: &DecoderLayerWeights<'_>,
-    step: &DecoderLayerStep<'_>,
-    residual: &mut [f32],
-    x: &mut [f32],
-    k_cache: &mut [T],
-    v_cache: &mut [T],
-    buffers: &mut AttentionBuffers,
-) -> Result<(), ShapeError> {
-    let hidden = weights.input_norm.len();
-    let (h, hkv, d) = (weights.num_heads, weights.num_kv_heads, weights.head_dim);
-    let tokens = step.positions.len();
-    let row_len = (h + 2 * hkv) * d;
-    let threads = step.num_threads;
-    let normed = sized(&mut buffers.normed, residual.len());
-    add_rms_norm(
-        residual,
-        Some(x),
-        weights.input_norm,
-        weights.eps,
-        normed,
-        threads,
-    )?;
-
-    let qkv = sized(&mut buffers.qkv, tokens * weights.qkv.out_features);
-    linear_into(&weights.qkv, normed, hidden, threads, qkv)?;
-    let gates = weights
-        .query_gate
-        .then(|| split_query_gates(qkv, tokens, h, hkv, d));
-    let qkv = &mut qkv[..tokens * row_len];
-    if let (Some(q_norm), Some(k_norm)) = (weights.q_norm, weights.k_norm) {
-        head_norms(qkv, row_len, h, hkv, d, q_norm, k_norm, weights.eps)?;
-    }
-    let heads = RotaryHeads {
-        row_len,
-        num_heads: h + hkv, // queries, then keys
-        head_dim: d,
-        rotary_dim: weights.rotary_dim,
-    };
-    rotary_partial_in_place(qkv, &heads, step.positions, step.cos, step.sin, threads)?;
-    let kv_width = hkv * d;
-    let mut q = Vec::with_capacity(tokens * h * d);
-    for (row, &slot) in qkv.chunks_exact(row_len).zip(step.slot_mapping) {
-        let at = slot as usize * kv_width;
-        let (k, v) = (&row[h * d..(h + hkv) * d], &row[(h + hkv) * d..]);
-        for (dst, &src) in k_cache[at..at + kv_width].iter_mut().zip(k) {
-            *dst = T::from_f32(src);
-        }
-        for (dst, &src) in v_cache[at..at + kv_width].iter_mut().zip(v) {
-            *dst = T::from_f32(src);
-        }
-        q.extend_from_slice(&row[..h * d]);
-    }
-
-    let rows: Vec<i32> = (0..step.seq_lens.len() as i32).collect();
-    let attn = sized(&mut buffers.attn, q.len());
-    let args = PagedAttentionArgs {
-        q: &q,
-        k_cache,
-        v_cache,
-        block_table: step.block_table,
-        query_start_loc: step.query_start_loc,
-        seq_lens: step.seq_lens,
-        rows: &rows,
-        num_heads: h,
-        num_kv_heads: hkv,
-        head_dim: d,
-        block_size: step.block_size,
-        scale: weights.scale,
-        window: weights.window,
-        sinks: weights.sinks,
-        batch_invariant: step.batch_invariant,
-        num_threads: threads,
-    };
-    paged_attention(&args, attn)?;
-    if let Some(gates) = gates {
-        for (a, &g) in attn.iter_mut().zip(&gates) {
-            *a *= 1.0 / (1.0 + exp(-g));
-        }
-    }
-    let o = sized(&mut buffers.o, tokens * hidden);
-    linear_into(&weights.o, attn, h * d, threads, o)?;
-    if let Some(norm) = weights.attention_out_norm {
-        rms_norm_rows(o, norm, weights.eps, threads)?;
-    }
-    let tail = MlpTail {
-        post_attention_norm: weights.post_attention_norm,
-        mlp: weights.mlp.as_ref(),
-        activation: weights.activation,
-        mlp_out_norm: weights.mlp_out_norm,
-        eps: weights.eps,
-    };
-    tail.run(residual, x, o, normed, threads)
 }
 
 /// A decoder layer's second half, the same whatever mixed the tokens
