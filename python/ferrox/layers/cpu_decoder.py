@@ -140,9 +140,9 @@ def _fp32_cpu(*tensors: torch.Tensor) -> bool:
 # bundled model; `benches/cpu_mixed_steps.py`) ran 1.14-1.25x the module
 # path's speed at 35 tokens and 1.05-1.09x at 175 (AVX2, AVX-512 VNNI), and
 # within the machine's noise of it from 215: there the module path's
-# per-operation overhead is a small share of the step, and the fused
-# layer's serial parts (the cache writes, the activations' quantization)
-# weigh as much.
+# per-operation overhead is a small share of the step, and what the fused
+# layer does on the calling thread alone (the cache writes, Qwen3's head
+# norms) weighs as much.
 FUSED_MAX_TOKENS_LONG_ROWS = 160
 
 

@@ -26,8 +26,8 @@ SHORT_QUERY_LEN = 17
 # before (a prompt's tail behind a prefix-cache hit, a later prefill chunk)
 # of at most SHORT_QUERY_LEN_AFTER_CONTEXT; longer ones (none: both have no
 # limit) and rows with image tokens take matrix-multiply attention. Behind
-# a context that would first gather the whole context, block by block, and
-# the kernel's tile loops (a tile's queries take each block together)
+# a context, matrix-multiply attention would first gather the whole context,
+# block by block, and the kernel's tile loops (a tile's queries take each block together)
 # measured faster at every length and context (`benches/cpu_attention_rows.py`);
 # for fresh prompts the kernel, reading their keys back from the cache,
 # measured faster end to end too (`benches/quant_batches.py`, performance.md).
