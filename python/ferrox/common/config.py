@@ -51,9 +51,13 @@ KV_CACHEDTYPE_NAMES = ("auto", "float32", "float16")
 # The CPU KV pool, unless sized explicitly: room for this many tokens or one
 # max_model_len sequence, whichever is more, and at least
 # CPU_KV_CACHE_MIN_BYTES (a smaller pool saves nothing worth having and makes
-# a small model preempt), within CPU_KV_CACHE_MAX_BYTES. Pages cost memory
-# only once written.
+# a small model preempt), within CPU_KV_CACHE_MAX_BYTES. A pool whose pages
+# cost memory only once written (not zeroed: the CPU attention backend in
+# float32) also gets room for CPU_KV_CACHE_TOKENS_PER_SEQ tokens of each of
+# max_num_seqs sequences: a batch the scheduler admits whole is not
+# preempted for want of blocks while the machine has memory to spare.
 CPU_KV_CACHE_TOKENS = 16384
+CPU_KV_CACHE_TOKENS_PER_SEQ = 1024
 CPU_KV_CACHE_MIN_BYTES = 256 << 20
 CPU_KV_CACHE_MAX_BYTES = 2 << 30
 

@@ -18,6 +18,7 @@ from ferrox.common.config import (
     CPU_KV_CACHE_MAX_BYTES,
     CPU_KV_CACHE_MIN_BYTES,
     CPU_KV_CACHE_TOKENS,
+    CPU_KV_CACHE_TOKENS_PER_SEQ,
     EngineConfig,
 )
 from ferrox.common.errors import InvalidArgumentError, UnsupportedModelError
@@ -283,10 +284,12 @@ class ModelRunner:
                 states = self.num_state_slots + self.num_state_snapshots
                 budget = self._free_gpu_budget() - states * groups.state_bytes
             else:
-                # Sized from the model: a 135M model needs hundreds of
-                # megabytes, not gigabytes, for its default context; a tiny
-                # one gets the floor's many more tokens.
+                # Sized from the model and the batch (config.py): a tiny
+                # model gets the floor's many more tokens, a large one the
+                # ceiling's fewer.
                 tokens = max(CPU_KV_CACHE_TOKENS, self.max_model_len)
+                if self._reads_written_slots_only():  # (pages mapped once written)
+                    tokens = max(tokens, cfg.max_num_seqs * CPU_KV_CACHE_TOKENS_PER_SEQ)
                 budget = max(tokens // cfg.block_size * per_block, CPU_KV_CACHE_MIN_BYTES)
                 budget = min(budget, CPU_KV_CACHE_MAX_BYTES)
             num_blocks = budget // per_block
