@@ -3,11 +3,14 @@
 
     python benches/cpu_step_profile.py [--num-requests 64] [--steps 5]
 
-Runs the prefill, then profiles full decode steps and prints, per step:
-matrix multiplies (time and GFLOP/s from the model's weight shapes), the
-paged-attention kernel (time, and the GB/s of K and V it reads), the rest;
-the LM head timed alone at the batch size; and, for scale, how fast the
-machine reads memory (a 512 MiB sum with torch's threads).
+Runs the prefill, then profiles full decode steps and prints, per step, the
+time in the native calls: the block (or float) matmuls of the module path
+(time, and GOP/s from the model's weight shapes), the paged-attention
+kernel, the fused CPU layers (`layers/cpu_decoder.py`: a decode step's
+layers, each one call holding its matmuls and attention), and the rest
+(Python, torch ops, sampling); the LM head timed alone at the batch size;
+and, for scale, how fast the machine reads memory (a 512 MiB sum with
+torch's threads).
 """
 
 from __future__ import annotations
@@ -21,13 +24,24 @@ from ferrox import LLM, SamplingParams  # isort: skip  (before torch: see docs/p
 import numpy as np
 import torch
 
-LINEAR = "{built-in method torch._C._nn.linear}"
-ATTENTION = "{built-in method ferrox._native.paged_attention_cpu}"
+# What the native calls' profile names hold, per kind.
+KINDS = {
+    "matmuls": ("quant_matmul_cpu", "torch._C._nn.linear"),
+    "paged attention": ("paged_attention_cpu",),
+    "fused layers": ("CpuDecoderLayer", "CpuGatedDeltaLayer"),
+}
 
 
-def _self_seconds(profile: cProfile.Profile) -> dict[str, float]:
+def _by_kind(profile: cProfile.Profile, per: int = 1) -> dict[str, float]:
+    """Seconds of self time per kind (`KINDS`), divided by `per`."""
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
-    return {pstats.func_std_string(f): v[2] for f, v in stats.items()}
+    out = dict.fromkeys(KINDS, 0.0)
+    for f, v in stats.items():
+        name = pstats.func_std_string(f)
+        for kind, marks in KINDS.items():
+            if any(m in name for m in marks):
+                out[kind] += v[2] / per
+    return out
 
 
 def _timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -61,9 +75,14 @@ def main() -> None:
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
 
-    # Linear weights: every 2-D parameter of the layers (the LM head apart).
-    layer_weights = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
-    vocab, hidden = model.lm_head.weight.shape
+    # Linear weights (the LM head apart), by the layers' shapes: a block
+    # weight's tensor holds bytes, not weights.
+    linears = [m for m in model.layers.modules() if hasattr(m, "out_features")]
+    layer_weights = sum(m.in_features * m.out_features for m in linears)
+    head = model.lm_head
+    vocab, hidden = getattr(head, "out_features", None), getattr(head, "in_features", None)
+    if vocab is None or hidden is None:
+        vocab, hidden = head.weight.shape
 
     prefill_tokens = sum(len(p) for p in prompts)
     profile = cProfile.Profile()
@@ -76,12 +95,12 @@ def main() -> None:
             break
     profile.disable()
     prefill_s = time.perf_counter() - start
-    t = _self_seconds(profile)
-    prefill_flops = 2 * layer_weights * prefill_tokens
-    print(
-        f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s; matmuls {t[LINEAR]:.2f} s "
-        f"at {prefill_flops / t[LINEAR] / 1e9:.0f} GFLOP/s (layers only)"
-    )
+    t = _by_kind(profile)
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in t.items() if v)
+    print(f"prefill: {prefill_tokens} tokens in {prefill_s:.2f} s ({parts})")
+    if t["matmuls"]:
+        ops = 2 * layer_weights * prefill_tokens
+        print(f"  module-path matmuls at {ops / t['matmuls'] / 1e9:.0f} GOP/s (layers only)")
 
     seq_lens = [len(p) + 1 for p in prompts]
     profile = cProfile.Profile()
@@ -91,23 +110,21 @@ def main() -> None:
         engine.step()
     profile.disable()
     step_s = (time.perf_counter() - start) / args.steps
-    t = {k: v / args.steps for k, v in _self_seconds(profile).items()}
+    t = _by_kind(profile, args.steps)
     batch = args.num_requests
-    flops = 2 * batch * (layer_weights + vocab * hidden)
     context = float(np.mean(seq_lens)) + args.steps / 2
     kv_bytes = (
-        (2 * batch * context * runner.num_layers * runner.num_kv_heads * runner.head_dim)
-        * torch.finfo(runner.dtype).bits
-        // 8
-    )
-    other = step_s - t[LINEAR] - t[ATTENTION]
-    print(f"decode step, batch {batch}: {step_s * 1e3:.1f} ms")
-    print(f"  matmuls          {t[LINEAR] * 1e3:6.1f} ms  {flops / t[LINEAR] / 1e9:6.0f} GFLOP/s")
-    print(
-        f"  paged attention  {t[ATTENTION] * 1e3:6.1f} ms  reads {kv_bytes / 1e6:.0f} MB of K/V "
-        f"= {kv_bytes / t[ATTENTION] / 1e9:.1f} GB/s"
-    )
-    print(f"  everything else  {other * 1e3:6.1f} ms")
+        2 * batch * context * runner.num_layers * runner.num_kv_heads * runner.head_dim
+    ) * runner.kv_cache.dtype.itemsize
+    mb = kv_bytes / 1e6
+    print(f"decode step, batch {batch}: {step_s * 1e3:.1f} ms; reads {mb:.0f} MB of K/V")
+    for kind, seconds in t.items():
+        if seconds:
+            print(f"  {kind:16} {seconds * 1e3:6.1f} ms")
+    print(f"  everything else  {(step_s - sum(t.values())) * 1e3:6.1f} ms")
+    if t["matmuls"]:  # (the layers' own are in the fused calls when those ran)
+        ops = 2 * batch * ((0 if t["fused layers"] else layer_weights) + vocab * hidden)
+        print(f"  (matmuls at {ops / t['matmuls'] / 1e9:.0f} GOP/s)")
 
     x = torch.randn(batch, hidden)
     with torch.inference_mode():
