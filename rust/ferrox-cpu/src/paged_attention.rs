@@ -705,16 +705,18 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
     let blocks = queries.iter().map(|q| q.3.div_ceil(bs)).max().unwrap_or(0);
     let token = hkv * d;
     for block in first_block..blocks {
-        // The next block of each query's table, asked for while this one
-        // is computed (once per physical block).
+        // The next block of each query's table is asked for just before
+        // the query takes this one (once per physical block in a row), so
+        // the requests spread over the block's work instead of queueing
+        // all at once behind the memory system's few outstanding misses.
         let mut asked = None;
-        for &(_, table, _, end) in &queries {
+        let mut ask_next = |&(_, table, _, end): &TileQuery<'_>| {
             // (a query that reads block + 1 has it in its table)
             if (block + 1) * bs < end && asked != Some(table[block + 1]) {
                 prefetch_block(args, table[block + 1] as usize, &kv_heads);
                 asked = Some(table[block + 1]);
             }
-        }
+        };
         let served = match together {
             true => attend_together::<V, T>(args, &queries, block, &kv_heads, s),
             false => 0,
@@ -723,6 +725,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
         // physical block and the offsets widened.
         let mut widened: Option<(i32, usize, usize)> = None;
         for (e, query) in queries.iter().enumerate() {
+            ask_next(query);
             let Some((lo, hi)) = chunk(query, block) else {
                 continue;
             };
