@@ -706,9 +706,9 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
     let token = hkv * d;
     for block in first_block..blocks {
         // The next block of each query's table is asked for just before
-        // the query takes this one (once per physical block in a row), so
-        // the requests spread over the block's work instead of queueing
-        // all at once behind the memory system's few outstanding misses.
+        // the query takes this one (once, where consecutive queries share
+        // it), so the requests spread over the block's work instead of
+        // queueing all at once behind the core's few outstanding misses.
         let mut asked = None;
         let mut ask_next = |&(_, table, _, end): &TileQuery<'_>| {
             // (a query that reads block + 1 has it in its table)
