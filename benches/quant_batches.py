@@ -4,7 +4,8 @@ against a git revision's (`--baseline REF`), under each instruction-set cap
 AVX-512 would), every version and cap in its own process, interleaved:
 
   offline   64 requests of 64-256 random prompt tokens, 128 greedy tokens
-            each (EOS ignored), one `LLM.generate`: output tok/s
+            each (EOS ignored), one `LLM.generate`: output tok/s, and the
+            requests the scheduler preempted for want of KV blocks
   single    one 256-token prompt (`--prompt-len`), 128 greedy tokens: tok/s
             over the whole request, and of its decode alone (first to last
             token, from the request's metrics)
@@ -82,6 +83,7 @@ def measure(
     result: dict[str, object] = {"isa": cpu_isa()}
     if "offline" in workloads:
         llm.reset_prefix_cache()
+        preempted = llm.engine.stats().num_preemptions
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -89,6 +91,8 @@ def measure(
         result["offline_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / offline_s
         # pages the kernel faulted in (and zeroed) during the batch
         result["offline_minor_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        # requests the scheduler preempted for want of KV blocks (and recomputed)
+        result["offline_preemptions"] = llm.engine.stats().num_preemptions - preempted
         llm.reset_prefix_cache()
         alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
         result["alone_equals_batch"] = list(alone) == list(outs[0].outputs[0].token_ids)
