@@ -17,8 +17,7 @@ use crate::activation::{gate_rows, Gate};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::pool::run_parts;
 use crate::quant_matmul::{
-    check_k, quantize_activations, run_columns, OutPtr, QuantFormat, QuantKernel, QuantMatmulArgs,
-    QuantShapeError, QuantizedActivations,
+    check_k, OutPtr, QuantFormat, QuantKernel, QuantMatmulArgs, QuantShapeError, RowChunks,
 };
 use crate::quant_pack::BlockLayout;
 
@@ -245,15 +244,6 @@ fn project<'a>(
     n: usize,
     threads: usize,
 ) -> Vec<Vec<f32>> {
-    let acts: Vec<QuantizedActivations> = inputs
-        .iter()
-        .map(|x| quantize_activations(x, k).for_format(fmt))
-        .collect();
-    let mut outs: Vec<Vec<f32>> = groups
-        .iter()
-        .map(|g| vec![0.0; g.tokens.len() * n])
-        .collect();
-    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let args: Vec<QuantMatmulArgs<'_>> = groups
         .iter()
         .zip(inputs)
@@ -269,6 +259,12 @@ fn project<'a>(
             num_threads: 1,
         })
         .collect();
+    let chunks: Vec<RowChunks<'_>> = args.iter().map(RowChunks::new).collect();
+    let mut outs: Vec<Vec<f32>> = groups
+        .iter()
+        .map(|g| vec![0.0; g.tokens.len() * n])
+        .collect();
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     // About four parts a thread (parts are claimed as threads free up), in
     // whole panels, never one spanning two experts.
     let total = groups.len() * n;
@@ -291,7 +287,7 @@ fn project<'a>(
         // SAFETY: part p writes columns start..end of group i's output
         // ([rows, n], allocated above), no other part the same; the kernel
         // runs on this CPU (`best`); the weight's size was checked.
-        unsafe { run_columns(kernel, &args[i], &acts[i], start, end, ptrs[i]) };
+        unsafe { chunks[i].run_columns(kernel, start, end, ptrs[i]) };
     };
     if threads > 1 {
         run_parts(parts.len(), &job);
