@@ -54,7 +54,7 @@ from machine import spread, write_record  # isort: skip
 NUM_REQUESTS = 64
 OUTPUT_LEN = 128
 SHARED_REQUESTS, SYSTEM_LEN, QUESTION_LEN = 16, 700, 60
-PREFILL_REQUESTS = 32
+PREFILL_REQUESTS, PREFILL_LEN = 32, 256
 WORKLOADS = ("offline", "single", "prefill", "shared")
 
 
@@ -111,7 +111,9 @@ def measure(
         decode_s = m.last_token_time - m.first_token_time
         result["single_decode_tok_s"] = (OUTPUT_LEN - 1) / decode_s
     if "prefill" in workloads:
-        fresh = [rng.integers(100, 49000, size=256).tolist() for _ in range(PREFILL_REQUESTS)]
+        fresh = [
+            rng.integers(100, 49000, size=PREFILL_LEN).tolist() for _ in range(PREFILL_REQUESTS)
+        ]
         once = SamplingParams(temperature=0.0, max_tokens=1)
         times = []
         for _ in range(3):
@@ -119,7 +121,7 @@ def measure(
             start = time.perf_counter()
             llm.generate(fresh, once, use_tqdm=False)
             times.append(time.perf_counter() - start)
-        result["prefill_tok_s"] = 256 * PREFILL_REQUESTS / min(times)
+        result["prefill_tok_s"] = PREFILL_LEN * PREFILL_REQUESTS / min(times)
     if "shared" in workloads:
         llm.reset_prefix_cache()
         system = rng.integers(100, 49000, size=SYSTEM_LEN).tolist()
