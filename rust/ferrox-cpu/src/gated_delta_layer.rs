@@ -206,6 +206,18 @@ fn softplus(x: f32) -> f32 {
 /// ([C, K - 1]) and this one, written over the input; the history shifts
 /// by one.
 fn conv_step(row: &mut [f32], history: &mut [f32], conv: &[f32], kernel: usize) {
+    // Qwen3.5's and Qwen3-Next's width, fixed at compile time: the history's
+    // shift is then two moves a channel, where a width known only at run
+    // time makes it a copy call a channel (a third of the step's time).
+    if kernel == 4 {
+        conv_channels(row, history, conv, 4);
+    } else {
+        conv_channels(row, history, conv, kernel);
+    }
+}
+
+#[inline(always)]
+fn conv_channels(row: &mut [f32], history: &mut [f32], conv: &[f32], kernel: usize) {
     let keep = kernel - 1;
     for ((x, past), weights) in row
         .iter_mut()
@@ -218,7 +230,9 @@ fn conv_step(row: &mut [f32], history: &mut [f32], conv: &[f32], kernel: usize) 
             acc += p * wt;
         }
         acc += input * weights[keep];
-        past.copy_within(1.., 0);
+        for j in 1..keep {
+            past[j - 1] = past[j];
+        }
         past[keep - 1] = input;
         *x = acc;
     }

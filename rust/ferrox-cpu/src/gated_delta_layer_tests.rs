@@ -40,6 +40,7 @@ struct Layer {
 }
 
 impl Layer {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         rand: &mut Rand,
         hidden: usize,
@@ -48,9 +49,9 @@ impl Layer {
         dk: usize,
         dv: usize,
         tiled: bool,
+        kernel: usize,
     ) -> Self {
         let channels = 2 * hk * dk + hv * dv;
-        let kernel = 4;
         Self {
             hidden,
             hk,
@@ -190,12 +191,15 @@ impl Layer {
 #[test]
 fn decode_steps_match_the_layer_as_defined() {
     let mut rand = Rand(11);
-    for &(hk, hv, dk, dv, tiled) in &[
-        (1, 1, 4, 4, false),
-        (2, 6, 8, 5, true),
-        (2, 4, 16, 8, false),
+    // (the models' convolution width, 4, and another, which the layer runs
+    // through a loop of its own)
+    for &(hk, hv, dk, dv, tiled, kernel) in &[
+        (1, 1, 4, 4, false, 4),
+        (2, 6, 8, 5, true, 4),
+        (2, 4, 16, 8, false, 4),
+        (2, 4, 8, 8, false, 3),
     ] {
-        let layer = Layer::new(&mut rand, 24, hk, hv, dk, dv, tiled);
+        let layer = Layer::new(&mut rand, 24, hk, hv, dk, dv, tiled, kernel);
         let (slots, num_slots) = ([2i64, 0], 3);
         let held = layer.channels() * (layer.kernel - 1);
         let per_slot = hv * dk * dv;
@@ -277,7 +281,7 @@ fn decode_steps_match_the_layer_as_defined() {
 #[test]
 fn a_refused_step_leaves_the_pool_as_it_was() {
     let mut rand = Rand(5);
-    let layer = Layer::new(&mut rand, 16, 1, 2, 4, 4, false);
+    let layer = Layer::new(&mut rand, 16, 1, 2, 4, 4, false, 4);
     let held = layer.channels() * (layer.kernel - 1);
     let mut conv_states = rand.vec(2 * held);
     let mut states = rand.vec(2 * 2 * 16);

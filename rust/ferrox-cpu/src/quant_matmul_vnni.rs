@@ -15,6 +15,7 @@ use std::arch::x86_64::*;
 
 use crate::quant_matmul::quantize_activations_impl;
 use crate::quant_matmul::{QuantFormat, QuantMatmulArgs, QuantizedActivations, BLOCK, SUPER_BLOCK};
+use crate::quant_matmul_panel::stream_ahead;
 use crate::quant_pack::PANEL;
 
 /// Activation rows per pass over a panel (two registers each: a block's
@@ -44,8 +45,13 @@ unsafe fn panel_rows<const R: usize, const Q4: bool>(
     let mask = _mm512_set1_epi8(0x0f);
     let flip = _mm512_set1_epi8(-128);
     let mut acc = [_mm512_setzero_ps(); R];
+    // (a pass of one or two rows streams the weight: the first one asks ahead)
+    let stream = R <= 2 && i0 == 0;
     for b in 0..blocks {
         let p = panel.add(b * panel_block);
+        if stream {
+            stream_ahead(p, panel_block);
+        }
         let q = acts.q.as_ptr().add((i0 * blocks + b) * BLOCK);
         let stride = blocks * BLOCK;
         let mut sums = [_mm512_setzero_si512(); R];
