@@ -116,29 +116,6 @@ pub(crate) unsafe fn pack_panel(args: &QuantMatmulArgs<'_>, col: usize, panel: &
     }
 }
 
-/// How far ahead of its block a pass of one or two rows asks for the weight
-/// (`stream_ahead`). Such a pass reads memory as fast as it can come, and
-/// the hardware's prefetchers start over at every matmul call, part of a
-/// call and 4 KiB page; asking this far ahead keeps the next page coming.
-/// One row over a Q8_0 weight of 1024 inputs (`quant_matmul_cpu` from
-/// Python, EPYC (12-05)): 32 -> 34-35 GB/s on 36 MB, and the MoE bench
-/// model's decode 1.05x; 2 KiB measured alike, 1 and 8 KiB and more less.
-const STREAM_AHEAD: usize = 4096;
-
-/// Asks for the cache lines `STREAM_AHEAD` past the `bytes` at `block` (a
-/// panel block: the panels of a packed weight are contiguous, so this is
-/// the rest of the panel or the next one; past the weight's end the
-/// prefetch is dropped, never a fault).
-#[inline(always)]
-pub(crate) unsafe fn stream_ahead(block: *const u8, bytes: usize) {
-    let ahead = block.wrapping_add(STREAM_AHEAD) as *const i8;
-    let mut line = 0;
-    while line < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
-        line += 64;
-    }
-}
-
 /// Four activation bytes at `q + at`, in every lane.
 #[inline(always)]
 unsafe fn broadcast(q: *const i8, at: usize) -> __m256i {
@@ -162,13 +139,8 @@ unsafe fn half_rows<const R: usize, const Q4: bool>(
     let ones = _mm256_set1_epi16(1);
     let mask = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
-    // (a pass of one or two rows streams the weight: the first one asks ahead)
-    let stream = R <= 2 && i0 == 0 && half == 0;
     for b in 0..blocks {
         let p = panel.add(b * panel_block + 32 * half);
-        if stream {
-            stream_ahead(p, panel_block);
-        }
         let q = acts.q.as_ptr().add((i0 * blocks + b) * BLOCK);
         let mut sums = [_mm256_setzero_si256(); R];
         if Q4 {
