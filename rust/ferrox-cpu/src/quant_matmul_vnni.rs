@@ -23,32 +23,6 @@ const ROWS: usize = 8;
 /// The same for Q6_K (three registers each: two halves' sums and the result).
 const Q6_K_ROWS: usize = 4;
 
-/// How far ahead of its block a pass of one or two rows asks for the weight
-/// (`stream_ahead`). Such a pass reads memory as fast as it comes, and the
-/// hardware prefetchers start over at every call, part of a call and 4 KiB
-/// page: an MoE layer's experts (a few hundred KB each) and a decode
-/// layer's matmuls of a few MB read below the rate of one long matrix.
-/// Asking ahead keeps the next page coming (`benches/quant_batches.py
-/// --baseline`, the MoE bench model's decode: 1.06x; 2 KiB ahead measured
-/// alike, 1 KiB and 8 KiB or more less). Q4_1 and Q8_0 panels; the AVX2
-/// kernel does not ask ahead: with it, one stream's decode measured 0.94x
-/// (the bundled model) and 0.97x (the MoE one).
-const STREAM_AHEAD: usize = 4096;
-
-/// Asks for the cache lines `STREAM_AHEAD` past the `bytes` at `block` (a
-/// panel block: the panels of a packed weight are contiguous, so this is
-/// the rest of the panel or the next one; past the weight's end the
-/// prefetch is dropped, never a fault).
-#[inline(always)]
-unsafe fn stream_ahead(block: *const u8, bytes: usize) {
-    let ahead = block.wrapping_add(STREAM_AHEAD) as *const i8;
-    let mut line = 0;
-    while line < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
-        line += 64;
-    }
-}
-
 /// Four activation bytes at `q + at`, in every lane.
 #[inline(always)]
 unsafe fn broadcast(q: *const i8, at: usize) -> __m512i {
@@ -70,13 +44,8 @@ unsafe fn panel_rows<const R: usize, const Q4: bool>(
     let mask = _mm512_set1_epi8(0x0f);
     let flip = _mm512_set1_epi8(-128);
     let mut acc = [_mm512_setzero_ps(); R];
-    // (a pass of one or two rows streams the weight: the first one asks ahead)
-    let stream = R <= 2 && i0 == 0;
     for b in 0..blocks {
         let p = panel.add(b * panel_block);
-        if stream {
-            stream_ahead(p, panel_block);
-        }
         let q = acts.q.as_ptr().add((i0 * blocks + b) * BLOCK);
         let stride = blocks * BLOCK;
         let mut sums = [_mm512_setzero_si512(); R];
