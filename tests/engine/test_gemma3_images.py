@@ -185,7 +185,7 @@ def test_chat_with_an_image_part_matches_generate(gemma_vl: Path, expected: list
     ]
     assert_matches([llm.chat(messages, greedy(), use_tqdm=False)[0]], expected[:1])
     layout = llm.engine.runner.model.image_prompt()
-    ready = p.Ready("m", 256, 10, 8, 4, 0.0, "cpu", "float32", image_prompt=layout)
+    ready = p.Ready("m", 256, 10, 8, 4, 0.0, "cpu", "float32", "float32", image_prompt=layout)
     decoded = p.output_decoder.decode(p.encoder.encode(ready))
     assert isinstance(decoded, p.Ready) and decoded.image_prompt == layout
     child = ImageProcessor(gemma_vl, in_process=False)

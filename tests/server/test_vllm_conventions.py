@@ -177,6 +177,17 @@ def test_vllm_request_metrics(server: Server) -> None:
     ):
         assert name in text, name
     assert 'enable_prefix_caching="True"' in text
+    assert 'cache_dtype="float32"' in text  # a float32 model's cache
+
+
+def test_cache_config_metric_names_the_cache_dtype(model_dir: Path) -> None:
+    # The cache's own dtype, not the model's (a float32 model here).
+    s = Server(model_dir, "--kv-cache-dtype", "float16", api_key=None)
+    try:
+        text = httpx.get(s.url + "/metrics").text
+        assert 'cache_dtype="float16"' in text
+    finally:
+        s.stop()
 
 
 def test_profiler_routes_write_a_trace(server: Server) -> None:

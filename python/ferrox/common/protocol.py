@@ -167,6 +167,7 @@ class Ready(msgspec.Struct, tag="ready"):
     load_seconds: float
     device: str  # the torch device and dtype the model runs in: "cpu", "float32"
     dtype: str
+    kv_dtype: str  # the KV cache's ("float16" under a CPU model's block weights)
     # A sequence classifier's labels (see CausalLM.labels); None for other models.
     labels: list[str] | None = None
     # With LoRA adapters: the decoder layers and, per module an adapter may

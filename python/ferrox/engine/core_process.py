@@ -62,6 +62,7 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
                     load_seconds=engine.loaded.load_seconds,
                     device=str(torch_device(engine.config)),
                     dtype=str(torch_dtype(engine.config)).removeprefix("torch."),
+                    kv_dtype=str(engine.runner.kv_dtype).removeprefix("torch."),
                     labels=engine.runner.model.labels,
                     image_prompt=image_prompt(engine.runner.model),
                     **lora_targets(engine),

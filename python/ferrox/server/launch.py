@@ -394,7 +394,7 @@ def build_server_app(
             block_size=info.block_size,
             num_blocks=info.num_kv_blocks,
             prefix_caching=config.enable_prefix_caching,
-            dtype=info.dtype,
+            dtype=info.kv_dtype,
         )
         if on_started is not None:
             on_started(info)
