@@ -208,7 +208,7 @@ fn softplus(x: f32) -> f32 {
 fn conv_step(row: &mut [f32], history: &mut [f32], conv: &[f32], kernel: usize) {
     // Qwen3.5's and Qwen3-Next's width, fixed at compile time: the history's
     // shift is then two moves a channel, where a width known only at run
-    // time makes it a copy call a channel (a third of the step's time).
+    // time made it a call to copy memory for every channel.
     if kernel == 4 {
         conv_channels(row, history, conv, 4);
     } else {
