@@ -6,6 +6,7 @@ last call).
 
     python benches/decode_attention.py                 # SmolLM2's heads, 30 layers
     FERROX_CPU_ISA=avx2 python benches/decode_attention.py --threads 1,2
+    python benches/decode_attention.py --block-sizes 16,32,64 --threads 2
 
 Per layout, set of loops and thread count: the median time of one step
 (every layer's call, `--repeats` steps), its multiply-adds per second
@@ -14,7 +15,10 @@ The loops: `tile` (the default: the rows of a tile of up to eight,
 `QUERY_TILE`, that read one block take it together, as small matrix
 products) against `per-query` (each row as it is alone, what
 `batch_invariant` runs), alternating in one process; then how much faster
-the tile loops run, and the shared layout than the own one.
+the tile loops run, and the shared layout than the own one. With several
+`--block-sizes` (tokens per KV block, the engine's `block_size`), each
+layout is also laid out in blocks of each size, alternating, and the
+larger blocks' speed is given against the first size's.
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ import numpy as np
 
 from ferrox._native import paged_attention_cpu
 from machine import cpu_description, spread, write_record
-
-BLOCK = 16
 
 
 def tables(rows: int, prefix: int, own: int, shared: bool) -> np.ndarray:
@@ -53,10 +55,10 @@ class Step:
     """One step's decode rows and every layer's float16 K/V pool (int16
     views, what the kernel takes), made once per layout."""
 
-    def __init__(self, args: argparse.Namespace, shared: bool) -> None:
+    def __init__(self, args: argparse.Namespace, shared: bool, block: int) -> None:
         rng = np.random.default_rng(0)
-        self.table = tables(args.rows, args.prefix // BLOCK, -(-args.own // BLOCK), shared)
-        shape = (int(self.table.max()) + 1, BLOCK, args.kv_heads, args.head_dim)
+        self.table = tables(args.rows, args.prefix // block, -(-args.own // block), shared)
+        shape = (int(self.table.max()) + 1, block, args.kv_heads, args.head_dim)
 
         def pool() -> np.ndarray:
             return rng.standard_normal(shape).astype(np.float16).view(np.int16)
@@ -96,50 +98,71 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--prefix", type=int, default=704, help="tokens, a multiple of 16")
+    parser.add_argument(
+        "--prefix", type=int, default=704, help="tokens, a multiple of every block size"
+    )
     parser.add_argument("--own", type=int, default=124, help="each row's own tokens after it")
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--block-sizes", default="16", help="tokens per KV block, e.g. 16,32")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument(
         "--rounds", type=int, default=3, help="alternations of the layouts and loops"
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.prefix % BLOCK:
-        parser.error(f"--prefix must be a multiple of {BLOCK}")
+    blocks = [int(b) for b in args.block_sizes.split(",")]
+    if any(args.prefix % b for b in blocks):
+        parser.error(f"--prefix must be a multiple of every block size ({blocks})")
     print(f"CPU: {cpu_description()}")
     print(
         f"{args.rows} decode rows, {args.heads} heads / {args.kv_heads} KV heads of "
         f"{args.head_dim}, float16 cache, {args.prefix} prefix + {args.own} own tokens, "
         f"{args.layers} layers; one step, median of {args.repeats}, over {args.rounds} rounds"
     )
-    steps = {layout: Step(args, layout == "shared") for layout in ("shared", "own")}
+    layouts = ("shared", "own")
+    steps = {(layout, b): Step(args, layout == "shared", b) for layout in layouts for b in blocks}
     thread_counts = [int(t) for t in args.threads.split(",")]
     loops = {"tile": False, "per-query": True}
+
+    def key(layout: str, name: str, threads: int, block: int) -> str:
+        sized = f", {block}-token blocks" if len(blocks) > 1 else ""
+        return f"{layout}, {name}, {threads} threads{sized}"
+
     results: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         for threads in thread_counts:
-            for layout, step in steps.items():
+            for (layout, block), step in steps.items():
                 for name, per_query in loops.items():
                     seconds = step.seconds(threads, per_query, args.repeats)
-                    key = f"{layout}, {name}, {threads} threads"
-                    cell = results.setdefault(key, {"ms": [], "gmacs": []})
+                    cell = results.setdefault(
+                        key(layout, name, threads, block), {"ms": [], "gmacs": []}
+                    )
                     cell["ms"].append(seconds * 1e3)
                     cell["gmacs"].append(step.macs / seconds / 1e9)
     for name, cell in results.items():
-        print(f"{name:>30}: {spread(cell['ms'], ' ms', 2)}, {spread(cell['gmacs'], ' GMAC/s')}")
+        print(f"{name:>46}: {spread(cell['ms'], ' ms', 2)}, {spread(cell['gmacs'], ' GMAC/s')}")
 
     def ratio(slow: str, fast: str) -> str:
         pairs = zip(results[slow]["ms"], results[fast]["ms"], strict=True)
         return spread([a / b for a, b in pairs], "x", 2)
 
     for threads in thread_counts:
-        for layout in steps:
-            tile, per_query = (f"{layout}, {n}, {threads} threads" for n in loops)
-            print(f"{threads} threads, {layout}: tile loops {ratio(per_query, tile)} faster")
-        for name in loops:
-            shared, own = (f"{layout}, {name}, {threads} threads" for layout in steps)
-            print(f"{threads} threads, {name}: shared prefix {ratio(own, shared)} faster than own")
+        for block in blocks:
+            at = f"{threads} threads" + (f", {block}-token blocks" if len(blocks) > 1 else "")
+            for layout in layouts:
+                tile, per_query = (key(layout, n, threads, block) for n in loops)
+                print(f"{at}, {layout}: tile loops {ratio(per_query, tile)} faster")
+            for name in loops:
+                shared, own = (key(layout, name, threads, block) for layout in layouts)
+                print(f"{at}, {name}: shared prefix {ratio(own, shared)} faster than own")
+        for block in blocks[1:]:
+            for layout in layouts:
+                for name in loops:
+                    first, this = (key(layout, name, threads, b) for b in (blocks[0], block))
+                    print(
+                        f"{threads} threads, {layout}, {name}: {block}-token blocks "
+                        f"{ratio(first, this)} faster than {blocks[0]}-token ones"
+                    )
     if args.json:
         write_record(args.json, config=vars(args), results=results)
     return 0
