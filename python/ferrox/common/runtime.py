@@ -7,7 +7,6 @@ OpenMP setting below is in place before any ferrox module imports torch.
 import ctypes
 import os
 import platform
-import sys
 
 from ferrox.common.errors import InvalidArgumentError
 
@@ -47,9 +46,8 @@ def release_freed_memory() -> None:
 
 
 # GNU OpenMP workers otherwise spin for a long while after each torch op and
-# steal the cores from the native kernels that run between ops. It only takes
+# take the cores from the native kernels that run between ops. It only takes
 # effect when ferrox is imported before torch; an explicit setting wins.
-OPENMP_SPIN_LIMITED = "torch" not in sys.modules or "GOMP_SPINCOUNT" in os.environ
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 # FERROX_CPU_ISA caps the instruction sets of ferrox's CPU kernels (read by

@@ -3,8 +3,6 @@
 import numpy as np
 import torch
 
-from ferrox.common import runtime
-
 
 def on_cpu_fp32(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
@@ -19,6 +17,8 @@ def kv_array(cache: torch.Tensor) -> np.ndarray:
 
 
 def kernel_threads() -> int:
-    # With OpenMP's workers still spinning after each torch op, extra kernel
-    # threads would fight them for the cores: use one thread then.
-    return torch.get_num_threads() if runtime.OPENMP_SPIN_LIMITED else 1
+    """As many threads as torch uses (its default, the user's setting, or a
+    tensor-parallel rank's share of the cores); the kernels honour it. Also
+    where torch was imported first and its OpenMP workers spin longer after
+    each op (`runtime`): two threads still beat one there."""
+    return torch.get_num_threads()

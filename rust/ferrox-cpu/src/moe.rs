@@ -15,7 +15,7 @@
 
 use crate::activation::{gate_rows, Gate};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
-use crate::pool::run_parts;
+use crate::pool::run_parts_on;
 use crate::quant_matmul::{
     check_k, OutPtr, QuantFormat, QuantKernel, QuantMatmulArgs, QuantShapeError, RowChunks,
 };
@@ -289,11 +289,7 @@ fn project<'a>(
         // runs on this CPU (`best`); the weight's size was checked.
         unsafe { chunks[i].run_columns(kernel, start, end, ptrs[i]) };
     };
-    if threads > 1 {
-        run_parts(parts.len(), &job);
-    } else {
-        (0..parts.len()).for_each(job);
-    }
+    run_parts_on(threads, parts.len(), &job);
     outs
 }
 

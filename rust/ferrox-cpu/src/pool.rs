@@ -12,6 +12,10 @@
 //! it to be scheduled again. (Splitting the work into more parts than
 //! threads, to even out shares further, measured no faster, with or
 //! without a busy process beside the engine.)
+//!
+//! A job may have more parts than threads to run them (a matmul cuts its
+//! columns into four parts a thread): `run_parts_on` says how many threads,
+//! the caller's included, may take its parts; the other workers sit it out.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -35,6 +39,10 @@ struct Shared {
     state: AtomicU64,
     /// Parts of the current job finished.
     finished: AtomicUsize,
+    /// How many threads may take the current job's parts, the dispatching
+    /// one included: worker `w` takes part only if `w + 1 < threads`. Set
+    /// before the job's epoch is published.
+    threads: AtomicUsize,
     job: UnsafeCell<Option<*const Job>>,
     sleeping: Vec<AtomicBool>,
 }
@@ -71,6 +79,7 @@ fn pool(workers: usize) -> &'static Mutex<Pool> {
         let shared = Arc::new(Shared {
             state: AtomicU64::new(0),
             finished: AtomicUsize::new(0),
+            threads: AtomicUsize::new(usize::MAX),
             job: UnsafeCell::new(None),
             sleeping: (0..workers).map(|_| AtomicBool::new(false)).collect(),
         });
@@ -118,7 +127,10 @@ fn worker(shared: &Shared, index: usize) {
             }
         };
         seen = epoch;
-        claim_and_run(shared, epoch);
+        // (the epoch was read with acquire after `threads` was stored)
+        if index + 1 < shared.threads.load(Ordering::Relaxed) {
+            claim_and_run(shared, epoch);
+        }
     }
 }
 
@@ -149,10 +161,14 @@ fn claim_and_run(shared: &Shared, epoch: u32) {
 /// call made while the pool is busy (another thread's job) runs its parts
 /// on the calling thread alone.
 pub fn run_parts(parts: usize, job: &(dyn Fn(usize) + Sync)) {
-    if parts <= 1 {
-        if parts == 1 {
-            job(0);
-        }
+    run_parts_on(parts, parts, job);
+}
+
+/// `run_parts` on at most `threads` threads, the calling one included (one:
+/// every part on the calling thread, in order).
+pub fn run_parts_on(threads: usize, parts: usize, job: &(dyn Fn(usize) + Sync)) {
+    if parts <= 1 || threads <= 1 {
+        (0..parts).for_each(job);
         return;
     }
     static WORKERS: OnceLock<usize> = OnceLock::new();
@@ -169,22 +185,23 @@ pub fn run_parts(parts: usize, job: &(dyn Fn(usize) + Sync)) {
     };
     for first in (0..parts).step_by(MAX_PARTS) {
         let count = (parts - first).min(MAX_PARTS);
-        dispatch(&mut pool, count, &|i| job(first + i));
+        dispatch(&mut pool, threads, count, &|i| job(first + i));
     }
 }
 
-fn dispatch(pool: &mut Pool, parts: usize, job: &(dyn Fn(usize) + Sync)) {
+fn dispatch(pool: &mut Pool, threads: usize, parts: usize, job: &(dyn Fn(usize) + Sync)) {
     let shared = Arc::clone(&pool.shared);
     // SAFETY: the job is cleared below, after every part has finished, and
     // read only by threads that claimed a part before then (see `Shared`).
     let erased: *const Job = unsafe { std::mem::transmute(job) };
     unsafe { *shared.job.get() = Some(erased) };
     shared.finished.store(0, Ordering::Relaxed);
+    shared.threads.store(threads, Ordering::Relaxed);
     pool.epoch = pool.epoch.wrapping_add(1);
     shared
         .state
         .store(pack(pool.epoch, parts, 0), Ordering::SeqCst);
-    for (w, thread) in pool.threads.iter().enumerate() {
+    for (w, thread) in pool.threads.iter().enumerate().take(threads - 1) {
         if shared.sleeping[w].load(Ordering::SeqCst) {
             thread.unpark();
         }
@@ -231,6 +248,36 @@ mod tests {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn a_job_runs_on_at_most_its_threads() {
+        // Parts that last long enough for every free worker to take some:
+        // one thread keeps them all on the caller, and no job runs on more
+        // threads than it allows (the pool's own size where that is less).
+        let available = thread::available_parallelism().map_or(1, |n| n.get());
+        for threads in [1, 2, 3] {
+            let seen = Mutex::new(std::collections::HashSet::new());
+            let runs = AtomicUsize::new(0);
+            run_parts_on(threads, 24, &|_| {
+                seen.lock().unwrap().insert(thread::current().id());
+                runs.fetch_add(1, Ordering::Relaxed);
+                thread::sleep(Duration::from_millis(2));
+            });
+            let seen = seen.into_inner().unwrap();
+            assert_eq!(runs.load(Ordering::Relaxed), 24);
+            assert!(
+                seen.len() <= threads,
+                "{threads} threads allowed, {} ran",
+                seen.len()
+            );
+            if threads == 1 {
+                assert!(seen.contains(&thread::current().id()));
+            } else if available > 1 {
+                // (another test's job may hold the pool: then all on the caller)
+                assert!(!seen.is_empty());
+            }
         }
     }
 

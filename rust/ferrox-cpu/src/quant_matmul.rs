@@ -27,7 +27,7 @@
 
 use std::fmt;
 
-use crate::pool::run_parts;
+use crate::pool::{run_parts, run_parts_on};
 use crate::quant_pack::{column_block, BlockLayout, PANEL};
 
 pub const BLOCK: usize = 32;
@@ -477,13 +477,14 @@ pub fn quant_matmul_with(
     // Column ranges of about equal size, in whole panels (or row pairs):
     // PARTS_PER_THREAD a thread, claimed as threads come free, so that a
     // worker woken late (after torch ops between two calls, it sleeps)
-    // leaves the caller parts to take instead of a share to wait for.
+    // leaves the caller parts to take instead of a share to wait for; at
+    // most `num_threads` threads take them (one: all on the caller).
     let unit = kernel.column_unit();
     let parts = (args.num_threads.max(1) * PARTS_PER_THREAD).clamp(1, args.n.div_ceil(unit));
     let per = args.n.div_ceil(unit).div_ceil(parts) * unit;
     let parts = args.n.div_ceil(per);
     let ptr = OutPtr(out.as_mut_ptr());
-    run_parts(parts, &|part| {
+    run_parts_on(args.num_threads, parts, &|part| {
         let start = part * per;
         let end = ((part + 1) * per).min(args.n);
         // SAFETY: each part writes only columns start..end of `out`,
