@@ -53,7 +53,7 @@ def tables(rows: int, prefix: int, own: int, shared: bool) -> np.ndarray:
 
 class Step:
     """One step's decode rows and every layer's float16 K/V pool (int16
-    views, what the kernel takes), made once per layout."""
+    views, what the kernel takes), made once per layout and block size."""
 
     def __init__(self, args: argparse.Namespace, shared: bool, block: int) -> None:
         rng = np.random.default_rng(0)
