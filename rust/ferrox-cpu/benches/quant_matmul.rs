@@ -13,6 +13,10 @@
 
 use std::time::Instant;
 
+#[path = "common/cli.rs"]
+mod cli;
+use cli::{arg, option};
+
 use ferrox_cpu::{
     pack_blocks, quant_matmul_with, BlockLayout, QuantFormat, QuantKernel, QuantMatmulArgs,
 };
@@ -29,16 +33,6 @@ const SHAPES: [(&str, usize, usize, QuantFormat); 6] = [
     ("lm_head 1024->49152 q6_k", 1024, 49152, QuantFormat::Q6_K),
 ];
 const ROWS: [usize; 8] = [1, 2, 3, 4, 8, 16, 32, 64];
-
-fn option(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    let at = args.iter().position(|a| a == name)?;
-    args.get(at + 1).cloned()
-}
-
-fn arg(name: &str, default: usize) -> usize {
-    option(name).map_or(default, |v| v.parse().expect("a number"))
-}
 
 /// Pseudo-random bytes of valid blocks: small positive float16 scales,
 /// any nibbles / signed bytes in -127..=127.

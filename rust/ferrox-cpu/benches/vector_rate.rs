@@ -17,15 +17,9 @@
 
 use std::time::Instant;
 
-fn option(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    let at = args.iter().position(|a| a == name)?;
-    args.get(at + 1).cloned()
-}
-
-fn arg(name: &str, default: usize) -> usize {
-    option(name).map_or(default, |v| v.parse().expect("a number"))
-}
+#[path = "common/cli.rs"]
+mod cli;
+use cli::arg;
 
 /// Rounds of twelve fused multiply-adds per thread and sample.
 const ROUNDS: usize = 30_000_000;
