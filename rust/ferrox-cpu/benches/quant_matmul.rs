@@ -13,9 +13,9 @@
 
 use std::time::Instant;
 
-#[path = "common/cli.rs"]
-mod cli;
-use cli::{arg, option};
+#[path = "common/shared.rs"]
+mod shared;
+use shared::{arg, median_min_max, option};
 
 use ferrox_cpu::{
     pack_blocks, quant_matmul_with, BlockLayout, QuantFormat, QuantKernel, QuantMatmulArgs,
@@ -75,11 +75,6 @@ fn weights(fmt: QuantFormat, n: usize, k: usize) -> Vec<u8> {
         }
     }
     out
-}
-
-fn median_min_max(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(|a, b| a.total_cmp(b));
-    (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
 fn main() {

@@ -17,9 +17,9 @@
 
 use std::time::Instant;
 
-#[path = "common/cli.rs"]
-mod cli;
-use cli::arg;
+#[path = "common/shared.rs"]
+mod shared;
+use shared::{arg, median_min_max};
 
 /// Rounds of twelve fused multiply-adds per thread and sample.
 const ROUNDS: usize = 30_000_000;
@@ -90,13 +90,7 @@ fn sample(threads: usize) -> f64 {
 
 /// median (min-max), `digits` after the point.
 fn median_spread(values: &[f64], digits: usize) -> String {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let (low, mid, high) = (
-        sorted[0],
-        sorted[sorted.len() / 2],
-        sorted[sorted.len() - 1],
-    );
+    let (mid, low, high) = median_min_max(values.to_vec());
     format!("{mid:.digits$} ({low:.digits$}-{high:.digits$})")
 }
 
