@@ -188,14 +188,16 @@ class LlamaCppEngine:
 def single_stream(engines: list[Any], ids: list[int], new: int, repeats: int) -> dict[str, Any]:
     """Prefill tok/s (a 1-token generation) and decode tok/s (the `new`
     tokens after the first of a longer one, timed from the first token to
-    the last within that request), alternating engines, `repeats` times."""
+    the last within that request), alternating engines, `repeats` times,
+    each repeat in the other order than the one before (so that neither
+    engine always runs right after the other)."""
     figures: dict[str, dict[str, list[float]]] = {
         e.name: {"prefill": [], "decode": []} for e in engines
     }
     for e in engines:  # warm-up
         e.generate(ids, 4)
-    for _ in range(repeats):
-        for e in engines:
+    for repeat in range(repeats):
+        for e in engines if repeat % 2 == 0 else engines[::-1]:
             start = time.perf_counter()
             e.generate(ids, 1)
             first = time.perf_counter() - start
@@ -393,6 +395,12 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
         ratio = statistics.median(ours[key]) / statistics.median(theirs[key])
         print(f"{label + f' ({args.prompt_len}-token prompt)':<44}"
               f"{spread(ours[key]):>22}{spread(theirs[key]):>22}{ratio:>7.2f}x")  # fmt: skip
+    # Each repeat's two figures were measured minutes apart at most: their
+    # ratio leaves out the machine's slower drifts, which the medians keep.
+    for key, label in (("decode", "single-stream decode"), ("prefill", "prefill")):
+        pairs = [x / y for x, y in zip(ours[key], theirs[key], strict=True)]
+        print(f"  {label}, ratio per repeat: median {statistics.median(pairs):.2f}x "
+              f"({min(pairs):.2f}-{max(pairs):.2f}, {len(pairs)} repeats)")  # fmt: skip
     if "ferrox" not in result:
         return
     a, b = result["ferrox"], result["llama-server"]
