@@ -395,7 +395,7 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
         ratio = statistics.median(ours[key]) / statistics.median(theirs[key])
         print(f"{label + f' ({args.prompt_len}-token prompt)':<44}"
               f"{spread(ours[key]):>22}{spread(theirs[key]):>22}{ratio:>7.2f}x")  # fmt: skip
-    # Each repeat's two figures were measured minutes apart at most: their
+    # Each repeat's two figures were measured seconds apart: their
     # ratio leaves out the machine's slower drifts, which the medians keep.
     for key, label in (("decode", "single-stream decode"), ("prefill", "prefill")):
         pairs = [x / y for x, y in zip(ours[key], theirs[key], strict=True)]
