@@ -24,11 +24,16 @@ test-rust:
 	FERROX_CPU_ISA=portable cargo test -p ferrox-cpu
 
 # pytest exits 5 when it collects no test; that is not a failure of the code.
-# -X faulthandler: a crash, even at interpreter exit, prints every thread's stack.
+# PYTHONFAULTHANDLER: a crash, even at interpreter exit, prints every thread's
+# stack, in each pytest-xdist worker too.
+# -n: tests run in PYTEST_WORKERS processes (many wait on servers and
+# subprocesses, so two share two cores well); tests marked
+# xdist_group("processes") run on one of them (--dist loadgroup).
 # --durations: the slowest tests, to keep the whole run within its time.
+PYTEST_WORKERS ?= 2
 test-python:
 	$(PYTHON) -m mypy.stubtest ferrox._native
-	$(PYTHON) -X faulthandler -m pytest -q --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+	PYTHONFAULTHANDLER=1 $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench:
 	cargo bench -p ferrox-core

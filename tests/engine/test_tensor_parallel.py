@@ -21,6 +21,10 @@ from ferrox.parallel import state as distributed
 from tests import models
 from tests.live_server import MODEL, Server, make_model_dir
 
+# Tests that start worker processes or a Ray cluster, or look for such
+# processes machine-wide, run on one pytest-xdist worker (`make test`).
+pytestmark = pytest.mark.xdist_group("processes")
+
 PROMPTS = [[5, 9, 33, 40, 2, 7], [11, 12, 13], list(range(3, 60)), [300, 4]]
 
 

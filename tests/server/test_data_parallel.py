@@ -25,6 +25,10 @@ from ferrox.common.errors import EngineDeadError
 from ferrox.frontend.replicas import ROUTE_BLOCK_TOKENS, ReplicaPool, block_hashes
 from tests.live_server import MODEL, Server
 
+# Tests that start worker processes or a Ray cluster, or look for such
+# processes machine-wide, run on one pytest-xdist worker (`make test`).
+pytestmark = pytest.mark.xdist_group("processes")
+
 # ---------------------------------------------------------------- routing
 
 
@@ -143,13 +147,21 @@ def _chat_load(server: Server, seed: int = 0) -> tuple[int, list[str]]:
     return done, errors
 
 
-def _replica_pids() -> list[int]:
-    pids = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if "EngineReplica" in cmdline:
-            pids.append(proc.pid)
-    return pids
+def _replicas(server: Server) -> list[psutil.Process]:
+    """The server's replica processes (Ray workers it started, among its
+    descendants: not those of a server that is still shutting down)."""
+    found = []
+    try:
+        descendants = psutil.Process(server.proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for proc in descendants:
+        try:
+            if "EngineReplica" in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +214,7 @@ def test_prefix_routing_beats_round_robin(served_model: Path) -> None:
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(served_model: Path) -> None:
     server = Server(served_model, "--data-parallel-size", "2")
     try:
-        pids = _replica_pids()
+        pids = [proc.pid for proc in _replicas(server)]
         assert len(pids) == 2
 
         def request(i: int) -> tuple[int, str]:
@@ -225,18 +237,14 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(served_model: P
         assert set(codes) <= {200, 500, 503}, codes
         # new requests go to the live replica meanwhile, and the dead one comes back
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and len(_replica_pids()) < 2:
+        while time.monotonic() < deadline and len(_replicas(server)) < 2:
             code, text = request(100)
             assert code == 200, text
             time.sleep(0.5)
-        assert len(_replica_pids()) == 2
+        assert len(_replicas(server)) == 2
         assert [request(200 + i)[0] for i in range(4)] == [200] * 4
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     finally:
+        replicas = _replicas(server)
         server.stop()
-    assert (
-        psutil.wait_procs(
-            [psutil.Process(pid) for pid in _replica_pids() if psutil.pid_exists(pid)], timeout=20
-        )[1]
-        == []
-    )
+    assert psutil.wait_procs(replicas, timeout=20)[1] == []
