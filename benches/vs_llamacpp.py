@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from baseline import current_commit  # isort: skip
 from machine import cpu_description
 from side_by_side import free_port, start, stop
 
@@ -343,10 +344,7 @@ def main() -> None:
         "llama_cpp_python": LLAMA_CPP_PYTHON, "ferrox_options": options,
         "llama_cpp_build": "avx2" if avx2_only() else "native",
         "command": " ".join(sys.argv), "cpu": cpu_description(),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip(),
+        "commit": current_commit(),
     }  # fmt: skip
     import torch
 

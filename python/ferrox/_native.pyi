@@ -316,7 +316,7 @@ def rotary_in_place_cpu(
     num_threads: int,
 ) -> None: ...
 def gated_delta_decode_cpu(
-    states: npt.NDArray[np.float32],
+    states: _StateArray,
     slots: npt.NDArray[np.int64],
     fresh: npt.NDArray[np.bool_],
     q: npt.NDArray[np.float32],
@@ -364,6 +364,8 @@ def dequantize_rows_cpu(
 
 # A KV cache: float32, or float16 viewed as int16 (`tensor.view(torch.int16)`).
 _KvArray: TypeAlias = npt.NDArray[np.float32] | npt.NDArray[np.int16]
+# a recurrent-state pool: float32, or bfloat16 as its bits
+_StateArray: TypeAlias = npt.NDArray[np.float32] | npt.NDArray[np.int16]
 
 # (weight bytes, bias, format, packed): "q8_0" / "q4_1" blocks [N, row bytes]
 # (in the kernels' panels if packed), or "f32" for a float32 [N, K] weight
@@ -445,7 +447,7 @@ class CpuGatedDeltaLayer:
         residual: npt.NDArray[np.float32],
         x: npt.NDArray[np.float32],
         conv_states: npt.NDArray[np.float32],
-        states: npt.NDArray[np.float32],
+        states: _StateArray,
         slots: npt.NDArray[np.int64],
         fresh: npt.NDArray[np.bool_],
         num_threads: int,

@@ -97,6 +97,58 @@ def test_what_hybrids_do_not_support_yet_is_refused(tiny_models: dict[str, Path]
         LLM(path, batch_invariant=True, quantization="q8_0")
 
 
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-next"])
+def test_a_bfloat16_state_pool_stays_close_to_transformers(
+    tiny_models: dict[str, Path], name: str
+) -> None:
+    """mamba_ssm_cache_dtype="bfloat16": the pool keeps the recurrent
+    matrices in half the bytes; each step computes in float32 from them, so
+    the first token (its prompt's one step) is transformers' exactly, and
+    every later token's logprob, scored by transformers on the same
+    sequence, stays close (the state is rounded once a step). Prefix hits,
+    chunked prefill and decode batches all read and write the bfloat16 pool;
+    every slot and block comes back."""
+    path = tiny_models[name]
+    hf = models.hf_model(path)
+    batch = prompts(models.VOCAB_SIZE, seed=2)
+    options = dict(num_kv_blocks=256, max_num_seqs=8, block_size=4)
+    wide = LLM(str(path), **options)
+    llm = LLM(str(path), mamba_ssm_cache_dtype="bfloat16", max_num_batched_tokens=40, **options)
+    pool = llm.engine.runner.kv_cache.state
+    assert pool is not None and {rec.dtype for _, rec in pool.layers} == {torch.bfloat16}
+    wide_pool = wide.engine.runner.kv_cache.state
+    assert wide_pool is not None
+    groups, wide_groups = llm.engine.runner.kv_groups, wide.engine.runner.kv_groups
+    matrices = sum(s.num_heads * s.k_head_dim * s.v_head_dim for s in groups.states)
+    assert wide_groups.state_bytes - groups.state_bytes == 2 * matrices  # 4 bytes each -> 2
+    assert pool.num_bytes < wide_pool.num_bytes
+    for _ in range(2):  # the second time from the prefix cache's snapshots
+        outputs = llm.generate(batch, greedy(logprobs=1), use_tqdm=False)
+        for prompt, out in zip(batch, outputs, strict=True):
+            tokens = out.outputs[0].token_ids
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+            scored = logits.float().log_softmax(-1)
+            want = scored.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            chosen = zip(out.outputs[0].logprobs, tokens, strict=True)
+            got = torch.tensor([lp[t].logprob for lp, t in chosen])
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+            # each token transformers' greedy choice, up to that closeness
+            assert bool((scored.max(-1).values - want <= 2e-2).all())
+    assert sum(o.metrics.num_cached_tokens for o in outputs) > sum(map(len, batch)) // 2
+    stats = llm.engine.stats()
+    assert stats.num_free_state_slots == stats.num_state_slots == 8
+    assert stats.num_used_blocks == 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_the_state_dtype_is_checked(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(InvalidArgumentError, match="mamba_ssm_cache_dtype must be one of"):
+        LLM(str(tiny_models["qwen3.5"]), mamba_ssm_cache_dtype="float16")
+    with pytest.raises(InvalidArgumentError, match="linear-attention layers"):
+        LLM(str(tiny_models["llama-gqa-tied"]), mamba_ssm_cache_dtype="bfloat16")
+
+
 # ---- the kernels against transformers' reference implementation ---------------
 
 
@@ -122,13 +174,19 @@ def _meta(lengths: list[int], computed: list[int], slots: list[int]) -> Attentio
     )
 
 
+@pytest.mark.parametrize(
+    ("state_dtype", "tolerance"), [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)]
+)
 @pytest.mark.parametrize("split", [[1], [CHUNK], [CHUNK + 5], [3, 1, 1, 70], [130, 1], [1, 2, 1]])
-def test_the_kernels_match_the_reference_in_pieces(split: list[int]) -> None:
+def test_the_kernels_match_the_reference_in_pieces(
+    split: list[int], state_dtype: torch.dtype, tolerance: float
+) -> None:
     """One sequence fed to the kernels in pieces (prefill chunks of odd
     sizes, decode steps) equals transformers' reference over the whole
     sequence: the state carries from piece to piece through its slot. Beside
     it in every step runs a one-token request that starts afresh from a slot
-    full of NaN (a row with no computed tokens must not read its slot)."""
+    full of NaN (a row with no computed tokens must not read its slot). A
+    bfloat16 pool rounds the state each piece leaves: close, not equal."""
     from transformers.models.qwen3_next.modeling_qwen3_next import (
         torch_chunk_gated_delta_rule,
     )
@@ -147,7 +205,7 @@ def test_the_kernels_match_the_reference_in_pieces(split: list[int]) -> None:
     padded = torch.cat((torch.zeros(channels, width - 1), x.T), dim=1)
     conv = torch.nn.functional.conv1d(padded[None], weight[:, None, :], groups=channels)
     want_conv = torch.nn.functional.silu(conv[0].T)
-    states = torch.full((2, hv, dk, dv), float("nan"))
+    states = torch.full((2, hv, dk, dv), float("nan"), dtype=state_dtype)
     conv_states = torch.full((2, channels, width - 1), float("nan"))
     got, got_conv, done = [], [], 0
     for piece in split:
@@ -167,5 +225,5 @@ def test_the_kernels_match_the_reference_in_pieces(split: list[int]) -> None:
         got.append(o[1:])
         got_conv.append(c[1:])
         done += piece
-    torch.testing.assert_close(torch.cat(got), want[0], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(torch.cat(got), want[0], atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(torch.cat(got_conv), want_conv, atol=1e-5, rtol=1e-5)

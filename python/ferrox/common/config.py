@@ -48,6 +48,13 @@ QUANTIZATIONS = (None, "gguf", "q8_0", "q4_1", "none")
 # reads (the CPU attention kernels widen it as they read); "float32" keeps
 # a float32 model's cache whole.
 KV_CACHEDTYPE_NAMES = ("auto", "float32", "float16")
+# What a hybrid model's linear-attention layers keep their recurrent matrices
+# in (vLLM's and SGLang's option of that name). "auto" and "float32": float32
+# (vLLM's "auto" follows the model's dtype; ferrox computes these layers in
+# float32 and keeps their state so unless asked); "bfloat16": half the state
+# memory a sequence holds and half the state bytes a decode step reads and
+# writes, each step's state rounded to 8 bits of mantissa as it is stored.
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # The CPU KV pool, unless sized explicitly: room for this many tokens or one
 # max_model_len sequence, whichever is more, and at least
 # CPU_KV_CACHE_MIN_BYTES (a smaller pool saves nothing worth having and makes
@@ -74,6 +81,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # one of KV_CACHEDTYPE_NAMES
+    mamba_ssm_cache_dtype: str = "auto"  # one of MAMBA_SSM_CACHE_DTYPES
     num_kv_blocks: int | None = None  # fixed pool size, or sized from memory:
     kv_cache_memory_bytes: int | None = None  # ... an explicit budget, or
     gpu_memory_utilization: float = 0.9  # ... this fraction of the GPU
@@ -188,6 +196,12 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHEDTYPE_NAMES:
             raise InvalidArgumentError(
                 f"kv_cache_dtype must be one of {KV_CACHEDTYPE_NAMES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise InvalidArgumentError(
+                f"mamba_ssm_cache_dtype must be one of {MAMBA_SSM_CACHE_DTYPES}, got "
+                f"{self.mamba_ssm_cache_dtype!r} (float16's range is too narrow for a "
+                "recurrent state)"
             )
         if self.runner not in RUNNERS:
             raise InvalidArgumentError(f"runner must be one of {RUNNERS}, got {self.runner!r}")

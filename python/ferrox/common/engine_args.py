@@ -31,6 +31,10 @@ HELP = {
     "kv_cache_dtype": "auto (the model's dtype) | float16: half the cache memory of a float32 "
     "model and half the bytes decode attention reads (CPU attention backend; on a GPU only "
     "for a float16 model)",
+    "mamba_ssm_cache_dtype": "auto (float32) | float32 | bfloat16: what a hybrid model's "
+    "linear-attention layers (Qwen3.5, Qwen3-Next) keep their recurrent state in; bfloat16 "
+    "halves a sequence's state memory and the state bytes a decode step moves, and rounds "
+    "the state at each step",
     "num_kv_blocks": "fixed KV-cache size in blocks (overrides the memory-based sizing)",
     "kv_cache_memory_bytes": "KV-cache memory budget in bytes",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",

@@ -48,7 +48,7 @@ from ferrox.layers.attention.cpu_backend import SHORT_QUERY_LEN, CpuAttentionBac
 from ferrox.layers.cpu_linear import PackedLinear
 from ferrox.layers.gated_delta import state_rows
 from ferrox.layers.moe import SparseMoe
-from ferrox.layers.native import kernel_threads, kv_array
+from ferrox.layers.native import kernel_threads, kv_array, state_array
 from ferrox.layers.quant_linear import QuantLinear
 
 # A Llama-style decoder layer (see models/llama.py): self_attn with a merged
@@ -353,7 +353,7 @@ class FusedCpuDecode:
         )
         if not same:
             self._cache_arrays = [
-                (a.numpy(), b.numpy())
+                (a.numpy(), state_array(b))
                 if isinstance(layer, CpuGatedDeltaLayer)
                 else (kv_array(a), kv_array(b))
                 for layer, (a, b) in zip(self.layers, kv_caches, strict=True)

@@ -22,7 +22,9 @@ S_end = exp(G_last) S0 + sum_s exp(G_last - G_s) k_s u_s^T: a few matrix
 products per block instead of a loop over its tokens. Everything runs in
 float32. Each row reads the state its slot holds (zero for a row with no
 computed tokens) and leaves the state after its last token there, so that
-chunked prefill and decode continue it.
+chunked prefill and decode continue it. The pool may hold the recurrent
+matrices in bfloat16 (`mamba_ssm_cache_dtype`): a row widens its state as
+it reads it and rounds it once, as it writes it back at the step's end.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 
 from ferrox._native import gated_delta_decode_cpu
 from ferrox.layers.attention.base import AttentionMetadata
-from ferrox.layers.native import kernel_threads, on_cpu_fp32
+from ferrox.layers.native import kernel_threads, on_cpu_fp32, state_array
 
 # Tokens per block of the chunked form.
 CHUNK = 64
@@ -144,11 +146,12 @@ def gated_delta_rule(
     slots, slot_list, starts, ends, fresh = r.slots, r.slot_list, r.starts, r.ends, r.fresh
     out = torch.empty_like(v)
     nd = meta.num_decodes
-    if nd and on_cpu_fp32(states, q, k, v, g, beta):
+    native_pool = states.device.type == "cpu" and states.dtype in (torch.float32, torch.bfloat16)
+    if nd and native_pool and on_cpu_fp32(q, k, v, g, beta):
         # The native step, in place on the pool (ferrox_cpu::gated_delta).
         rows = out[:nd]
         gated_delta_decode_cpu(
-            states.numpy(),
+            state_array(states),
             r.decode_slots,
             r.decode_fresh,
             q[:nd].contiguous().numpy(),
@@ -160,7 +163,7 @@ def gated_delta_rule(
             kernel_threads(),
         )
     elif nd:
-        state = _held(states, slots[:nd], fresh[:nd])  # [B, H, Dk, Dv], a copy
+        state = _held(states, slots[:nd], fresh[:nd]).float()  # [B, H, Dk, Dv], a copy
         heads, dk, dv = state.shape[1:]
         state.mul_(g[:nd].exp()[:, :, None, None])
         flat = state.view(nd * heads, dk, dv)  # one matrix per (row, head)
@@ -169,14 +172,15 @@ def gated_delta_rule(
         delta = (v[:nd].reshape(nd * heads, 1, dv) - remembered) * beta[:nd].reshape(-1, 1, 1)
         flat.baddbmm_(kt.transpose(1, 2), delta)  # S += k delta^T
         out[:nd] = torch.bmm(q[:nd].reshape(nd * heads, 1, dk), flat).view(nd, heads, dv)
-        states[slots[:nd]] = state
+        states[slots[:nd]] = state.to(states.dtype)
     for row in range(nd, meta.num_reqs):
         s, e, slot = starts[row], ends[row], slot_list[row]
-        state = torch.zeros_like(states[slot]) if fresh[row] else states[slot]
+        held = states[slot]
+        state = held.new_zeros(held.shape, dtype=torch.float32) if fresh[row] else held.float()
         for c in range(s, e, CHUNK):
             ce = min(c + CHUNK, e)
             out[c:ce], state = _chunk(q[c:ce], k[c:ce], v[c:ce], g[c:ce], beta[c:ce], state)
-        states[slot] = state
+        states[slot] = state.to(states.dtype)
     return out
 
 

@@ -16,6 +16,14 @@ def kv_array(cache: torch.Tensor) -> np.ndarray:
     return cache.numpy()
 
 
+def state_array(states: torch.Tensor) -> np.ndarray:
+    """A recurrent-state pool as the native kernels take it: float32 as it
+    is, bfloat16 as its bits (int16; numpy has no bfloat16)."""
+    if states.dtype == torch.bfloat16:
+        return states.view(torch.int16).numpy()
+    return states.numpy()
+
+
 def kernel_threads() -> int:
     """As many threads as torch uses (its default, the user's setting, or a
     tensor-parallel rank's share of the cores); the kernels honour it. Also

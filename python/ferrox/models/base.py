@@ -53,8 +53,9 @@ class LinearAttentionState:
     a fixed size whatever the sequence's length: the last `conv_kernel - 1`
     inputs of its causal convolution over `conv_dim` channels, and a
     `k_head_dim x v_head_dim` matrix per value head. It lives in the state
-    pool, one slot per running sequence (the Rust core's state slots), in
-    float32."""
+    pool, one slot per running sequence (the Rust core's state slots): the
+    convolution's inputs in float32, the matrices in float32 or bfloat16
+    (`EngineConfig.mamba_ssm_cache_dtype`)."""
 
     conv_dim: int
     conv_kernel: int
@@ -70,10 +71,11 @@ class LinearAttentionState:
     def recurrent_shape(self) -> tuple[int, int, int]:
         return (self.num_heads, self.k_head_dim, self.v_head_dim)
 
-    @property
-    def num_bytes(self) -> int:
+    def num_bytes(self, recurrent_itemsize: int = 4) -> int:
+        """One sequence's state in this layer, its matrices' elements of
+        `recurrent_itemsize` bytes."""
         conv = self.conv_dim * (self.conv_kernel - 1)
-        return 4 * (conv + self.num_heads * self.k_head_dim * self.v_head_dim)
+        return 4 * conv + recurrent_itemsize * self.num_heads * self.k_head_dim * self.v_head_dim
 
 
 # The kinds of per-layer state the runner and the Rust core manage.

@@ -36,16 +36,21 @@ class KVGroups:
     sliding_window: int | None
     state_layers: list[int] = field(default_factory=list)
     states: list[LinearAttentionState] = field(default_factory=list)
+    # what the state pool holds the recurrent matrices in
+    state_dtype: torch.dtype = torch.float32
 
     @property
     def state_bytes(self) -> int:
         """One sequence's recurrent state, all layers."""
-        return sum(s.num_bytes for s in self.states)
+        itemsize = torch.empty((), dtype=self.state_dtype).element_size()
+        return sum(s.num_bytes(itemsize) for s in self.states)
 
 
-def kv_groups(model: CausalLM) -> KVGroups:
+def kv_groups(model: CausalLM, state_dtype: torch.dtype = torch.float32) -> KVGroups:
     """The layer groups of a model's per-request state (other kinds of
-    per-layer state, and sliding windows of different lengths, are refused)."""
+    per-layer state, and sliding windows of different lengths, are refused);
+    `state_dtype`: what its linear-attention layers' recurrent matrices are
+    held in."""
     states = model.layer_states()
     known = (FullAttention, SlidingWindowAttention, LinearAttentionState)
     kinds = sorted({type(s).__name__ for s in states if not isinstance(s, known)})
@@ -74,6 +79,7 @@ def kv_groups(model: CausalLM) -> KVGroups:
         windows.pop() if windows else None,
         [i for i, _ in recurrent],
         [s for _, s in recurrent],
+        state_dtype,
     )
 
 
@@ -147,13 +153,14 @@ class KVCache:
 
 
 class StatePool:
-    """The recurrent state of a model's linear-attention layers: per layer,
-    the convolution's last inputs `[num_slots, conv_dim, conv_kernel - 1]`
-    and the recurrent matrices `[num_slots, heads, k_head_dim, v_head_dim]`,
-    float32. A running sequence owns one slot of every layer (the Rust
-    scheduler gives it); a row with no computed tokens starts its slot from
-    zero, so a slot needs no clearing when it changes hands (and the pool is
-    allocated uninitialised: its pages cost memory once written).
+    """The recurrent state of a model's linear-attention layers: per layer, the
+    convolution's last inputs `[num_slots, conv_dim, conv_kernel - 1]`
+    (float32) and the recurrent matrices `[num_slots, heads, k_head_dim,
+    v_head_dim]` (`recurrent_dtype`: float32, or bfloat16). A running
+    sequence owns one slot of every layer (the Rust scheduler gives it); a
+    row with no computed tokens starts its slot from zero, so a slot needs
+    no clearing when it changes hands (and the pool is allocated
+    uninitialised: its pages cost memory once written).
 
     With prefix caching, `num_snapshots` more of each: the states the
     prefix cache keeps (the state after a block boundary of a cached
@@ -167,6 +174,7 @@ class StatePool:
         num_slots: int,
         device: torch.device,
         num_snapshots: int = 0,
+        recurrent_dtype: torch.dtype = torch.float32,
     ) -> None:
         if num_slots <= 0:
             raise InvalidArgumentError("the state pool needs at least one slot")
@@ -177,7 +185,7 @@ class StatePool:
             return [
                 (
                     torch.empty(n, *s.conv_shape, dtype=torch.float32, device=device),
-                    torch.empty(n, *s.recurrent_shape, dtype=torch.float32, device=device),
+                    torch.empty(n, *s.recurrent_shape, dtype=recurrent_dtype, device=device),
                 )
                 for s in states
             ]
@@ -254,7 +262,9 @@ class ModelKV:
         if self.window is not None:
             layers |= dict(zip(groups.window_layers, self.window.layers, strict=True))
         self.state = (
-            StatePool(groups.states, num_state_slots, device, num_state_snapshots)
+            StatePool(
+                groups.states, num_state_slots, device, num_state_snapshots, groups.state_dtype
+            )
             if groups.state_layers
             else None
         )

@@ -109,6 +109,12 @@ def kv_cache_dtype(config: EngineConfig, model: torch.nn.Module) -> torch.dtype:
     return torch_dtype(config)
 
 
+def ssm_state_dtype(config: EngineConfig) -> torch.dtype:
+    """What the state pool keeps linear-attention layers' recurrent matrices
+    in (see config.MAMBA_SSM_CACHE_DTYPES)."""
+    return torch.bfloat16 if config.mamba_ssm_cache_dtype == "bfloat16" else torch.float32
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -132,7 +138,12 @@ class ModelRunner:
         hf = loaded.hf_config
         self.vocab_size = int(hf.vocab_size)
         self.max_model_len = max_model_len
-        self.kv_groups = groups = kv_groups(self.model)
+        self.kv_groups = groups = kv_groups(self.model, ssm_state_dtype(config))
+        if config.mamba_ssm_cache_dtype != "auto" and not groups.state_layers:
+            raise InvalidArgumentError(
+                f"mamba_ssm_cache_dtype={config.mamba_ssm_cache_dtype!r} is for models with "
+                "linear-attention layers (Qwen3.5, Qwen3-Next); this model has none"
+            )
         self.num_layers = len(groups.full_layers) + len(groups.window_layers)
         self.num_kv_heads, self.head_dim = groups.num_kv_heads, groups.head_dim
         if draft is not None and not self.kv_groups.full_layers:

@@ -15,7 +15,7 @@
 use crate::activation::{exp, silu_in_place, Gate};
 use crate::decoder_layer::{linear, DenseMlp, LayerLinear, MlpTail};
 use crate::elementwise::add_rms_norm;
-use crate::gated_delta::{check_slots, gated_delta_decode, GatedDeltaDecode};
+use crate::gated_delta::{check_slots, gated_delta_decode, GatedDeltaDecode, StateElement};
 use crate::paged_attention::ShapeError;
 
 /// The layer's parameters and shapes.
@@ -56,13 +56,13 @@ pub struct GatedDeltaLayerStep<'a> {
 /// Runs the layer. `residual` and `x` ([B, hidden]) as `decoder_layer`
 /// takes and leaves them; `conv_states` ([S, C, K - 1]) and `states` ([S,
 /// Hv, Dk, Dv]) are the state pool, read and written at the rows' slots.
-pub fn gated_delta_layer(
+pub fn gated_delta_layer<E: StateElement>(
     w: &GatedDeltaLayerWeights<'_>,
     step: &GatedDeltaLayerStep<'_>,
     residual: &mut [f32],
     x: &mut [f32],
     conv_states: &mut [f32],
-    states: &mut [f32],
+    states: &mut [E],
 ) -> Result<(), ShapeError> {
     let hidden = w.input_norm.len();
     let (hk, hv, dk, dv) = (w.key_heads, w.value_heads, w.k_dim, w.v_dim);

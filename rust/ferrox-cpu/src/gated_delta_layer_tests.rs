@@ -314,3 +314,68 @@ fn a_refused_step_leaves_the_pool_as_it_was() {
     assert!(err.0.contains("same slots"), "{err:?}");
     assert_eq!((conv_states, states), (conv_before, before));
 }
+
+/// A bfloat16 pool runs the step on the values it holds as a float32 pool
+/// of the same values does: the same outputs, bit for bit, and the states
+/// it leaves are the float32 pool's rounded to bfloat16.
+#[test]
+fn a_bfloat16_pool_rounds_only_the_states_it_stores() {
+    use crate::gated_delta::Bf16;
+    let mut rand = Rand(23);
+    // (value heads of 128: the width the step keeps in registers)
+    let layer = Layer::new(&mut rand, 24, 2, 4, 16, 128, false, 4);
+    let held = layer.channels() * (layer.kernel - 1);
+    let per_slot = 4 * 16 * 128;
+    let (slots, fresh) = ([1i64, 2, 0], [false, true, false]);
+    let conv_before = rand.vec(3 * held);
+    let half: Vec<Bf16> = rand
+        .vec(3 * per_slot)
+        .into_iter()
+        .map(Bf16::store)
+        .collect();
+    let wide: Vec<f32> = half.iter().map(|s| s.load()).collect();
+    let residual = rand.vec(3 * 24);
+    let x = rand.vec(3 * 24);
+    let step = GatedDeltaLayerStep {
+        slots: &slots,
+        fresh: &fresh,
+        num_threads: 2,
+    };
+    let run = |states: &mut dyn StatesRun| {
+        let (mut res, mut out, mut conv) = (residual.clone(), x.clone(), conv_before.clone());
+        states.run(&layer, &step, &mut res, &mut out, &mut conv);
+        (res, out, conv)
+    };
+    let (mut half_states, mut wide_states) = (half.clone(), wide.clone());
+    let got = run(&mut half_states);
+    let want = run(&mut wide_states);
+    assert_eq!(got, want);
+    let rounded: Vec<Bf16> = wide_states.iter().map(|&s| Bf16::store(s)).collect();
+    assert_eq!(half_states, rounded);
+    assert_ne!(half_states, half); // the step wrote them
+}
+
+/// A state pool of either element type, run through the layer once.
+trait StatesRun {
+    fn run(
+        &mut self,
+        layer: &Layer,
+        step: &GatedDeltaLayerStep<'_>,
+        residual: &mut [f32],
+        x: &mut [f32],
+        conv: &mut [f32],
+    );
+}
+
+impl<E: StateElement> StatesRun for Vec<E> {
+    fn run(
+        &mut self,
+        layer: &Layer,
+        step: &GatedDeltaLayerStep<'_>,
+        residual: &mut [f32],
+        x: &mut [f32],
+        conv: &mut [f32],
+    ) {
+        gated_delta_layer(&layer.weights(), step, residual, x, conv, self).unwrap();
+    }
+}

@@ -29,7 +29,7 @@ pub use decoder_layer::{
 };
 pub use elementwise::{add_rms_norm, rotary_in_place, rotary_partial_in_place, RotaryHeads};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};
-pub use gated_delta::{gated_delta_decode, GatedDeltaDecode};
+pub use gated_delta::{gated_delta_decode, Bf16, GatedDeltaDecode, StateElement};
 pub use gated_delta_layer::{gated_delta_layer, GatedDeltaLayerStep, GatedDeltaLayerWeights};
 pub use kv_element::{f32_to_f16, KvElement, F16};
 pub use lora::LoraLayer;

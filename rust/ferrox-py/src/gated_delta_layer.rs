@@ -5,13 +5,13 @@
 use ferrox_cpu::{gated_delta_layer, GatedDeltaLayerStep, GatedDeltaLayerWeights};
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray2, PyReadwriteArray3,
-    PyReadwriteArray4, PyUntypedArrayMethods,
+    PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
 use crate::decoder_layer::{borrow_mlp, dense_mlp, gate_of, view_mlp, Linear, LinearSpec};
 use crate::errors::invalid_argument;
-use crate::kernels::contiguous;
+use crate::kernels::{contiguous, with_states, StateArray};
 
 /// A Gated DeltaNet layer over block-format or float32 projections, run
 /// whole for decode steps (one token a row); its state lives in the pool
@@ -101,7 +101,8 @@ impl CpuGatedDeltaLayer {
 
     /// The layer on a step of decode rows: `residual` and `x` ([B, hidden])
     /// as `CpuDecoderLayer.forward` updates them; `conv_states` [S, C, K - 1]
-    /// and `states` [S, Hv, Dk, Dv] (float32) are read and written at
+    /// (float32) and `states` [S, Hv, Dk, Dv] (float32, or bfloat16 as int16
+    /// bits) are read and written at
     /// `slots` ([B], distinct); rows with `fresh` start from zero.
     #[pyo3(signature = (residual, x, conv_states, states, slots, fresh, num_threads))]
     #[allow(clippy::too_many_arguments)]
@@ -111,17 +112,24 @@ impl CpuGatedDeltaLayer {
         mut residual: PyReadwriteArray2<'_, f32>,
         mut x: PyReadwriteArray2<'_, f32>,
         mut conv_states: PyReadwriteArray3<'_, f32>,
-        mut states: PyReadwriteArray4<'_, f32>,
+        states: Bound<'_, PyAny>,
         slots: PyReadonlyArray1<'_, i64>,
         fresh: PyReadonlyArray1<'_, bool>,
         num_threads: usize,
     ) -> PyResult<()> {
         let conv = self.conv.bind(py).readonly();
         let (channels, kernel) = (conv.shape()[0], conv.shape()[1]);
-        let (slots_shape, conv_shape) = (states.shape()[0], conv_states.shape());
+        let states = StateArray::extract(&states)?;
+        let states_shape = states.shape();
+        if states_shape.len() != 4 {
+            return Err(invalid_argument(format!(
+                "states must be [S, Hv, Dk, Dv], got {states_shape:?}"
+            )));
+        }
+        let (slots_shape, conv_shape) = (states_shape[0], conv_states.shape());
         let want = [self.value_heads, self.k_dim, self.v_dim];
         if conv_shape != [slots_shape, channels, kernel.saturating_sub(1)]
-            || states.shape()[1..] != want
+            || states_shape[1..] != want
         {
             return Err(invalid_argument(format!(
                 "the state pools must be [S, {channels}, {}] and [S, {}, {}, {}], got {conv_shape:?} \
@@ -130,7 +138,7 @@ impl CpuGatedDeltaLayer {
                 want[0],
                 want[1],
                 want[2],
-                states.shape()
+                states_shape
             )));
         }
         let [input_norm, post_attention_norm, dt_bias, decay_scale, norm] = [
@@ -176,8 +184,9 @@ impl CpuGatedDeltaLayer {
         let conv_states = conv_states
             .as_slice_mut()
             .map_err(|_| mutable("conv_states"))?;
-        let states = states.as_slice_mut().map_err(|_| mutable("states"))?;
-        py.detach(|| gated_delta_layer(&weights, &step, residual, x, conv_states, states))
-            .map_err(|e| invalid_argument(e.to_string()))
+        with_states!(states, s => py.detach(|| {
+            gated_delta_layer(&weights, &step, residual, x, conv_states, s)
+        }))
+        .map_err(|e| invalid_argument(e.to_string()))
     }
 }

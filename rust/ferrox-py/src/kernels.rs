@@ -5,7 +5,6 @@ use ferrox_cpu::{
     paged_attention, quant_matmul, rotary_in_place, BlockLayout, GatedDeltaDecode, KvElement,
     PagedAttentionArgs, QuantFormat, QuantKernel, QuantMatmulArgs, F16,
 };
-use numpy::PyReadwriteArray4;
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
     PyReadwriteArray2, PyReadwriteArrayDyn, PyUntypedArrayMethods,
@@ -55,6 +54,67 @@ impl<'py> CacheArray<'py> {
         }
     }
 }
+
+/// A recurrent-state pool array: float32, or bfloat16 as its bits (a torch
+/// bfloat16 tensor's `.view(torch.int16)`).
+pub(crate) enum StateArray<'py> {
+    F32(Bound<'py, PyArrayDyn<f32>>),
+    Bf16(Bound<'py, PyArrayDyn<i16>>),
+}
+
+impl<'py> StateArray<'py> {
+    pub(crate) fn extract(array: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(a) = array.cast::<PyArrayDyn<f32>>() {
+            return Ok(Self::F32(a.clone()));
+        }
+        if let Ok(a) = array.cast::<PyArrayDyn<i16>>() {
+            return Ok(Self::Bf16(a.clone()));
+        }
+        Err(invalid_argument(
+            "states must be a float32 array or a bfloat16 one viewed as int16".into(),
+        ))
+    }
+
+    pub(crate) fn shape(&self) -> Vec<usize> {
+        match self {
+            Self::F32(a) => a.shape().to_vec(),
+            Self::Bf16(a) => a.shape().to_vec(),
+        }
+    }
+}
+
+/// Evaluates `$body` with `$s` bound to a `StateArray`'s elements, borrowed
+/// read-write: `&mut [f32]` or `&mut [Bf16]`.
+macro_rules! with_states {
+    ($states:expr, $s:ident => $body:expr) => {{
+        let contiguous = |_| $crate::errors::invalid_argument("states must be C-contiguous".into());
+        match $states {
+            $crate::kernels::StateArray::F32(a) => {
+                let mut rw = a
+                    .try_readwrite()
+                    .map_err($crate::kernels::borrowed("states"))?;
+                let $s = rw.as_slice_mut().map_err(contiguous)?;
+                $body
+            }
+            $crate::kernels::StateArray::Bf16(a) => {
+                let mut rw = a
+                    .try_readwrite()
+                    .map_err($crate::kernels::borrowed("states"))?;
+                let bits = rw.as_slice_mut().map_err(contiguous)?;
+                // SAFETY: Bf16 is a transparent u16, of i16's size and
+                // alignment; the borrow is handed on whole.
+                let $s = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        bits.as_mut_ptr().cast::<ferrox_cpu::Bf16>(),
+                        bits.len(),
+                    )
+                };
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use with_states;
 
 /// The error of an array borrowed elsewhere (the same array as K and V).
 pub(crate) fn borrowed<E>(what: &str) -> impl FnOnce(E) -> PyErr + '_ {
@@ -438,7 +498,7 @@ pub fn dequantize_rows_cpu(
 }
 
 /// The gated delta rule's decode step for every row, in place on the state
-/// pool `states` ([S, H, Dk, Dv] float32): row b (one token) continues the
+/// pool `states` ([S, H, Dk, Dv]; float32, or bfloat16 as int16 bits): row b (one token) continues the
 /// state of slot `slots[b]` (zero where `fresh[b]`); q, k [B, H, Dk], v and
 /// out [B, H, Dv], g (log decay) and beta [B, H].
 #[pyfunction]
@@ -446,7 +506,7 @@ pub fn dequantize_rows_cpu(
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_decode_cpu(
     py: Python<'_>,
-    mut states: PyReadwriteArray4<'_, f32>,
+    states: Bound<'_, PyAny>,
     slots: PyReadonlyArray1<'_, i64>,
     fresh: PyReadonlyArray1<'_, bool>,
     q: PyReadonlyArrayDyn<'_, f32>,
@@ -457,7 +517,8 @@ pub fn gated_delta_decode_cpu(
     mut out: PyReadwriteArrayDyn<'_, f32>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let [_, num_heads, k_dim, v_dim] = dims::<4>(states.shape(), "states")?;
+    let states = StateArray::extract(&states)?;
+    let [_, num_heads, k_dim, v_dim] = dims::<4>(&states.shape(), "states")?;
     let args = GatedDeltaDecode {
         q: contiguous(q.as_slice())?,
         k: contiguous(k.as_slice())?,
@@ -470,12 +531,9 @@ pub fn gated_delta_decode_cpu(
         k_dim,
         v_dim,
     };
-    let states = states
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("states must be C-contiguous".into()))?;
     let out = out
         .as_slice_mut()
         .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
-    py.detach(|| gated_delta_decode(&args, states, out, num_threads))
+    with_states!(states, s => py.detach(|| gated_delta_decode(&args, s, out, num_threads)))
         .map_err(|e| invalid_argument(e.to_string()))
 }
