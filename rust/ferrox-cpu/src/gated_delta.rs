@@ -247,7 +247,7 @@ fn step_portable<E: StateElement, const FMA: bool>(
 ) {
     let dv = o.len();
     if dv == 128 {
-        return step_narrow::<E, FMA, 128>(s, p, o, scratch);
+        return step_of_width::<E, FMA, 128>(s, p, o, scratch);
     }
     let (recall, rest) = scratch.split_at_mut(dv);
     let (delta, wide) = rest.split_at_mut(dv);
@@ -279,13 +279,13 @@ fn step_portable<E: StateElement, const FMA: bool>(
     }
 }
 
-/// The step on a state held narrower than float32 whose rows are `DV`
-/// wide, row after row in memory order, the recall and the output summed in
-/// registers (each element widened as it is loaded and rounded as it is
-/// stored): the same arithmetic, in the same order per element, as the
-/// row-wise loops of any width.
+/// The step on a state whose rows are `DV` wide (the models' 128), row
+/// after row in memory order, the recall and the output summed in registers
+/// across the rows (a narrow state's elements widened as they are loaded
+/// and rounded as they are stored): the same arithmetic, in the same order
+/// per element, as the loops for any width, in fewer loads and stores.
 #[inline(always)]
-fn step_narrow<E: StateElement, const FMA: bool, const DV: usize>(
+fn step_of_width<E: StateElement, const FMA: bool, const DV: usize>(
     s: &mut [E],
     p: &Pair<'_>,
     o: &mut [f32],

@@ -341,41 +341,33 @@ fn a_bfloat16_pool_rounds_only_the_states_it_stores() {
         fresh: &fresh,
         num_threads: 2,
     };
-    let run = |states: &mut dyn StatesRun| {
-        let (mut res, mut out, mut conv) = (residual.clone(), x.clone(), conv_before.clone());
-        states.run(&layer, &step, &mut res, &mut out, &mut conv);
-        (res, out, conv)
-    };
     let (mut half_states, mut wide_states) = (half.clone(), wide.clone());
-    let got = run(&mut half_states);
-    let want = run(&mut wide_states);
+    let inputs = (&residual, &x, &conv_before);
+    let got = run_once(&layer, &step, inputs, &mut half_states);
+    let want = run_once(&layer, &step, inputs, &mut wide_states);
     assert_eq!(got, want);
     let rounded: Vec<Bf16> = wide_states.iter().map(|&s| Bf16::store(s)).collect();
     assert_eq!(half_states, rounded);
     assert_ne!(half_states, half); // the step wrote them
 }
 
-/// A state pool of either element type, run through the layer once.
-trait StatesRun {
-    fn run(
-        &mut self,
-        layer: &Layer,
-        step: &GatedDeltaLayerStep<'_>,
-        residual: &mut [f32],
-        x: &mut [f32],
-        conv: &mut [f32],
-    );
-}
-
-impl<E: StateElement> StatesRun for Vec<E> {
-    fn run(
-        &mut self,
-        layer: &Layer,
-        step: &GatedDeltaLayerStep<'_>,
-        residual: &mut [f32],
-        x: &mut [f32],
-        conv: &mut [f32],
-    ) {
-        gated_delta_layer(&layer.weights(), step, residual, x, conv, self).unwrap();
-    }
+/// The layer once over copies of (residual, x, convolution states) and the
+/// pool `states` of either element type: the three copies as it left them.
+fn run_once<E: StateElement>(
+    layer: &Layer,
+    step: &GatedDeltaLayerStep<'_>,
+    (residual, x, conv): (&Vec<f32>, &Vec<f32>, &Vec<f32>),
+    states: &mut [E],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (mut residual, mut x, mut conv) = (residual.clone(), x.clone(), conv.clone());
+    gated_delta_layer(
+        &layer.weights(),
+        step,
+        &mut residual,
+        &mut x,
+        &mut conv,
+        states,
+    )
+    .unwrap();
+    (residual, x, conv)
 }
