@@ -27,13 +27,14 @@ test-rust:
 # PYTHONFAULTHANDLER: a crash, even at interpreter exit, prints every thread's
 # stack, in each pytest-xdist worker too.
 # -n: tests run in PYTEST_WORKERS processes (many wait on servers and
-# subprocesses, so two share two cores well); tests marked
-# xdist_group("processes") run on one of them (--dist loadgroup).
+# subprocesses, so two share two cores well); --dist loadfile: a module's
+# tests on one of them, in order, as they run alone (tests that look for
+# worker processes look among their own process's descendants).
 # --durations: the slowest tests, to keep the whole run within its time.
 PYTEST_WORKERS ?= 2
 test-python:
 	$(PYTHON) -m mypy.stubtest ferrox._native
-	PYTHONFAULTHANDLER=1 $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+	PYTHONFAULTHANDLER=1 $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench:
 	cargo bench -p ferrox-core

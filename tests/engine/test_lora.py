@@ -315,7 +315,6 @@ def test_engines_that_cannot_serve_adapters_say_so(
         LLM(str(tiny_models["gemma3"]), enable_lora=True, num_kv_blocks=32)
 
 
-@pytest.mark.xdist_group("processes")  # its workers: see test_tensor_parallel
 def test_adapters_under_tensor_parallelism(tmp_path: Path) -> None:
     """Two ranks over gloo, each with its shard of the base and of each
     adapter (B by rows in q/k/v and gate/up, A by columns in o and down):

@@ -21,10 +21,6 @@ from ferrox.parallel import state as distributed
 from tests import models
 from tests.live_server import MODEL, Server, make_model_dir
 
-# Tests that start worker processes or a Ray cluster, or look for such
-# processes machine-wide, run on one pytest-xdist worker (`make test`).
-pytestmark = pytest.mark.xdist_group("processes")
-
 PROMPTS = [[5, 9, 33, 40, 2, 7], [11, 12, 13], list(range(3, 60)), [300, 4]]
 
 
@@ -58,11 +54,15 @@ def tp_models(
 
 
 def _worker_processes() -> list[psutil.Process]:
+    """The tensor-parallel workers this test process started (directly, or
+    through a server it runs): not another test process's."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "ferrox.executor.worker" in cmdline:
-            found.append(proc)
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "ferrox.executor.worker" in proc.cmdline():
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
     return found
 
 
@@ -170,8 +170,10 @@ def test_serve_with_two_ranks(
     )[0].outputs[0]
     del llm
     server = Server(path, "--tensor-parallel-size", "2")
+    workers = []
     try:
-        assert len(_worker_processes()) == 1
+        workers = _worker_processes()
+        assert len(workers) == 1
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
         out = server.post("/v1/completions", {**body, "ignore_eos": True})
         assert out.status_code == 200, out.text
@@ -183,3 +185,4 @@ def test_serve_with_two_ranks(
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     finally:
         server.stop()
+    assert psutil.wait_procs(workers, timeout=10)[1] == []

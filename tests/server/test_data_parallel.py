@@ -25,10 +25,6 @@ from ferrox.common.errors import EngineDeadError
 from ferrox.frontend.replicas import ROUTE_BLOCK_TOKENS, ReplicaPool, block_hashes
 from tests.live_server import MODEL, Server
 
-# Tests that start worker processes or a Ray cluster, or look for such
-# processes machine-wide, run on one pytest-xdist worker (`make test`).
-pytestmark = pytest.mark.xdist_group("processes")
-
 # ---------------------------------------------------------------- routing
 
 

@@ -21,10 +21,6 @@ from ferrox.common.errors import InvalidArgumentError
 from ferrox.server.ray_serve import app_options, parse_serve_args, serve_argv
 from tests.live_server import MODEL
 
-# Tests that start worker processes or a Ray cluster, or look for such
-# processes machine-wide, run on one pytest-xdist worker (`make test`).
-pytestmark = pytest.mark.xdist_group("processes")
-
 
 def test_arguments_become_ferrox_serve_flags() -> None:
     argv = serve_argv(

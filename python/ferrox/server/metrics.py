@@ -17,6 +17,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ferrox.common.outputs import FINISH_REASONS
 from ferrox.common.protocol import EngineStats
 from ferrox.frontend.request_run import FinishedRequest
 
@@ -167,6 +168,8 @@ class Metrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        for reason in FINISH_REASONS:  # each series at 0 from the start, as vLLM's
+            self.request_success.labels(model, reason)
         self.requests_rejected = Counter(
             "ferrox:requests_rejected",
             "Requests answered 503 before any work: the server was at capacity or draining.",
