@@ -42,8 +42,7 @@ class KVGroups:
     @property
     def state_bytes(self) -> int:
         """One sequence's recurrent state, all layers."""
-        itemsize = torch.empty((), dtype=self.state_dtype).element_size()
-        return sum(s.num_bytes(itemsize) for s in self.states)
+        return sum(s.num_bytes(self.state_dtype.itemsize) for s in self.states)
 
 
 def kv_groups(model: CausalLM, state_dtype: torch.dtype = torch.float32) -> KVGroups:

@@ -53,15 +53,11 @@ pub(crate) fn check_slots(slots: &[i64], num_slots: usize, what: &str) -> Result
 
 /// The element types a state pool may hold.
 pub trait StateElement: Copy + Send + Sync + 'static {
-    /// float32 itself: the step works on the pool's rows in place (else on
-    /// a float32 copy of each row, written back rounded).
-    const WIDE: bool;
     fn load(self) -> f32;
     fn store(x: f32) -> Self;
 }
 
 impl StateElement for f32 {
-    const WIDE: bool = true;
     #[inline(always)]
     fn load(self) -> f32 {
         self
@@ -78,7 +74,6 @@ impl StateElement for f32 {
 pub struct Bf16(pub u16);
 
 impl StateElement for Bf16 {
-    const WIDE: bool = false;
     #[inline(always)]
     fn load(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
@@ -148,7 +143,7 @@ pub fn gated_delta_decode<E: StateElement>(
     let state_ptr = SharedPtr(states.as_mut_ptr());
     let out_ptr = SharedPtr(out.as_mut_ptr());
     run_parts(threads, &|part| {
-        let mut scratch = vec![0f32; 3 * dv];
+        let mut scratch = vec![0f32; 2 * dv];
         for pair in part * per..((part + 1) * per).min(pairs) {
             let (row, head) = (pair / h, pair % h);
             let slot = args.slots[row] as usize;
@@ -249,13 +244,11 @@ fn step_portable<E: StateElement, const FMA: bool>(
     if dv == 128 {
         return step_of_width::<E, FMA, 128>(s, p, o, scratch);
     }
-    let (recall, rest) = scratch.split_at_mut(dv);
-    let (delta, wide) = rest.split_at_mut(dv);
+    let (recall, delta) = scratch.split_at_mut(dv);
     recall.fill(0.0);
     for (row, &ki) in s.chunks_exact(dv).zip(p.k) {
-        let row = widened(row, wide);
-        for (m, &x) in recall.iter_mut().zip(row) {
-            *m = madd::<FMA>(x, ki, *m);
+        for (m, x) in recall.iter_mut().zip(row) {
+            *m = madd::<FMA>(x.load(), ki, *m);
         }
     }
     for ((d, &m), &vj) in delta.iter_mut().zip(recall.iter()).zip(p.v) {
@@ -263,18 +256,10 @@ fn step_portable<E: StateElement, const FMA: bool>(
     }
     o.fill(0.0);
     for ((row, &ki), &qi) in s.chunks_exact_mut(dv).zip(p.k).zip(p.q) {
-        if E::WIDE {
-            // SAFETY: E is f32 (WIDE), the same type.
-            let row = unsafe { &mut *(row as *mut [E] as *mut [f32]) };
-            update_row::<FMA>(row, delta, p.decay, ki, qi, o);
-        } else {
-            for (w, x) in wide.iter_mut().zip(row.iter()) {
-                *w = x.load();
-            }
-            update_row::<FMA>(wide, delta, p.decay, ki, qi, o);
-            for (x, &w) in row.iter_mut().zip(wide.iter()) {
-                *x = E::store(w);
-            }
+        for ((x, &d), out) in row.iter_mut().zip(delta.iter()).zip(o.iter_mut()) {
+            let updated = madd::<FMA>(p.decay, x.load(), ki * d);
+            *x = E::store(updated);
+            *out = madd::<FMA>(qi, updated, *out);
         }
     }
 }
@@ -313,36 +298,6 @@ fn step_of_width<E: StateElement, const FMA: bool, const DV: usize>(
         }
     }
     o.copy_from_slice(&out);
-}
-
-/// A state row as float32: itself, or widened into `buf`. (Separate, plain
-/// loops: the compiler vectorises each.)
-#[inline(always)]
-fn widened<'a, E: StateElement>(row: &'a [E], buf: &'a mut [f32]) -> &'a [f32] {
-    if E::WIDE {
-        // SAFETY: E is f32 (WIDE), the same type.
-        return unsafe { &*(row as *const [E] as *const [f32]) };
-    }
-    for (w, x) in buf.iter_mut().zip(row) {
-        *w = x.load();
-    }
-    buf
-}
-
-#[inline(always)]
-fn update_row<const FMA: bool>(
-    row: &mut [f32],
-    delta: &[f32],
-    decay: f32,
-    ki: f32,
-    qi: f32,
-    o: &mut [f32],
-) {
-    for ((x, &d), out) in row.iter_mut().zip(delta).zip(o.iter_mut()) {
-        let updated = madd::<FMA>(decay, *x, ki * d);
-        *x = updated;
-        *out = madd::<FMA>(qi, updated, *out);
-    }
 }
 
 #[cfg(test)]
