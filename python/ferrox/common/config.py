@@ -198,10 +198,14 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {KV_CACHEDTYPE_NAMES}, got {self.kv_cache_dtype!r}"
             )
         if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            why = (
+                " (float16's range is too narrow for a recurrent state)"
+                if self.mamba_ssm_cache_dtype == "float16"
+                else ""
+            )
             raise InvalidArgumentError(
                 f"mamba_ssm_cache_dtype must be one of {MAMBA_SSM_CACHE_DTYPES}, got "
-                f"{self.mamba_ssm_cache_dtype!r} (float16's range is too narrow for a "
-                "recurrent state)"
+                f"{self.mamba_ssm_cache_dtype!r}{why}"
             )
         if self.runner not in RUNNERS:
             raise InvalidArgumentError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
