@@ -34,7 +34,9 @@ pub use gated_delta_layer::{gated_delta_layer, GatedDeltaLayerStep, GatedDeltaLa
 pub use kv_element::{f32_to_f16, KvElement, F16};
 pub use lora::LoraLayer;
 pub use moe::{moe_experts, route, ExpertWeights, MoeArgs, Router};
-pub use paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
+pub use paged_attention::{
+    paged_attention, paged_attention_with_isa, PagedAttentionArgs, ShapeError,
+};
 pub use quant_matmul::{
     dequantize_rows, quant_matmul, quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs,
     QuantShapeError,

@@ -1,7 +1,8 @@
 //! Attention of a step's queries over the paged KV cache, in float32, reading
-//! every cached key and value once per tile of queries (up to `QUERY_TILE`
-//! query tokens of one request, or of requests whose block tables share the
-//! block: a shared prefix is read once for several requests).
+//! every cached key and value once per tile of queries (up to eight query
+//! tokens, sixteen with AVX-512, of one request, or of requests whose block
+//! tables share the block: a shared prefix is read once for several
+//! requests).
 //!
 //! ```text
 //!  row r:  | cached context ........ | this step's queries (q_len) |
@@ -150,8 +151,29 @@ pub fn paged_attention<T: KvElement>(
     paged_attention_on(args, out, Loops::best())
 }
 
-/// The vector loops a call runs: the widest the CPU has, or (tests) any
-/// narrower one.
+/// `paged_attention` on the widest vector loops this CPU has at or below
+/// `isa` (the kernel bench compares them in one process).
+pub fn paged_attention_with_isa<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    out: &mut [f32],
+    isa: crate::isa::Isa,
+) -> Result<(), ShapeError> {
+    let level = |loops: &Loops| match loops {
+        Loops::Portable => crate::isa::Isa::Portable,
+        #[cfg(target_arch = "x86_64")]
+        Loops::Avx2 => crate::isa::Isa::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        Loops::Avx512 => crate::isa::Isa::Avx512,
+    };
+    let loops = Loops::supported()
+        .into_iter()
+        .rfind(|l| level(l) <= isa)
+        .unwrap_or(Loops::Portable);
+    paged_attention_on(args, out, loops)
+}
+
+/// The vector loops a call runs: the widest the CPU has, or (tests, the
+/// kernel bench) a narrower one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Loops {
     Portable,
@@ -218,20 +240,21 @@ fn paged_attention_on<T: KvElement>(
     // thread computes it.
     let runs: Vec<Vec<usize>> = runs.into_iter().filter(|r| !r.is_empty()).collect();
     let spare = (args.num_threads / runs.len().max(1)).max(1);
-    let pieces: Vec<(&[usize], Range<usize>, usize, usize)> = runs
+    let pieces: Vec<Piece<'_>> = runs
         .iter()
         .flat_map(|run| {
             let queries: usize = run
                 .iter()
                 .map(|&r| (args.query_start_loc[r + 1] - args.query_start_loc[r]) as usize)
                 .sum();
-            let tile_parts = spare.min(queries.div_ceil(QUERY_TILE)).max(1);
+            let size = loops.query_tile(queries, spare);
+            let tile_parts = spare.min(queries.div_ceil(size)).max(1);
             let head_parts = (spare / tile_parts).clamp(1, args.num_kv_heads.max(1));
             (0..tile_parts).flat_map(move |t| {
                 (0..head_parts).map(move |p| {
                     let heads = p * args.num_kv_heads / head_parts
                         ..(p + 1) * args.num_kv_heads / head_parts;
-                    (run.as_slice(), heads, t, tile_parts)
+                    (run.as_slice(), heads, (t, tile_parts), size)
                 })
             })
         })
@@ -239,13 +262,10 @@ fn paged_attention_on<T: KvElement>(
     let token_width = args.num_heads * args.head_dim;
     let out = OutPtr(out.as_mut_ptr());
     run_parts(pieces.len(), &|part| {
-        let (run, ref kv_heads, tile_part, tile_parts) = pieces[part];
+        let (run, ref kv_heads, (tile_part, tile_parts), size) = pieces[part];
         let queries = tiles(args, run);
-        let mut scratch = Scratch::new(args, queries.len().min(QUERY_TILE));
-        let mine = queries
-            .chunks(QUERY_TILE)
-            .skip(tile_part)
-            .step_by(tile_parts);
+        let mut scratch = Scratch::new(args, queries.len().min(size));
+        let mine = queries.chunks(size).skip(tile_part).step_by(tile_parts);
         for tile in mine {
             run_tile(
                 args,
@@ -275,7 +295,36 @@ fn paged_attention_on<T: KvElement>(
 /// shared prefix: an agent's fan-out, a common system prompt), while every
 /// query still meets its keys in the same chunks and order as alone, so its
 /// result is the same bits whatever the tile.
+///
 const QUERY_TILE: usize = 8;
+
+/// The AVX-512 loops' tiles: sixteen query tokens, a whole number of their
+/// vectors whatever the group of query heads a KV head serves (eight
+/// queries of SmolLM2's groups of three fill 24 of 32 lanes), each block
+/// widened once for twice the queries. The AVX2 loops measured no faster
+/// with them on a fresh prompt, and keep eight.
+const WIDE_QUERY_TILE: usize = 16;
+
+impl Loops {
+    /// The tile size for a run of `queries` query tokens that `threads`
+    /// threads share: sixteen for the AVX-512 loops unless the run's tiles
+    /// are split between threads and sixteen would leave too few to share
+    /// the work evenly (a prompt of a few dozen tokens).
+    fn query_tile(self, queries: usize, threads: usize) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Loops::Avx512 if threads == 1 || queries >= 4 * WIDE_QUERY_TILE * threads => {
+                WIDE_QUERY_TILE
+            }
+            _ => QUERY_TILE,
+        }
+    }
+}
+
+/// A thread's share of the call: a run of rows, its KV heads, which of the
+/// run's tiles (every `parts`-th from `part`: `(part, parts)`), the tile
+/// size.
+type Piece<'a> = (&'a [usize], Range<usize>, (usize, usize), usize);
 
 /// One query token: its row and its index among the row's queries.
 type Query = (usize, usize);
@@ -420,11 +469,14 @@ trait VectorOps: Sized {
     /// block then take it together (unless `batch_invariant`).
     const TILE: bool = false;
 
+    /// Lanes a vector of the tile loops holds: a tile's (query, head) pairs
+    /// of one KV head are rounded up to a whole number of them.
+    const TILE_WIDTH: usize = 8;
+
     /// `tile::block`: keys `range.0..range.0 + range.1` of a float32 block
     /// (rows `stride` apart from `at`) for the lanes of `vectors` of the
     /// tile's KV head `local`.
     #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
     fn tile_block(
         tile: &mut TileState,
         local: usize,
@@ -435,15 +487,6 @@ trait VectorOps: Sized {
         range: (usize, usize),
         vectors: Range<usize>,
     ) {
-        #[cfg(target_arch = "x86_64")]
-        if Self::TILE {
-            // SAFETY: the loops that set TILE (AVX2, AVX-512) run inside
-            // `run_tile_avx2` / `run_tile_avx512`, where AVX2 and FMA are
-            // enabled; the caller passes a started tile, its lanes, and
-            // rows inside the block.
-            unsafe { tile::block(tile, local, keys, values, at, stride, range, vectors) };
-            return;
-        }
         let _ = (tile, local, keys, values, at, stride, range, vectors);
         unreachable!("these vector loops have no tile loops")
     }

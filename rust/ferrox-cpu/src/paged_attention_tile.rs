@@ -9,8 +9,9 @@
 //!  out[i][lane]   += sum_j p[j][lane] * value_j[i]     (j over the block's keys)
 //! ```
 //!
-//! Each key and value element is broadcast once for the up to eight
-//! (query, head) pairs of a vector, where the per-query loops multiply each
+//! Each key and value element is broadcast once for the (query, head)
+//! pairs of a vector (eight with AVX2, sixteen with AVX-512: `avx2`,
+//! `avx512`, the same operations per lane and so the same bits), where the per-query loops multiply each
 //! query head by every key on its own and reduce each score across the
 //! lanes. The softmax's running maxima, sums and rescaling are vectors over
 //! the lanes too, and a lane's keys outside its query's range (causal end,
@@ -37,6 +38,8 @@ pub(crate) struct TileState {
     pub(crate) started: bool,
     /// Query heads per KV head.
     group: usize,
+    /// Lanes a vector of the loops holds (8: AVX2, 16: AVX-512).
+    width: usize,
     head_dim: usize,
     /// Lanes a head-dim element spans: the tile's (query, head) pairs of one
     /// KV head, `query * group + head`, rounded up to whole vectors.
@@ -63,19 +66,21 @@ const NO_MAX: f32 = f32::MIN;
 
 impl TileState {
     /// Starts a tile: `queries[e]` is query e's row of `q` ([H, D]), each
-    /// head scaled by `scale` into its lane; `kv_heads` those of the part.
+    /// head scaled by `scale` into its lane; `kv_heads` those of the part;
+    /// `width` lanes a vector (the lanes past the queries' are masked).
     pub(crate) fn start(
         &mut self,
         queries: &[&[f32]],
         (num_heads, num_kv_heads, head_dim, block_size): (usize, usize, usize, usize),
         kv_heads: Range<usize>,
         scale: f32,
+        width: usize,
     ) {
         self.started = true;
         let group = num_heads / num_kv_heads;
-        let lanes = (queries.len() * group).div_ceil(8) * 8;
+        let lanes = (queries.len() * group).div_ceil(width) * width;
         let heads = kv_heads.len();
-        (self.group, self.head_dim, self.lanes) = (group, head_dim, lanes);
+        (self.group, self.width, self.head_dim, self.lanes) = (group, width, head_dim, lanes);
         let plane = head_dim * lanes;
         for buffer in [&mut self.qt, &mut self.ot] {
             buffer.clear();
@@ -120,7 +125,7 @@ impl TileState {
 
     /// The vectors holding query `first..=last`'s lanes.
     pub(crate) fn vectors(&self, first: usize, last: usize) -> Range<usize> {
-        first * self.group / 8..((last + 1) * self.group).div_ceil(8)
+        first * self.group / self.width..((last + 1) * self.group).div_ceil(self.width)
     }
 
     /// Query `e`'s head `g` (of KV head `local` of the part): this state's
@@ -186,7 +191,7 @@ pub(super) fn attend_together<V: VectorOps, T: KvElement>(
         args.block_size,
     );
     let token = hkv * d;
-    let mut served = 0u32; // (QUERY_TILE <= 32)
+    let mut served = 0u32; // (tiles of at most 32 queries)
     for (e, query) in queries.iter().enumerate() {
         if served & (1 << e) != 0 {
             continue;
@@ -216,8 +221,9 @@ pub(super) fn attend_together<V: VectorOps, T: KvElement>(
                 .iter()
                 .map(|&(t, ..)| &args.q[t * h * d..(t + 1) * h * d])
                 .collect();
+            let shape = (h, hkv, d, bs);
             s.tile
-                .start(&rows, (h, hkv, d, bs), kv_heads.clone(), args.scale);
+                .start(&rows, shape, kv_heads.clone(), args.scale, V::TILE_WIDTH);
         }
         let at = physical as usize * bs * token;
         widen_rows::<V, T>(args, at, keys.0..keys.1, s);
@@ -246,10 +252,7 @@ pub(super) fn attend_together<V: VectorOps, T: KvElement>(
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use avx2::block;
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -490,6 +493,245 @@ mod avx2 {
                 by_vectors!(
                     vc,
                     values_tile::<1, 1, 1>(probs, lanes, x, stride, n, o, correction)
+                );
+                i += 1;
+            }
+            v += vc;
+        }
+    }
+}
+
+/// The tile loops at sixteen lanes a vector: the AVX2 loops' steps, each on
+/// twice the lanes, and with twice the registers a larger register tile.
+/// A lane's operations and their order are the AVX2 loops' (the sums over
+/// the head dimension and the keys, the softmax's maxima, exponentials and
+/// sums), so a query's result is the same bits in either, given the same
+/// tiles.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::TileState;
+    use crate::paged_attention::EXP2_TAYLOR;
+
+    /// `avx2::exp8` on sixteen lanes (the same steps: the same bits).
+    #[inline(always)]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        let t = _mm512_mul_ps(
+            _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        );
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm512_sub_ps(t, n);
+        let mut p = _mm512_set1_ps(EXP2_TAYLOR[0]);
+        for &c in &EXP2_TAYLOR[1..] {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+        }
+        let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvtps_epi32(n),
+            _mm512_set1_epi32(127),
+        ));
+        _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
+    }
+
+    /// The lanes where lo <= pos < hi.
+    #[inline(always)]
+    unsafe fn inside(lo: __m512i, hi: __m512i, pos: usize) -> __mmask16 {
+        let pos = _mm512_set1_epi32(pos as i32);
+        _mm512_cmpgt_epi32_mask(hi, pos) & !_mm512_cmpgt_epi32_mask(lo, pos)
+    }
+
+    /// scores[j][v] = sum_i qt[i][v] * key_j[i] for `K` keys and `VC`
+    /// vectors of lanes.
+    #[inline(always)]
+    unsafe fn scores_tile<const K: usize, const VC: usize>(
+        qt: *const f32,
+        lanes: usize,
+        keys: *const f32,
+        stride: usize,
+        d: usize,
+        out: *mut f32,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); VC]; K];
+        for i in 0..d {
+            let mut q = [_mm512_setzero_ps(); VC];
+            for (v, q) in q.iter_mut().enumerate() {
+                *q = _mm512_loadu_ps(qt.add(i * lanes + 16 * v));
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let k = _mm512_set1_ps(*keys.add(j * stride + i));
+                for (a, q) in acc.iter_mut().zip(&q) {
+                    *a = _mm512_fmadd_ps(*q, k, *a);
+                }
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            for (v, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.add(j * lanes + 16 * v), *a);
+            }
+        }
+    }
+
+    /// ot[i][v] = ot[i][v] * correction[v] + sum_j p[j][v] * value_j[i] for
+    /// `DC` head-dim elements and `VC` vectors of lanes.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn values_tile<const DC: usize, const VC: usize>(
+        probs: *const f32,
+        lanes: usize,
+        values: *const f32,
+        stride: usize,
+        n: usize,
+        ot: *mut f32,
+        correction: *const f32,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); VC]; DC];
+        for (i, acc) in acc.iter_mut().enumerate() {
+            for (v, a) in acc.iter_mut().enumerate() {
+                let c = _mm512_loadu_ps(correction.add(16 * v));
+                *a = _mm512_mul_ps(_mm512_loadu_ps(ot.add(i * lanes + 16 * v)), c);
+            }
+        }
+        for j in 0..n {
+            let mut p = [_mm512_setzero_ps(); VC];
+            for (v, p) in p.iter_mut().enumerate() {
+                *p = _mm512_loadu_ps(probs.add(j * lanes + 16 * v));
+            }
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*values.add(j * stride + i));
+                for (a, p) in acc.iter_mut().zip(&p) {
+                    *a = _mm512_fmadd_ps(*p, x, *a);
+                }
+            }
+        }
+        for (i, acc) in acc.iter().enumerate() {
+            for (v, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(ot.add(i * lanes + 16 * v), *a);
+            }
+        }
+    }
+
+    /// Keys (scores) or head-dim elements (values) a register tile takes
+    /// for 1, 2 or 3 vectors of lanes: up to 24 accumulators of the 32
+    /// registers, the rest for a row of queries (or probabilities) and a
+    /// broadcast. A block of 16 keys and a head of 64 divide evenly.
+    const PER_TILE: [usize; 3] = [8, 8, 8];
+
+    /// `$f::<A, VC>(...)` for `$vc` (1 to 3) vectors of lanes.
+    macro_rules! by_vectors {
+        ($vc:expr, $f:ident::<$a:literal>($($arg:expr),* $(,)?)) => {
+            match $vc {
+                1 => $f::<$a, 1>($($arg),*),
+                2 => $f::<$a, 2>($($arg),*),
+                _ => $f::<$a, 3>($($arg),*),
+            }
+        };
+    }
+
+    /// `avx2::block` at sixteen lanes a vector.
+    ///
+    /// # Safety
+    /// AVX-512 F; `st` started for this tile with sixteen lanes a vector
+    /// and `local` among its KV heads, `vectors` within its lanes, `n` at
+    /// most the block size; every key and value row read lies inside `keys`
+    /// / `values`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn block(
+        st: &mut TileState,
+        local: usize,
+        keys: &[f32],
+        values: &[f32],
+        at: usize,
+        stride: usize,
+        (first, n): (usize, usize),
+        vectors: Range<usize>,
+    ) {
+        debug_assert_eq!(st.width, 16);
+        let (d, lanes) = (st.head_dim, st.lanes);
+        let plane = local * d * lanes;
+        let (k, vals) = (keys.as_ptr().add(at), values.as_ptr().add(at));
+        let mut v = vectors.start;
+        while v < vectors.end {
+            let vc = (vectors.end - v).min(3);
+            let qt = st.qt.as_ptr().add(plane + 16 * v);
+            let out = st.scores.as_mut_ptr().add(16 * v);
+            let step = PER_TILE[vc - 1];
+            let mut j = 0;
+            while j + step <= n {
+                let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
+                by_vectors!(vc, scores_tile::<8>(qt, lanes, kj, stride, d, oj));
+                j += step;
+            }
+            while j < n {
+                let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
+                by_vectors!(vc, scores_tile::<1>(qt, lanes, kj, stride, d, oj));
+                j += 1;
+            }
+            v += vc;
+        }
+        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let state = local * lanes;
+        for v in vectors.clone() {
+            let lo = _mm512_loadu_si512(st.lo.as_ptr().add(16 * v) as *const _);
+            let hi = _mm512_loadu_si512(st.hi.as_ptr().add(16 * v) as *const _);
+            let whole = inside(lo, hi, first) & inside(lo, hi, first + n - 1) == 0xffff;
+            let scores = st.scores.as_mut_ptr().add(16 * v);
+            let mut block_max = [neg_inf; 2];
+            for j in 0..n {
+                let mut s = _mm512_loadu_ps(scores.add(j * lanes));
+                if !whole {
+                    s = _mm512_mask_blend_ps(inside(lo, hi, first + j), neg_inf, s);
+                    _mm512_storeu_ps(scores.add(j * lanes), s);
+                }
+                block_max[j % 2] = _mm512_max_ps(block_max[j % 2], s);
+            }
+            let block_max = _mm512_max_ps(block_max[0], block_max[1]);
+            let max = st.max.as_mut_ptr().add(state + 16 * v);
+            let old = _mm512_loadu_ps(max);
+            let new = _mm512_max_ps(old, block_max);
+            _mm512_storeu_ps(max, new);
+            let correction = exp16(_mm512_sub_ps(old, new));
+            _mm512_storeu_ps(st.correction.as_mut_ptr().add(16 * v), correction);
+            let mut sum = _mm512_setzero_ps();
+            for j in 0..n {
+                let p = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores.add(j * lanes)), new));
+                let p = if whole {
+                    p
+                } else {
+                    _mm512_maskz_mov_ps(inside(lo, hi, first + j), p)
+                };
+                _mm512_storeu_ps(scores.add(j * lanes), p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            let total = st.sum.as_mut_ptr().add(state + 16 * v);
+            _mm512_storeu_ps(
+                total,
+                _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(total), correction), sum),
+            );
+        }
+        let mut v = vectors.start;
+        while v < vectors.end {
+            let vc = (vectors.end - v).min(3);
+            let probs = st.scores.as_ptr().add(16 * v);
+            let correction = st.correction.as_ptr().add(16 * v);
+            let ot = st.ot.as_mut_ptr().add(plane + 16 * v);
+            let chunk = PER_TILE[vc - 1];
+            let mut i = 0;
+            while i + chunk <= d {
+                let (x, o) = (vals.add(i), ot.add(i * lanes));
+                by_vectors!(
+                    vc,
+                    values_tile::<8>(probs, lanes, x, stride, n, o, correction)
+                );
+                i += chunk;
+            }
+            while i < d {
+                let (x, o) = (vals.add(i), ot.add(i * lanes));
+                by_vectors!(
+                    vc,
+                    values_tile::<1>(probs, lanes, x, stride, n, o, correction)
                 );
                 i += 1;
             }
