@@ -391,7 +391,9 @@ impl VectorOps for Avx2 {
         // SAFETY: these loops run inside `run_tile_avx2` / `run_tile_avx512`,
         // where AVX2 and FMA are enabled; the caller passes a started tile,
         // its lanes, and rows inside the block.
-        unsafe { tile::avx2::block(tile, local, keys, values, at, stride, range, vectors) }
+        unsafe {
+            tile::block::<tile::Lanes8>(tile, local, keys, values, at, stride, range, vectors)
+        }
     }
 
     fn has_loop(d: usize) -> bool {

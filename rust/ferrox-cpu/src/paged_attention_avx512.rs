@@ -442,7 +442,9 @@ impl VectorOps for Avx512 {
         // SAFETY: these loops run inside `run_tile_avx512`, where AVX-512 F
         // is enabled; the caller passes a tile started with sixteen lanes a
         // vector, its lanes, and rows inside the block.
-        unsafe { tile::avx512::block(tile, local, keys, values, at, stride, range, vectors) }
+        unsafe {
+            tile::block::<tile::Lanes16>(tile, local, keys, values, at, stride, range, vectors)
+        }
     }
 
     fn has_loop(d: usize) -> bool {

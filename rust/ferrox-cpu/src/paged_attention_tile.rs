@@ -10,12 +10,13 @@
 //! ```
 //!
 //! Each key and value element is broadcast once for the (query, head)
-//! pairs of a vector (eight with AVX2, sixteen with AVX-512: `avx2`,
-//! `avx512`, the same operations per lane and so the same bits), where the per-query loops multiply each
-//! query head by every key on its own and reduce each score across the
-//! lanes. The softmax's running maxima, sums and rescaling are vectors over
-//! the lanes too, and a lane's keys outside its query's range (causal end,
-//! sliding window, another query's chunk) are masked out.
+//! pairs of a vector (eight with AVX2, sixteen with AVX-512: one set of
+//! loops over `Lanes`, the same operations per lane and so the same bits),
+//! where the per-query loops multiply each query head by every key on its
+//! own and reduce each score across the lanes. The softmax's running
+//! maxima, sums and rescaling are vectors over the lanes too, and a lane's
+//! keys outside its query's range (causal end, sliding window, another
+//! query's chunk) are masked out.
 //!
 //! The sums run in another order than the per-query loops' (over the head
 //! dimension one element at a time, not eight partial sums), so a query's
@@ -251,491 +252,465 @@ pub(super) fn attend_together<V: VectorOps, T: KvElement>(
     served
 }
 
+/// What the tile loops need of a vector of lanes: AVX2's eight (`Lanes8`)
+/// or AVX-512's sixteen (`Lanes16`). Every operation acts lane by lane, so
+/// a lane's result does not depend on the width.
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod avx2 {
-    use std::arch::x86_64::*;
-    use std::ops::Range;
+pub(crate) trait Lanes: Copy {
+    /// Lanes a vector holds.
+    const WIDTH: usize;
+    /// Keys (scores) or head-dim elements (values) a register tile takes
+    /// for 1, 2 or 3 vectors of lanes.
+    const PER_TILE: [usize; 3];
+    /// Integer lanes (the keys' offsets) and a set of lanes.
+    type Int: Copy;
+    type Mask: Copy;
 
-    use super::TileState;
-    use crate::paged_attention::EXP2_TAYLOR;
+    unsafe fn zero() -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    /// self * b + c, fused.
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self;
+    unsafe fn mul(self, b: Self) -> Self;
+    unsafe fn add(self, b: Self) -> Self;
+    unsafe fn sub(self, b: Self) -> Self;
+    unsafe fn max(self, b: Self) -> Self;
+    /// 2^n for lanes holding whole numbers n in -127..=127.
+    unsafe fn exp2_int(n: Self) -> Self;
+    /// Lanes rounded to the nearest whole number (ties to even).
+    unsafe fn round(self) -> Self;
+    unsafe fn load_int(p: *const i32) -> Self::Int;
+    /// The lanes where lo <= pos < hi.
+    unsafe fn inside(lo: Self::Int, hi: Self::Int, pos: usize) -> Self::Mask;
+    unsafe fn both(a: Self::Mask, b: Self::Mask) -> Self::Mask;
+    unsafe fn every(m: Self::Mask) -> bool;
+    /// `self` in the lanes of `m`, `other` elsewhere.
+    unsafe fn select(self, m: Self::Mask, other: Self) -> Self;
+    /// `self` in the lanes of `m`, zero elsewhere.
+    unsafe fn keep(self, m: Self::Mask) -> Self;
 
     /// e^x for x <= 0, lane by lane: `fast_exp`'s polynomial, its steps
     /// fused (FMA).
     #[inline(always)]
-    unsafe fn exp8(x: __m256) -> __m256 {
-        let t = _mm256_mul_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
-            _mm256_set1_ps(std::f32::consts::LOG2_E),
-        );
-        let n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        let f = _mm256_sub_ps(t, n);
-        let mut p = _mm256_set1_ps(EXP2_TAYLOR[0]);
+    unsafe fn exp(x: Self) -> Self {
+        let t = x
+            .max(Self::splat(-87.0))
+            .mul(Self::splat(std::f32::consts::LOG2_E));
+        let n = t.round();
+        let f = t.sub(n);
+        let mut p = Self::splat(EXP2_TAYLOR[0]);
         for &c in &EXP2_TAYLOR[1..] {
-            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+            p = p.mul_add(f, Self::splat(c));
         }
-        let bits = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-            23,
-        );
-        _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
+        p.mul(Self::exp2_int(n))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+use crate::paged_attention::EXP2_TAYLOR;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use lanes::{Lanes16, Lanes8};
+
+#[cfg(target_arch = "x86_64")]
+mod lanes {
+    use std::arch::x86_64::*;
+
+    use super::Lanes;
+
+    /// Eight lanes: AVX2 and FMA.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Lanes8(__m256);
+
+    /// Sixteen lanes: AVX-512 F.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Lanes16(__m512);
+
+    impl Lanes for Lanes8 {
+        const WIDTH: usize = 8;
+        // eight or nine accumulators (twelve spill one: the broadcasts
+        // take two of the sixteen registers)
+        const PER_TILE: [usize; 3] = [8, 4, 3];
+        type Int = __m256i;
+        type Mask = __m256;
+
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Self(_mm256_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Self(_mm256_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Self(_mm256_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+            Self(_mm256_fmadd_ps(self.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            Self(_mm256_mul_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            Self(_mm256_add_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            Self(_mm256_sub_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            Self(_mm256_max_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn exp2_int(n: Self) -> Self {
+            let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n.0), _mm256_set1_epi32(127));
+            Self(_mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)))
+        }
+        #[inline(always)]
+        unsafe fn round(self) -> Self {
+            Self(_mm256_round_ps(
+                self.0,
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            ))
+        }
+        #[inline(always)]
+        unsafe fn load_int(p: *const i32) -> __m256i {
+            _mm256_loadu_si256(p as *const __m256i)
+        }
+        #[inline(always)]
+        unsafe fn inside(lo: __m256i, hi: __m256i, pos: usize) -> __m256 {
+            let pos = _mm256_set1_epi32(pos as i32);
+            _mm256_castsi256_ps(_mm256_andnot_si256(
+                _mm256_cmpgt_epi32(lo, pos),
+                _mm256_cmpgt_epi32(hi, pos),
+            ))
+        }
+        #[inline(always)]
+        unsafe fn both(a: __m256, b: __m256) -> __m256 {
+            _mm256_and_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn every(m: __m256) -> bool {
+            _mm256_movemask_ps(m) == 0xff
+        }
+        #[inline(always)]
+        unsafe fn select(self, m: __m256, other: Self) -> Self {
+            Self(_mm256_blendv_ps(other.0, self.0, m))
+        }
+        #[inline(always)]
+        unsafe fn keep(self, m: __m256) -> Self {
+            Self(_mm256_and_ps(self.0, m))
+        }
     }
 
-    /// All ones in the lanes where lo <= pos < hi. (A function, not a
-    /// closure: a closure is not compiled with the caller's target features,
-    /// and its intrinsics would not be inlined.)
-    #[inline(always)]
-    unsafe fn inside(lo: __m256i, hi: __m256i, pos: usize) -> __m256 {
-        let pos = _mm256_set1_epi32(pos as i32);
-        _mm256_castsi256_ps(_mm256_andnot_si256(
-            _mm256_cmpgt_epi32(lo, pos),
-            _mm256_cmpgt_epi32(hi, pos),
-        ))
-    }
+    impl Lanes for Lanes16 {
+        const WIDTH: usize = 16;
+        // up to 24 accumulators of the 32 registers (a block of 16 keys
+        // and a head of 64 divide evenly)
+        const PER_TILE: [usize; 3] = [8, 8, 8];
+        type Int = __m512i;
+        type Mask = __mmask16;
 
-    /// scores[j][v] = sum_i qt[i][v] * key_j[i] for `K` keys and `VC`
-    /// vectors of lanes (`K * VC` accumulators).
-    #[inline(always)]
-    unsafe fn scores_tile<const K: usize, const VC: usize>(
-        qt: *const f32,
-        lanes: usize,
-        keys: *const f32,
-        stride: usize,
-        d: usize,
-        out: *mut f32,
-    ) {
-        let mut acc = [[_mm256_setzero_ps(); VC]; K];
-        for i in 0..d {
-            let mut q = [_mm256_setzero_ps(); VC];
-            for (v, q) in q.iter_mut().enumerate() {
-                *q = _mm256_loadu_ps(qt.add(i * lanes + 8 * v));
-            }
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let k = _mm256_broadcast_ss(&*keys.add(j * stride + i));
-                for (a, q) in acc.iter_mut().zip(&q) {
-                    *a = _mm256_fmadd_ps(*q, k, *a);
-                }
-            }
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Self(_mm512_setzero_ps())
         }
-        for (j, acc) in acc.iter().enumerate() {
-            for (v, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(j * lanes + 8 * v), *a);
-            }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Self(_mm512_set1_ps(x))
         }
-    }
-
-    /// ot[i][v] = ot[i][v] * correction[v] + sum_j p[j][v] * value_j[i] for
-    /// `DC` head-dim elements and `VC` vectors of lanes.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn values_tile<const DC: usize, const VC: usize>(
-        probs: *const f32,
-        lanes: usize,
-        values: *const f32,
-        stride: usize,
-        n: usize,
-        ot: *mut f32,
-        correction: *const f32,
-    ) {
-        let mut acc = [[_mm256_setzero_ps(); VC]; DC];
-        for (i, acc) in acc.iter_mut().enumerate() {
-            for (v, a) in acc.iter_mut().enumerate() {
-                let c = _mm256_loadu_ps(correction.add(8 * v));
-                *a = _mm256_mul_ps(_mm256_loadu_ps(ot.add(i * lanes + 8 * v)), c);
-            }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Self(_mm512_loadu_ps(p))
         }
-        for j in 0..n {
-            let mut p = [_mm256_setzero_ps(); VC];
-            for (v, p) in p.iter_mut().enumerate() {
-                *p = _mm256_loadu_ps(probs.add(j * lanes + 8 * v));
-            }
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let x = _mm256_broadcast_ss(&*values.add(j * stride + i));
-                for (a, p) in acc.iter_mut().zip(&p) {
-                    *a = _mm256_fmadd_ps(*p, x, *a);
-                }
-            }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
         }
-        for (i, acc) in acc.iter().enumerate() {
-            for (v, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(ot.add(i * lanes + 8 * v), *a);
-            }
+        #[inline(always)]
+        unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+            Self(_mm512_fmadd_ps(self.0, b.0, c.0))
         }
-    }
-
-    /// Keys (scores) or head-dim elements (values) a register tile takes
-    /// for 1, 2 or 3 vectors of lanes: eight or nine accumulators (twelve
-    /// spill one: the broadcasts take two registers). `by_vectors!` is
-    /// given the same counts.
-    const PER_TILE: [usize; 3] = [8, 4, 3];
-
-    /// `$f::<A, VC>(...)` for `$vc` (1 to 3) vectors of lanes, `A` given per
-    /// `VC` (`PER_TILE`'s).
-    macro_rules! by_vectors {
-        ($vc:expr, $f:ident::<$a1:literal, $a2:literal, $a3:literal>($($arg:expr),* $(,)?)) => {
-            match $vc {
-                1 => $f::<$a1, 1>($($arg),*),
-                2 => $f::<$a2, 2>($($arg),*),
-                _ => $f::<$a3, 3>($($arg),*),
-            }
-        };
-    }
-
-    /// Keys `first..first + n` of one block for the lanes of `vectors`, KV
-    /// head `local` of the part: its `n` keys (and values) at `keys[at +
-    /// j * stride..][..D]`, float32. Lanes outside their `lo..hi` get no
-    /// weight.
-    ///
-    /// # Safety
-    /// AVX2 and FMA; `st` started for this tile with `local` among its KV
-    /// heads, `vectors` within its lanes, `n` at most the block size; every
-    /// key and value row read lies inside `keys` / `values`.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn block(
-        st: &mut TileState,
-        local: usize,
-        keys: &[f32],
-        values: &[f32],
-        at: usize,
-        stride: usize,
-        (first, n): (usize, usize),
-        vectors: Range<usize>,
-    ) {
-        let (d, lanes) = (st.head_dim, st.lanes);
-        let plane = local * d * lanes;
-        let (k, vals) = (keys.as_ptr().add(at), values.as_ptr().add(at));
-        // Scores, a few keys (and up to three vectors) at a time.
-        let mut v = vectors.start;
-        while v < vectors.end {
-            let vc = (vectors.end - v).min(3);
-            let qt = st.qt.as_ptr().add(plane + 8 * v);
-            let out = st.scores.as_mut_ptr().add(8 * v);
-            let step = PER_TILE[vc - 1];
-            let mut j = 0;
-            while j + step <= n {
-                let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
-                by_vectors!(vc, scores_tile::<8, 4, 3>(qt, lanes, kj, stride, d, oj));
-                j += step;
-            }
-            while j < n {
-                let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
-                by_vectors!(vc, scores_tile::<1, 1, 1>(qt, lanes, kj, stride, d, oj));
-                j += 1;
-            }
-            v += vc;
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            Self(_mm512_mul_ps(self.0, b.0))
         }
-        // The softmax's update, eight lanes at a time.
-        let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
-        let state = local * lanes;
-        for v in vectors.clone() {
-            let lo = _mm256_loadu_si256(st.lo.as_ptr().add(8 * v) as *const __m256i);
-            let hi = _mm256_loadu_si256(st.hi.as_ptr().add(8 * v) as *const __m256i);
-            // Every lane reading every key (a decode step's rows behind a
-            // shared prefix): nothing to mask.
-            let whole = _mm256_movemask_ps(_mm256_and_ps(
-                inside(lo, hi, first),
-                inside(lo, hi, first + n - 1),
-            )) == 0xff;
-            let scores = st.scores.as_mut_ptr().add(8 * v);
-            let mut block_max = [neg_inf; 2];
-            for j in 0..n {
-                let mut s = _mm256_loadu_ps(scores.add(j * lanes));
-                if !whole {
-                    s = _mm256_blendv_ps(neg_inf, s, inside(lo, hi, first + j));
-                    _mm256_storeu_ps(scores.add(j * lanes), s);
-                }
-                block_max[j % 2] = _mm256_max_ps(block_max[j % 2], s);
-            }
-            let block_max = _mm256_max_ps(block_max[0], block_max[1]);
-            let max = st.max.as_mut_ptr().add(state + 8 * v);
-            let old = _mm256_loadu_ps(max);
-            let new = _mm256_max_ps(old, block_max);
-            _mm256_storeu_ps(max, new);
-            let correction = exp8(_mm256_sub_ps(old, new));
-            _mm256_storeu_ps(st.correction.as_mut_ptr().add(8 * v), correction);
-            let mut sum = _mm256_setzero_ps();
-            for j in 0..n {
-                let p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores.add(j * lanes)), new));
-                let p = if whole {
-                    p
-                } else {
-                    _mm256_and_ps(p, inside(lo, hi, first + j))
-                };
-                _mm256_storeu_ps(scores.add(j * lanes), p);
-                sum = _mm256_add_ps(sum, p);
-            }
-            let total = st.sum.as_mut_ptr().add(state + 8 * v);
-            _mm256_storeu_ps(
-                total,
-                _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(total), correction), sum),
-            );
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            Self(_mm512_add_ps(self.0, b.0))
         }
-        // The values, a few head-dim elements (and up to three vectors) at
-        // a time.
-        let mut v = vectors.start;
-        while v < vectors.end {
-            let vc = (vectors.end - v).min(3);
-            let probs = st.scores.as_ptr().add(8 * v);
-            let correction = st.correction.as_ptr().add(8 * v);
-            let ot = st.ot.as_mut_ptr().add(plane + 8 * v);
-            let chunk = PER_TILE[vc - 1];
-            let mut i = 0;
-            while i + chunk <= d {
-                let (x, o) = (vals.add(i), ot.add(i * lanes));
-                by_vectors!(
-                    vc,
-                    values_tile::<8, 4, 3>(probs, lanes, x, stride, n, o, correction)
-                );
-                i += chunk;
-            }
-            while i < d {
-                let (x, o) = (vals.add(i), ot.add(i * lanes));
-                by_vectors!(
-                    vc,
-                    values_tile::<1, 1, 1>(probs, lanes, x, stride, n, o, correction)
-                );
-                i += 1;
-            }
-            v += vc;
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            Self(_mm512_sub_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            Self(_mm512_max_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn exp2_int(n: Self) -> Self {
+            let biased = _mm512_add_epi32(_mm512_cvtps_epi32(n.0), _mm512_set1_epi32(127));
+            Self(_mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
+        }
+        #[inline(always)]
+        unsafe fn round(self) -> Self {
+            Self(_mm512_roundscale_ps::<
+                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+            >(self.0))
+        }
+        #[inline(always)]
+        unsafe fn load_int(p: *const i32) -> __m512i {
+            _mm512_loadu_si512(p as *const _)
+        }
+        #[inline(always)]
+        unsafe fn inside(lo: __m512i, hi: __m512i, pos: usize) -> __mmask16 {
+            let pos = _mm512_set1_epi32(pos as i32);
+            _mm512_cmpgt_epi32_mask(hi, pos) & !_mm512_cmpgt_epi32_mask(lo, pos)
+        }
+        #[inline(always)]
+        unsafe fn both(a: __mmask16, b: __mmask16) -> __mmask16 {
+            a & b
+        }
+        #[inline(always)]
+        unsafe fn every(m: __mmask16) -> bool {
+            m == 0xffff
+        }
+        #[inline(always)]
+        unsafe fn select(self, m: __mmask16, other: Self) -> Self {
+            Self(_mm512_mask_blend_ps(m, other.0, self.0))
+        }
+        #[inline(always)]
+        unsafe fn keep(self, m: __mmask16) -> Self {
+            Self(_mm512_maskz_mov_ps(m, self.0))
         }
     }
 }
 
-/// The tile loops at sixteen lanes a vector: the AVX2 loops' steps, each on
-/// twice the lanes, and with twice the registers a larger register tile.
-/// A lane's operations and their order are the AVX2 loops' (the sums over
-/// the head dimension and the keys, the softmax's maxima, exponentials and
-/// sums), so a query's result is the same bits in either, given the same
-/// tiles.
+/// scores[j][v] = sum_i qt[i][v] * key_j[i] for `K` keys and `VC` vectors
+/// of lanes (`K * VC` accumulators).
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod avx512 {
-    use std::arch::x86_64::*;
-    use std::ops::Range;
-
-    use super::TileState;
-    use crate::paged_attention::EXP2_TAYLOR;
-
-    /// `avx2::exp8` on sixteen lanes (the same steps: the same bits).
-    #[inline(always)]
-    unsafe fn exp16(x: __m512) -> __m512 {
-        let t = _mm512_mul_ps(
-            _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
-            _mm512_set1_ps(std::f32::consts::LOG2_E),
-        );
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
-        let f = _mm512_sub_ps(t, n);
-        let mut p = _mm512_set1_ps(EXP2_TAYLOR[0]);
-        for &c in &EXP2_TAYLOR[1..] {
-            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+#[inline(always)]
+unsafe fn scores_tile<L: Lanes, const K: usize, const VC: usize>(
+    qt: *const f32,
+    lanes: usize,
+    keys: *const f32,
+    stride: usize,
+    d: usize,
+    out: *mut f32,
+) {
+    let w = L::WIDTH;
+    let mut acc = [[L::zero(); VC]; K];
+    for i in 0..d {
+        let mut q = [L::zero(); VC];
+        for (v, q) in q.iter_mut().enumerate() {
+            *q = L::load(qt.add(i * lanes + w * v));
         }
-        let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-            _mm512_cvtps_epi32(n),
-            _mm512_set1_epi32(127),
-        ));
-        _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
-    }
-
-    /// The lanes where lo <= pos < hi.
-    #[inline(always)]
-    unsafe fn inside(lo: __m512i, hi: __m512i, pos: usize) -> __mmask16 {
-        let pos = _mm512_set1_epi32(pos as i32);
-        _mm512_cmpgt_epi32_mask(hi, pos) & !_mm512_cmpgt_epi32_mask(lo, pos)
-    }
-
-    /// scores[j][v] = sum_i qt[i][v] * key_j[i] for `K` keys and `VC`
-    /// vectors of lanes.
-    #[inline(always)]
-    unsafe fn scores_tile<const K: usize, const VC: usize>(
-        qt: *const f32,
-        lanes: usize,
-        keys: *const f32,
-        stride: usize,
-        d: usize,
-        out: *mut f32,
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); VC]; K];
-        for i in 0..d {
-            let mut q = [_mm512_setzero_ps(); VC];
-            for (v, q) in q.iter_mut().enumerate() {
-                *q = _mm512_loadu_ps(qt.add(i * lanes + 16 * v));
-            }
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let k = _mm512_set1_ps(*keys.add(j * stride + i));
-                for (a, q) in acc.iter_mut().zip(&q) {
-                    *a = _mm512_fmadd_ps(*q, k, *a);
-                }
-            }
-        }
-        for (j, acc) in acc.iter().enumerate() {
-            for (v, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.add(j * lanes + 16 * v), *a);
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let k = L::splat(*keys.add(j * stride + i));
+            for (a, q) in acc.iter_mut().zip(&q) {
+                *a = q.mul_add(k, *a);
             }
         }
     }
+    for (j, acc) in acc.iter().enumerate() {
+        for (v, a) in acc.iter().enumerate() {
+            a.store(out.add(j * lanes + w * v));
+        }
+    }
+}
 
-    /// ot[i][v] = ot[i][v] * correction[v] + sum_j p[j][v] * value_j[i] for
-    /// `DC` head-dim elements and `VC` vectors of lanes.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn values_tile<const DC: usize, const VC: usize>(
-        probs: *const f32,
-        lanes: usize,
-        values: *const f32,
-        stride: usize,
-        n: usize,
-        ot: *mut f32,
-        correction: *const f32,
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); VC]; DC];
+/// ot[i][v] = ot[i][v] * correction[v] + sum_j p[j][v] * value_j[i] for
+/// `DC` head-dim elements and `VC` vectors of lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn values_tile<L: Lanes, const DC: usize, const VC: usize>(
+    probs: *const f32,
+    lanes: usize,
+    values: *const f32,
+    stride: usize,
+    n: usize,
+    ot: *mut f32,
+    correction: *const f32,
+) {
+    let w = L::WIDTH;
+    let mut acc = [[L::zero(); VC]; DC];
+    for (i, acc) in acc.iter_mut().enumerate() {
+        for (v, a) in acc.iter_mut().enumerate() {
+            let c = L::load(correction.add(w * v));
+            *a = L::load(ot.add(i * lanes + w * v)).mul(c);
+        }
+    }
+    for j in 0..n {
+        let mut p = [L::zero(); VC];
+        for (v, p) in p.iter_mut().enumerate() {
+            *p = L::load(probs.add(j * lanes + w * v));
+        }
         for (i, acc) in acc.iter_mut().enumerate() {
-            for (v, a) in acc.iter_mut().enumerate() {
-                let c = _mm512_loadu_ps(correction.add(16 * v));
-                *a = _mm512_mul_ps(_mm512_loadu_ps(ot.add(i * lanes + 16 * v)), c);
+            let x = L::splat(*values.add(j * stride + i));
+            for (a, p) in acc.iter_mut().zip(&p) {
+                *a = p.mul_add(x, *a);
             }
         }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        for (v, a) in acc.iter().enumerate() {
+            a.store(ot.add(i * lanes + w * v));
+        }
+    }
+}
+
+/// `$f::<L, A, VC>(...)` for `$vc` (1 to 3) vectors of lanes, `A` the
+/// lanes' `PER_TILE` count for `VC` (the remainder loops pass `1`).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_vectors {
+    ($l:ty, $vc:expr, $f:ident::<$a1:literal, $a2:literal, $a3:literal>($($arg:expr),* $(,)?)) => {
+        match $vc {
+            1 => $f::<$l, $a1, 1>($($arg),*),
+            2 => $f::<$l, $a2, 2>($($arg),*),
+            _ => $f::<$l, $a3, 3>($($arg),*),
+        }
+    };
+}
+
+/// Whole register tiles of `L::PER_TILE` keys (or head-dim elements), for
+/// `vc` vectors.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_tile {
+    ($l:ty, $vc:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match <$l as Lanes>::PER_TILE {
+            [8, 8, 8] => by_vectors!($l, $vc, $f::<8, 8, 8>($($arg),*)),
+            _ => by_vectors!($l, $vc, $f::<8, 4, 3>($($arg),*)),
+        }
+    };
+}
+
+/// Keys `first..first + n` of one block for the lanes of `vectors`, KV head
+/// `local` of the part: its `n` keys (and values) at `keys[at + j *
+/// stride..][..D]`, float32. Lanes outside their `lo..hi` get no weight.
+///
+/// # Safety
+/// The CPU features `L` is built on (AVX2 and FMA; AVX-512 F for
+/// `Lanes16`); `st` started for this tile with `L::WIDTH` lanes a vector and
+/// `local` among its KV heads, `vectors` within its lanes, `n` at most the
+/// block size; every key and value row read lies inside `keys` / `values`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn block<L: Lanes>(
+    st: &mut TileState,
+    local: usize,
+    keys: &[f32],
+    values: &[f32],
+    at: usize,
+    stride: usize,
+    (first, n): (usize, usize),
+    vectors: Range<usize>,
+) {
+    debug_assert_eq!(st.width, L::WIDTH);
+    let (d, lanes, w) = (st.head_dim, st.lanes, L::WIDTH);
+    let plane = local * d * lanes;
+    let (k, vals) = (keys.as_ptr().add(at), values.as_ptr().add(at));
+    // Scores, a few keys (and up to three vectors) at a time.
+    let mut v = vectors.start;
+    while v < vectors.end {
+        let vc = (vectors.end - v).min(3);
+        let qt = st.qt.as_ptr().add(plane + w * v);
+        let out = st.scores.as_mut_ptr().add(w * v);
+        let step = L::PER_TILE[vc - 1];
+        let mut j = 0;
+        while j + step <= n {
+            let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
+            by_tile!(L, vc, scores_tile(qt, lanes, kj, stride, d, oj));
+            j += step;
+        }
+        while j < n {
+            let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
+            by_vectors!(L, vc, scores_tile::<1, 1, 1>(qt, lanes, kj, stride, d, oj));
+            j += 1;
+        }
+        v += vc;
+    }
+    // The softmax's update, a vector of lanes at a time.
+    let neg_inf = L::splat(f32::NEG_INFINITY);
+    let state = local * lanes;
+    for v in vectors.clone() {
+        let lo = L::load_int(st.lo.as_ptr().add(w * v));
+        let hi = L::load_int(st.hi.as_ptr().add(w * v));
+        // Every lane reading every key (a decode step's rows behind a
+        // shared prefix): nothing to mask.
+        let whole = L::every(L::both(
+            L::inside(lo, hi, first),
+            L::inside(lo, hi, first + n - 1),
+        ));
+        let scores = st.scores.as_mut_ptr().add(w * v);
+        let mut block_max = [neg_inf; 2];
         for j in 0..n {
-            let mut p = [_mm512_setzero_ps(); VC];
-            for (v, p) in p.iter_mut().enumerate() {
-                *p = _mm512_loadu_ps(probs.add(j * lanes + 16 * v));
+            let mut s = L::load(scores.add(j * lanes));
+            if !whole {
+                s = s.select(L::inside(lo, hi, first + j), neg_inf);
+                s.store(scores.add(j * lanes));
             }
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let x = _mm512_set1_ps(*values.add(j * stride + i));
-                for (a, p) in acc.iter_mut().zip(&p) {
-                    *a = _mm512_fmadd_ps(*p, x, *a);
-                }
-            }
+            block_max[j % 2] = block_max[j % 2].max(s);
         }
-        for (i, acc) in acc.iter().enumerate() {
-            for (v, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(ot.add(i * lanes + 16 * v), *a);
-            }
+        let block_max = block_max[0].max(block_max[1]);
+        let max = st.max.as_mut_ptr().add(state + w * v);
+        let old = L::load(max);
+        let new = old.max(block_max);
+        new.store(max);
+        let correction = L::exp(old.sub(new));
+        correction.store(st.correction.as_mut_ptr().add(w * v));
+        let mut sum = L::zero();
+        for j in 0..n {
+            let p = L::exp(L::load(scores.add(j * lanes)).sub(new));
+            let p = match whole {
+                true => p,
+                false => p.keep(L::inside(lo, hi, first + j)),
+            };
+            p.store(scores.add(j * lanes));
+            sum = sum.add(p);
         }
+        let total = st.sum.as_mut_ptr().add(state + w * v);
+        L::load(total).mul(correction).add(sum).store(total);
     }
-
-    /// Keys (scores) or head-dim elements (values) a register tile takes
-    /// for 1, 2 or 3 vectors of lanes: up to 24 accumulators of the 32
-    /// registers, the rest for a row of queries (or probabilities) and a
-    /// broadcast. A block of 16 keys and a head of 64 divide evenly.
-    const PER_TILE: [usize; 3] = [8, 8, 8];
-
-    /// `$f::<A, VC>(...)` for `$vc` (1 to 3) vectors of lanes.
-    macro_rules! by_vectors {
-        ($vc:expr, $f:ident::<$a:literal>($($arg:expr),* $(,)?)) => {
-            match $vc {
-                1 => $f::<$a, 1>($($arg),*),
-                2 => $f::<$a, 2>($($arg),*),
-                _ => $f::<$a, 3>($($arg),*),
-            }
-        };
-    }
-
-    /// `avx2::block` at sixteen lanes a vector.
-    ///
-    /// # Safety
-    /// AVX-512 F; `st` started for this tile with sixteen lanes a vector
-    /// and `local` among its KV heads, `vectors` within its lanes, `n` at
-    /// most the block size; every key and value row read lies inside `keys`
-    /// / `values`.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn block(
-        st: &mut TileState,
-        local: usize,
-        keys: &[f32],
-        values: &[f32],
-        at: usize,
-        stride: usize,
-        (first, n): (usize, usize),
-        vectors: Range<usize>,
-    ) {
-        debug_assert_eq!(st.width, 16);
-        let (d, lanes) = (st.head_dim, st.lanes);
-        let plane = local * d * lanes;
-        let (k, vals) = (keys.as_ptr().add(at), values.as_ptr().add(at));
-        let mut v = vectors.start;
-        while v < vectors.end {
-            let vc = (vectors.end - v).min(3);
-            let qt = st.qt.as_ptr().add(plane + 16 * v);
-            let out = st.scores.as_mut_ptr().add(16 * v);
-            let step = PER_TILE[vc - 1];
-            let mut j = 0;
-            while j + step <= n {
-                let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
-                by_vectors!(vc, scores_tile::<8>(qt, lanes, kj, stride, d, oj));
-                j += step;
-            }
-            while j < n {
-                let (kj, oj) = (k.add(j * stride), out.add(j * lanes));
-                by_vectors!(vc, scores_tile::<1>(qt, lanes, kj, stride, d, oj));
-                j += 1;
-            }
-            v += vc;
-        }
-        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
-        let state = local * lanes;
-        for v in vectors.clone() {
-            let lo = _mm512_loadu_si512(st.lo.as_ptr().add(16 * v) as *const _);
-            let hi = _mm512_loadu_si512(st.hi.as_ptr().add(16 * v) as *const _);
-            let whole = inside(lo, hi, first) & inside(lo, hi, first + n - 1) == 0xffff;
-            let scores = st.scores.as_mut_ptr().add(16 * v);
-            let mut block_max = [neg_inf; 2];
-            for j in 0..n {
-                let mut s = _mm512_loadu_ps(scores.add(j * lanes));
-                if !whole {
-                    s = _mm512_mask_blend_ps(inside(lo, hi, first + j), neg_inf, s);
-                    _mm512_storeu_ps(scores.add(j * lanes), s);
-                }
-                block_max[j % 2] = _mm512_max_ps(block_max[j % 2], s);
-            }
-            let block_max = _mm512_max_ps(block_max[0], block_max[1]);
-            let max = st.max.as_mut_ptr().add(state + 16 * v);
-            let old = _mm512_loadu_ps(max);
-            let new = _mm512_max_ps(old, block_max);
-            _mm512_storeu_ps(max, new);
-            let correction = exp16(_mm512_sub_ps(old, new));
-            _mm512_storeu_ps(st.correction.as_mut_ptr().add(16 * v), correction);
-            let mut sum = _mm512_setzero_ps();
-            for j in 0..n {
-                let p = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores.add(j * lanes)), new));
-                let p = if whole {
-                    p
-                } else {
-                    _mm512_maskz_mov_ps(inside(lo, hi, first + j), p)
-                };
-                _mm512_storeu_ps(scores.add(j * lanes), p);
-                sum = _mm512_add_ps(sum, p);
-            }
-            let total = st.sum.as_mut_ptr().add(state + 16 * v);
-            _mm512_storeu_ps(
-                total,
-                _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(total), correction), sum),
+    // The values, a few head-dim elements (and up to three vectors) at a
+    // time.
+    let mut v = vectors.start;
+    while v < vectors.end {
+        let vc = (vectors.end - v).min(3);
+        let probs = st.scores.as_ptr().add(w * v);
+        let correction = st.correction.as_ptr().add(w * v);
+        let ot = st.ot.as_mut_ptr().add(plane + w * v);
+        let chunk = L::PER_TILE[vc - 1];
+        let mut i = 0;
+        while i + chunk <= d {
+            let (x, o) = (vals.add(i), ot.add(i * lanes));
+            by_tile!(
+                L,
+                vc,
+                values_tile(probs, lanes, x, stride, n, o, correction)
             );
+            i += chunk;
         }
-        let mut v = vectors.start;
-        while v < vectors.end {
-            let vc = (vectors.end - v).min(3);
-            let probs = st.scores.as_ptr().add(16 * v);
-            let correction = st.correction.as_ptr().add(16 * v);
-            let ot = st.ot.as_mut_ptr().add(plane + 16 * v);
-            let chunk = PER_TILE[vc - 1];
-            let mut i = 0;
-            while i + chunk <= d {
-                let (x, o) = (vals.add(i), ot.add(i * lanes));
-                by_vectors!(
-                    vc,
-                    values_tile::<8>(probs, lanes, x, stride, n, o, correction)
-                );
-                i += chunk;
-            }
-            while i < d {
-                let (x, o) = (vals.add(i), ot.add(i * lanes));
-                by_vectors!(
-                    vc,
-                    values_tile::<1>(probs, lanes, x, stride, n, o, correction)
-                );
-                i += 1;
-            }
-            v += vc;
+        while i < d {
+            let (x, o) = (vals.add(i), ot.add(i * lanes));
+            by_vectors!(
+                L,
+                vc,
+                values_tile::<1, 1, 1>(probs, lanes, x, stride, n, o, correction)
+            );
+            i += 1;
         }
+        v += vc;
     }
 }
