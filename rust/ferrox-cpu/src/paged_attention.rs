@@ -477,6 +477,7 @@ trait VectorOps: Sized {
     /// (rows `stride` apart from `at`) for the lanes of `vectors` of the
     /// tile's KV head `local`.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn tile_block(
         tile: &mut TileState,
         local: usize,
@@ -487,6 +488,25 @@ trait VectorOps: Sized {
         range: (usize, usize),
         vectors: Range<usize>,
     ) {
+        // SAFETY: the loops that set TILE (AVX2 at eight lanes, AVX-512 at
+        // sixteen) run inside `run_tile_avx2` / `run_tile_avx512`, where
+        // their features are enabled; the caller passes a tile started
+        // with TILE_WIDTH lanes a vector, its lanes, and rows inside the
+        // block.
+        #[cfg(target_arch = "x86_64")]
+        match (Self::TILE, Self::TILE_WIDTH) {
+            (true, 16) => unsafe {
+                return tile::block::<tile::Lanes16>(
+                    tile, local, keys, values, at, stride, range, vectors,
+                );
+            },
+            (true, _) => unsafe {
+                return tile::block::<tile::Lanes8>(
+                    tile, local, keys, values, at, stride, range, vectors,
+                );
+            },
+            _ => {}
+        }
         let _ = (tile, local, keys, values, at, stride, range, vectors);
         unreachable!("these vector loops have no tile loops")
     }

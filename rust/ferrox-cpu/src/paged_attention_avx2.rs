@@ -11,9 +11,8 @@
 //! widened once per pass, not once per head.
 
 use std::arch::x86_64::*;
-use std::ops::Range;
 
-use super::{accumulate_by_head, scores_by_head, tile, Portable, TileState, VectorOps};
+use super::{accumulate_by_head, scores_by_head, Portable, VectorOps};
 use crate::kv_element::KvElement;
 
 pub struct Avx2;
@@ -376,25 +375,6 @@ impl VectorOps for Avx2 {
     }
 
     const TILE: bool = true;
-
-    #[inline(always)]
-    fn tile_block(
-        tile: &mut TileState,
-        local: usize,
-        keys: &[f32],
-        values: &[f32],
-        at: usize,
-        stride: usize,
-        range: (usize, usize),
-        vectors: Range<usize>,
-    ) {
-        // SAFETY: these loops run inside `run_tile_avx2` / `run_tile_avx512`,
-        // where AVX2 and FMA are enabled; the caller passes a started tile,
-        // its lanes, and rows inside the block.
-        unsafe {
-            tile::block::<tile::Lanes8>(tile, local, keys, values, at, stride, range, vectors)
-        }
-    }
 
     fn has_loop(d: usize) -> bool {
         matches!(d, 8 | 16 | 32 | 64 | 80 | 96 | 128)
