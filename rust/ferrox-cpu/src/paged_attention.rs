@@ -295,7 +295,6 @@ fn paged_attention_on<T: KvElement>(
 /// shared prefix: an agent's fan-out, a common system prompt), while every
 /// query still meets its keys in the same chunks and order as alone, so its
 /// result is the same bits whatever the tile.
-///
 const QUERY_TILE: usize = 8;
 
 /// The AVX-512 loops' tiles: sixteen query tokens, a whole number of their
