@@ -415,43 +415,45 @@ fn grouped_equal_by_head<V: VectorOps, T: KvElement>(dims: &[usize]) {
 /// The tile loops at sixteen lanes a vector (AVX-512) give every query the
 /// bits of the eight-lane ones (AVX2), where every block a query reads goes
 /// through them (fresh prompts and chunks whose tiles share all their
-/// blocks), for groups of 1 to 8 query heads a KV head, head sizes with and
-/// without a remainder, blocks smaller and larger than a tile, and both
-/// caches.
+/// blocks), for groups of 1, 3, 4 and 8 query heads a KV head, head sizes
+/// with and without a remainder, blocks smaller and larger than a tile,
+/// and both caches.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn tile_loops_agree_across_widths() {
     if !crate::isa::avx512() {
         return;
     }
-    for (h, hkv) in [(9usize, 3usize), (8, 8), (32, 8), (8, 1)] {
-        for d in [64usize, 128, 80, 13] {
-            for bs in [4usize, 16, 32] {
-                for (q_len, ctx, threads) in [(64usize, 0usize, 1usize), (160, 32, 2), (48, 96, 3)]
-                {
-                    let seq = ctx + q_len;
-                    let blocks = seq.div_ceil(bs);
-                    let table: Vec<i32> = (0..blocks as i32).rev().collect();
-                    let seed = (h + d + bs + q_len) as u64;
-                    let q = values(q_len * h * d, seed);
-                    let k = values(blocks * bs * hkv * d, seed + 1);
-                    let v = values(blocks * bs * hkv * d, seed + 2);
-                    let half = |x: &[f32]| x.iter().map(|&x| F16::from_f32(x)).collect::<Vec<_>>();
-                    let case = format!("heads {h}/{hkv}, d {d}, bs {bs}, q {q_len}, ctx {ctx}");
-                    let (qsl, seq_lens) = ([0, q_len as i32], [seq as i32]);
-                    let shape = (
-                        &q[..],
-                        &table[..],
-                        &qsl[..],
-                        &seq_lens[..],
-                        (h, hkv, d, bs),
-                        threads,
-                    );
-                    widths_agree(shape, &k, &v, &case);
-                    widths_agree(shape, &half(&k), &half(&v), &format!("{case}, float16"));
-                }
-            }
-        }
+    // (heads, KV heads, head size, block size, queries, cached, threads)
+    let cases: [(usize, usize, usize, usize, usize, usize, usize); 6] = [
+        (9, 3, 64, 16, 64, 0, 1),
+        (9, 3, 64, 16, 48, 32, 2),
+        (8, 8, 80, 4, 32, 16, 3),
+        (32, 8, 13, 32, 48, 0, 2),
+        (8, 1, 128, 16, 32, 64, 1),
+        (4, 4, 64, 32, 64, 0, 2),
+    ];
+    for (h, hkv, d, bs, q_len, ctx, threads) in cases {
+        let seq = ctx + q_len;
+        let blocks = seq.div_ceil(bs);
+        let table: Vec<i32> = (0..blocks as i32).rev().collect();
+        let seed = (h + d + bs + q_len) as u64;
+        let q = values(q_len * h * d, seed);
+        let k = values(blocks * bs * hkv * d, seed + 1);
+        let v = values(blocks * bs * hkv * d, seed + 2);
+        let half = |x: &[f32]| x.iter().map(|&x| F16::from_f32(x)).collect::<Vec<_>>();
+        let case = format!("heads {h}/{hkv}, d {d}, bs {bs}, q {q_len}, ctx {ctx}");
+        let (qsl, seq_lens) = ([0, q_len as i32], [seq as i32]);
+        let shape = (
+            &q[..],
+            &table[..],
+            &qsl[..],
+            &seq_lens[..],
+            (h, hkv, d, bs),
+            threads,
+        );
+        widths_agree(shape, &k, &v, &case);
+        widths_agree(shape, &half(&k), &half(&v), &format!("{case}, float16"));
     }
 }
 
@@ -485,12 +487,10 @@ fn widths_agree<T: KvElement>(shape: Shape<'_>, k: &[T], v: &[T], case: &str) {
         batch_invariant: false,
         num_threads: threads,
     };
-    let expected = reference(&args, q.len() / (h * d));
     let (mut narrow, mut wide) = (vec![0.0; q.len()], vec![0.0; q.len()]);
     paged_attention_on(&args, &mut narrow, Loops::Avx2).unwrap();
     paged_attention_on(&args, &mut wide, Loops::Avx512).unwrap();
-    for (i, ((a, b), e)) in narrow.iter().zip(&wide).zip(&expected).enumerate() {
-        assert!((b - e).abs() < 1e-5, "{case}: element {i}: {b} vs {e}");
+    for (i, (a, b)) in narrow.iter().zip(&wide).enumerate() {
         assert_eq!(a.to_bits(), b.to_bits(), "{case}: element {i}: {a} vs {b}");
     }
 }
