@@ -255,6 +255,11 @@ pub(super) fn attend_together<V: VectorOps, T: KvElement>(
 /// What the tile loops need of a vector of lanes: AVX2's eight (`Lanes8`)
 /// or AVX-512's sixteen (`Lanes16`). Every operation acts lane by lane, so
 /// a lane's result does not depend on the width.
+///
+/// Every method is unsafe: it runs only where the CPU has the features its
+/// type is built on (AVX2 and FMA; AVX-512 F for `Lanes16`), inlined into
+/// a function compiled for them; pointers are to `WIDTH` readable (or
+/// writable) elements.
 #[cfg(target_arch = "x86_64")]
 pub(crate) trait Lanes: Copy {
     /// Lanes a vector holds.
