@@ -464,13 +464,11 @@ trait VectorOps: Sized {
         false
     }
 
-    /// Whether `tile_block` has loops: the queries of a tile that read one
-    /// block then take it together (unless `batch_invariant`).
-    const TILE: bool = false;
-
-    /// Lanes a vector of the tile loops holds: a tile's (query, head) pairs
-    /// of one KV head are rounded up to a whole number of them.
-    const TILE_WIDTH: usize = 8;
+    /// Lanes a vector of the tile loops holds (a tile's (query, head) pairs
+    /// of one KV head are rounded up to a whole number of them), or 0: no
+    /// tile loops. With them, the queries of a tile that read one block
+    /// take it together (unless `batch_invariant`).
+    const TILE_WIDTH: usize = 0;
 
     /// `tile::block`: keys `range.0..range.0 + range.1` of a float32 block
     /// (rows `stride` apart from `at`) for the lanes of `vectors` of the
@@ -487,19 +485,19 @@ trait VectorOps: Sized {
         range: (usize, usize),
         vectors: Range<usize>,
     ) {
-        // SAFETY: the loops that set TILE (AVX2 at eight lanes, AVX-512 at
-        // sixteen) run inside `run_tile_avx2` / `run_tile_avx512`, where
+        // SAFETY: the loops with a tile width (AVX2 at eight lanes, AVX-512
+        // at sixteen) run inside `run_tile_avx2` / `run_tile_avx512`, where
         // their features are enabled; the caller passes a tile started
         // with TILE_WIDTH lanes a vector, its lanes, and rows inside the
         // block.
         #[cfg(target_arch = "x86_64")]
-        match (Self::TILE, Self::TILE_WIDTH) {
-            (true, 16) => unsafe {
+        match Self::TILE_WIDTH {
+            16 => unsafe {
                 return tile::block::<tile::Lanes16>(
                     tile, local, keys, values, at, stride, range, vectors,
                 );
             },
-            (true, _) => unsafe {
+            8 => unsafe {
                 return tile::block::<tile::Lanes8>(
                     tile, local, keys, values, at, stride, range, vectors,
                 );
@@ -761,7 +759,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
     let chunk = |query: &TileQuery<'_>, block: usize| chunk(query, block, bs);
     // Blocks several queries read taken together (the tile loops; their
     // state is set up at the first such block).
-    let together = V::TILE && !args.batch_invariant && shares_a_block(&queries, bs);
+    let together = V::TILE_WIDTH > 0 && !args.batch_invariant && shares_a_block(&queries, bs);
     s.tile.started = false;
     let first_block = queries.iter().map(|q| q.2 / bs).min().unwrap_or(0);
     let blocks = queries.iter().map(|q| q.3.div_ceil(bs)).max().unwrap_or(0);

@@ -374,7 +374,7 @@ impl VectorOps for Avx2 {
         }
     }
 
-    const TILE: bool = true;
+    const TILE_WIDTH: usize = 8;
 
     fn has_loop(d: usize) -> bool {
         matches!(d, 8 | 16 | 32 | 64 | 80 | 96 | 128)

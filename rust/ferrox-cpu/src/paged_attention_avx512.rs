@@ -423,8 +423,6 @@ impl VectorOps for Avx512 {
         }
     }
 
-    const TILE: bool = true;
-
     const TILE_WIDTH: usize = 16;
 
     fn has_loop(d: usize) -> bool {

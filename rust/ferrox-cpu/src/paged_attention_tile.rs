@@ -589,13 +589,15 @@ macro_rules! by_vectors {
 }
 
 /// Whole register tiles of `L::PER_TILE` keys (or head-dim elements), for
-/// `vc` vectors.
+/// `vc` vectors: an arm for each `PER_TILE` a `Lanes` type has (another
+/// one stops at the first call rather than run a tile of the wrong size).
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_tile {
     ($l:ty, $vc:expr, $f:ident($($arg:expr),* $(,)?)) => {
         match <$l as Lanes>::PER_TILE {
             [8, 8, 8] => by_vectors!($l, $vc, $f::<8, 8, 8>($($arg),*)),
-            _ => by_vectors!($l, $vc, $f::<8, 4, 3>($($arg),*)),
+            [8, 4, 3] => by_vectors!($l, $vc, $f::<8, 4, 3>($($arg),*)),
+            other => unreachable!("no register tile of {other:?} keys"),
         }
     };
 }
