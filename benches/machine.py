@@ -30,7 +30,7 @@ def write_record(path: str | Path, **figures: Any) -> None:
 
 def cpu_description() -> dict[str, Any]:
     """The CPU's architecture, core count and vector extensions (AVX2,
-    AVX-512, VNNI), read from /proc/cpuinfo where there is one."""
+    AVX-512, VNNI, AMX-BF16), read from /proc/cpuinfo where there is one."""
     flags: set[str] = set()
     model = ""
     if os.path.exists("/proc/cpuinfo"):
@@ -48,6 +48,7 @@ def cpu_description() -> dict[str, Any]:
         "avx2": "avx2" in flags,
         "avx512f": "avx512f" in flags,
         "avx512_vnni": "avx512_vnni" in flags,
+        "amx_bf16": "amx_bf16" in flags,
         # what ferrox's kernels use: the CPU's widest, or FERROX_CPU_ISA's cap
         "ferrox_isa": cpu_isa(),
     }

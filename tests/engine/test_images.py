@@ -341,6 +341,11 @@ def test_quantized_decoder_under_a_float_vision_tower(vl_model: Path, hf_vl: Any
     llm = LLM(str(vl_model), max_model_len=256, quantization="q8_0", kv_cache_dtype="float32")
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+    # The integer kernel at every row count (the reference rounds as it
+    # does): on a CPU with AMX tiles the prompts' step would take them.
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.batch_invariant = True
     assert not any(isinstance(m, QuantLinear) for m in model.visual.modules())
     assert model.fused_decode is not None
     outputs = llm.generate([request(t, i) for t, i in CASES], greedy(), use_tqdm=False)

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
 from ferrox import LLM, SamplingParams
+from ferrox._native import cpu_isa
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers import cpu_decoder, cpu_linear, quant_linear
@@ -381,8 +382,10 @@ def _assert_same_greedy(got: Greedy, expected: Greedy, tolerance: float = 1e-3) 
 
 
 MAX_TOKENS = 6
-# Every step of these runs has at most 32 tokens (DEQUANTIZE_ABOVE_ROWS is 32
-# or more on every CPU), so each linear layer runs the integer kernel (and rounds its input).
+# Every step of these runs has fewer than 32 tokens (DEQUANTIZE_ABOVE_ROWS is 32
+# or more on every CPU, and a CPU with AMX tiles takes calls of 32 rows or more
+# to them: quant_matmul_amx::MIN_ROWS), so each linear layer runs the integer
+# kernel (and rounds its input).
 # Summation order moves an activation across a rounding boundary now and
 # then: one step of int8 in one element, which the following positions
 # inherit. A wrong scale or block moves logprobs by whole units.
@@ -396,7 +399,7 @@ def test_gguf_engine_keeps_blocks_and_tracks_transformers(
     path = tmp_path / "blocks.gguf"
     _quantized_gguf(path, tied=tied, arch=arch)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 11, 16)]
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 11, 15)]
     # transformers on the file's weights, dequantized by the GGUF reference
     dense = load_gguf(path)
     hf = AutoModelForCausalLM.from_config(dense.config).eval()
@@ -571,7 +574,8 @@ def test_a_q4_k_m_style_file_runs_on_blocks_and_tracks_transformers(
 def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt: str) -> None:
     path = tiny_models["llama-gqa-tied"]  # hidden 96
     gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (4, 28)]
+    # (a first step of 31 rows: the integer kernel on every CPU, see ROUNDING_DRIFT)
+    prompts = [torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (4, 27)]
     llm, got = _run(path, prompts, quantization=fmt)
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
@@ -579,6 +583,54 @@ def test_quantize_at_load_tracks_transformers(tiny_models: dict[str, Path], fmt:
     assert len(layers) == 4 * len(model.layers) + 1
     hf = models.hf_model_with_rounded_weights(path, fmt)
     _assert_same_greedy(got, _hf_greedy(hf, prompts, round_inputs=True), ROUNDING_DRIFT)
+
+
+def _hf_greedy_tiles(hf: torch.nn.Module, prompts: list[list[int]]) -> Greedy:
+    """transformers' greedy logprobs rounded as ferrox computes a step of 32
+    rows or more on a CPU with AMX tiles: the prompt's decoder-layer linears
+    on bfloat16 weights and inputs (float32 sums); the LM head (the sampled
+    rows alone) and every decode step on the integer kernel."""
+
+    def tiles_or_integer(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        (x,) = args
+        if x.shape[-2] > 1 and module is not hf.lm_head:  # a prompt's rows
+            to_bf16 = lambda t: t.to(torch.bfloat16).to(torch.float32)  # noqa: E731
+            return F.linear(to_bf16(x), to_bf16(module.weight), module.bias)
+        return F.linear(models.round_like_the_block_kernel(x), module.weight, module.bias)
+
+    hooks = [
+        module.register_forward_hook(tiles_or_integer)
+        for module in hf.modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    try:
+        return [models.hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_amx_tiles_track_transformers_in_bfloat16(tiny_models: dict[str, Path]) -> None:
+    """On a CPU with AMX tiles, the prompts' step (45 rows) runs the block
+    matmuls on them: greedy tokens and logprobs track transformers with the
+    tiles' rounding in that step (and the integer kernel's in the others);
+    the integer kernel's rounding in the prompts' step is further off."""
+    if cpu_isa() != "amx":
+        pytest.skip("this CPU has no AMX tiles (the integer kernels' tests above cover it)")
+    path = tiny_models["llama-gqa-tied"]
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (20, 25)]
+    _, got = _run(path, prompts, quantization="q8_0")
+    hf = models.hf_model_with_rounded_weights(path, "q8_0")
+    tiles = _hf_greedy_tiles(hf, prompts)
+    _assert_same_greedy(got, tiles, 1e-3)  # (measured: within 1e-6)
+    integer = _hf_greedy(hf, prompts, round_inputs=True)  # (0.07-0.21 nats off)
+    for (_, logprobs), (_, want), (_, other) in zip(got, tiles, integer, strict=True):
+        assert abs(logprobs[0] - want[0]) < 1e-4 < abs(logprobs[0] - other[0]), (
+            logprobs[0],
+            want[0],
+            other[0],
+        )
 
 
 _WITH_EXPERTS = ("qwen3-moe", "qwen3-next")
@@ -618,8 +670,10 @@ def test_fused_decode_layers_match_the_module_path(
     float32 weights (a small model keeps them as well as their oneDNN
     packing), with a float32 or a float16 KV cache."""
     gen = torch.Generator().manual_seed(5)
+    # (a first step of 31 rows: on a CPU with AMX tiles, 32 would take them
+    # there and the integer kernel in the steps behind the prefix cache)
     prompts = [
-        torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 9, 20)
+        torch.randint(2, models.VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 9, 19)
     ]
     llm, fused = _run(
         tiny_models[name], prompts, quantization=quantization, kv_cache_dtype=kv_cache_dtype

@@ -59,6 +59,7 @@ _ISA_CAPS: dict[str, tuple[str, str] | None] = {
     "portable": ("default", "SSE41"),
     "avx2": ("avx2", "AVX2"),
     "avx512": None,
+    "amx": None,
     "native": None,
 }
 CPU_ISA = os.environ.get("FERROX_CPU_ISA", "native").strip().lower() or "native"

@@ -209,6 +209,7 @@ class FusedCpuDecode:
         for linear in linears:
             assert isinstance(linear, QuantLinear)
             linear.dequantize_above = sys.maxsize
+            linear.batch_invariant = True
         self.every_step = True
 
     @staticmethod

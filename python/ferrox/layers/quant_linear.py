@@ -216,6 +216,8 @@ class QuantLinear(nn.Module):
         # This layer's own DEQUANTIZE_ABOVE_ROWS (None: the module's);
         # `batch_invariant` sets no limit, one kernel for every row count.
         self.dequantize_above: int | None = None
+        # the same kernel at every row count (`batch_invariant`)
+        self.batch_invariant = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> QuantLinear:
@@ -263,7 +265,13 @@ class QuantLinear(nn.Module):
                 self._views = (self.weight.detach().numpy(), bias)
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
             quant_matmul_cpu(
-                out.numpy(), x2.numpy(), *self._views, self.fmt, kernel_threads(), self.packed
+                out.numpy(),
+                x2.numpy(),
+                *self._views,
+                self.fmt,
+                kernel_threads(),
+                self.packed,
+                self.batch_invariant,
             )
         return out.view(*shape[:-1], self.out_features)
 

@@ -5,8 +5,11 @@
 //! at SmolLM2-135M's shapes, for 1 to 64 activation rows, on the engine's
 //! kernel threads. Alternates them in one process and prints, per shape and
 //! row count, the median microseconds per call of each (min-max over the
-//! repeats), the best one's speed-up over the pair kernel and the integer
-//! GMAC/s it reaches; `QuantKernel::best` was chosen by these figures.
+//! repeats), the best one's speed-up over the pair kernel and the GMAC/s it
+//! reaches; `QuantKernel::best` was chosen by these figures. On a CPU with
+//! AMX tiles, the column `AmxTiles packed` is the default `quant_matmul`,
+//! which takes the tiles from `quant_matmul_amx::MIN_ROWS` rows on (below,
+//! the widest integer kernel's figures again); `MIN_ROWS` was chosen by it.
 //!
 //! cargo bench -p ferrox-cpu --bench quant_matmul [-- --threads 2 --repeats 7]
 //!     [--rows 1,16,256] [--only gate_up]
@@ -18,7 +21,8 @@ mod shared;
 use shared::{arg, median_min_max, option};
 
 use ferrox_cpu::{
-    pack_blocks, quant_matmul_with, BlockLayout, QuantFormat, QuantKernel, QuantMatmulArgs,
+    pack_blocks, quant_matmul, quant_matmul_with, BlockLayout, QuantFormat, QuantKernel,
+    QuantMatmulArgs,
 };
 
 /// SmolLM2-135M's layers in its GGUF formats (the LM head is the Q8_0
@@ -85,20 +89,26 @@ fn main() {
     let repeats = arg("--repeats", 7);
     // Each kernel on the rows layout (a panel kernel then packs per call),
     // and each panel kernel on weights packed ahead.
-    let kernels: Vec<(QuantKernel, BlockLayout)> = QuantKernel::ALL
+    // (None: the default `quant_matmul`, listed where the CPU has AMX tiles)
+    let mut kernels: Vec<(Option<QuantKernel>, BlockLayout)> = QuantKernel::ALL
         .into_iter()
         .filter(|k| k.supported())
         .flat_map(|k| {
             let packed = (k.layout() == BlockLayout::Panels).then_some((k, BlockLayout::Panels));
             std::iter::once((k, BlockLayout::Rows)).chain(packed)
         })
+        .map(|(k, layout)| (Some(k), layout))
         .collect();
+    if ferrox_cpu::quant_matmul_amx::supported() {
+        kernels.push((None, BlockLayout::Panels));
+    }
     println!("{threads} threads, {repeats} repeats; microseconds per call, median (min-max)");
     print!("{:<26}{:>5}", "shape", "rows");
     for (kernel, layout) in &kernels {
+        let kernel = kernel.map_or("AmxTiles".to_string(), |k| format!("{k:?}"));
         let name = match layout {
-            BlockLayout::Rows => format!("{kernel:?}"),
-            BlockLayout::Panels => format!("{kernel:?} packed"),
+            BlockLayout::Rows => kernel,
+            BlockLayout::Panels => format!("{kernel} packed"),
         };
         print!("{name:>26}");
     }
@@ -142,10 +152,14 @@ fn main() {
             for _ in 0..repeats {
                 for (which, &(kernel, layout)) in kernels.iter().enumerate() {
                     let args = args(layout);
-                    quant_matmul_with(&args, &mut out, kernel).unwrap();
+                    let call = |out: &mut [f32]| match kernel {
+                        Some(kernel) => quant_matmul_with(&args, out, kernel).unwrap(),
+                        None => quant_matmul(&args, out).unwrap(),
+                    };
+                    call(&mut out);
                     let start = Instant::now();
                     for _ in 0..calls {
-                        quant_matmul_with(&args, &mut out, kernel).unwrap();
+                        call(&mut out);
                     }
                     times[which].push(start.elapsed().as_secs_f64() * 1e6 / calls as f64);
                 }

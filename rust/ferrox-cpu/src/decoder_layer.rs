@@ -20,7 +20,7 @@ use crate::elementwise::{add_rms_norm, rotary_partial_in_place, RotaryHeads};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::kv_element::KvElement;
 use crate::paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
-use crate::quant_matmul::{quant_matmul, QuantFormat, QuantMatmulArgs};
+use crate::quant_matmul::{quant_matmul, quant_matmul_invariant, QuantFormat, QuantMatmulArgs};
 use crate::quant_pack::BlockLayout;
 
 /// A linear layer's weight: block-format bytes ([N, row bytes], in a
@@ -100,16 +100,19 @@ pub(crate) fn linear(
     threads: usize,
 ) -> Result<Vec<f32>, ShapeError> {
     let mut out = vec![0.0; x.len() / k * layer.out_features];
-    linear_into(layer, x, k, threads, &mut out)?;
+    linear_into(layer, x, k, threads, false, out.as_mut_slice())?;
     Ok(out)
 }
 
-/// `x @ w^T (+ bias)` into `out` ([M, N]), every element written.
+/// `x @ w^T (+ bias)` into `out` ([M, N]), every element written; block
+/// weights on `quant_matmul_invariant` if `invariant` (a row's bits then do
+/// not depend on the call's row count), else `quant_matmul`.
 fn linear_into(
     layer: &LayerLinear<'_>,
     x: &[f32],
     k: usize,
     threads: usize,
+    invariant: bool,
     out: &mut [f32],
 ) -> Result<(), ShapeError> {
     let (m, n) = (x.len() / k, layer.out_features);
@@ -129,7 +132,11 @@ fn linear_into(
                 layout,
                 num_threads: threads,
             };
-            quant_matmul(&args, out)
+            if invariant {
+                quant_matmul_invariant(&args, out)
+            } else {
+                quant_matmul(&args, out)
+            }
         }
         LinearWeight::F32(w) => {
             let args = F32MatmulArgs {
@@ -323,7 +330,14 @@ pub fn decoder_layer<T: KvElement>(
         )?;
 
         let qkv = sized(&mut buffers.qkv, tokens * weights.qkv.out_features);
-        linear_into(&weights.qkv, normed, hidden, threads, qkv)?;
+        linear_into(
+            &weights.qkv,
+            normed,
+            hidden,
+            threads,
+            step.batch_invariant,
+            qkv,
+        )?;
         let gates = weights
             .query_gate
             .then(|| split_query_gates(qkv, tokens, h, hkv, d));
@@ -379,7 +393,7 @@ pub fn decoder_layer<T: KvElement>(
             }
         }
         let o = sized(&mut buffers.o, tokens * hidden);
-        linear_into(&weights.o, attn, h * d, threads, o)?;
+        linear_into(&weights.o, attn, h * d, threads, step.batch_invariant, o)?;
         if let Some(norm) = weights.attention_out_norm {
             rms_norm_rows(o, norm, weights.eps, threads)?;
         }
@@ -389,6 +403,7 @@ pub fn decoder_layer<T: KvElement>(
             activation: weights.activation,
             mlp_out_norm: weights.mlp_out_norm,
             eps: weights.eps,
+            batch_invariant: step.batch_invariant,
         };
         tail.run(residual, x, o, normed, threads)
     })
@@ -402,6 +417,8 @@ pub(crate) struct MlpTail<'a> {
     pub activation: Gate,
     pub mlp_out_norm: Option<&'a [f32]>,
     pub eps: f32,
+    /// The matmuls' `invariant` (`linear_into`).
+    pub batch_invariant: bool,
 }
 
 impl MlpTail<'_> {
@@ -446,10 +463,17 @@ impl MlpTail<'_> {
         let inter = mlp.gate_up.out_features / 2;
         let rows = normed.len() / hidden;
         let gate_up = sized(&mut buffers.gate_up, rows * 2 * inter);
-        linear_into(&mlp.gate_up, normed, hidden, threads, gate_up)?;
+        linear_into(
+            &mlp.gate_up,
+            normed,
+            hidden,
+            threads,
+            self.batch_invariant,
+            gate_up,
+        )?;
         let act = sized(&mut buffers.act, rows * inter);
         gate_rows_threaded(self.activation, gate_up, inter, threads, act);
-        linear_into(&mlp.down, act, inter, threads, x)?;
+        linear_into(&mlp.down, act, inter, threads, self.batch_invariant, x)?;
         if let Some(norm) = self.mlp_out_norm {
             rms_norm_rows(x, norm, self.eps, threads)?;
         }

@@ -183,6 +183,8 @@ pub fn gated_delta_layer<E: StateElement>(
         activation: w.activation,
         mlp_out_norm: None,
         eps: w.eps,
+        // (`batch_invariant` refuses hybrid models)
+        batch_invariant: false,
     };
     tail.run(residual, x, &mixed, &mut normed, threads)
 }

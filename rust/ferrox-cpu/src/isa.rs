@@ -1,6 +1,6 @@
 //! The instruction sets the kernels may use: what this CPU has, capped by
-//! the `FERROX_CPU_ISA` environment variable (`portable`, `avx2`, `avx512`;
-//! unset: everything the CPU has). The cap lets one machine run, test and
+//! the `FERROX_CPU_ISA` environment variable (`portable`, `avx2`, `avx512`,
+//! `amx`; unset: everything the CPU has). The cap lets one machine run, test and
 //! measure the narrower kernels it would otherwise never pick, as a CPU
 //! without AVX-512 runs them. Read once, at the first kernel call.
 
@@ -15,6 +15,8 @@ pub enum Isa {
     Avx2,
     /// AVX-512 (F, and BW / VNNI where a kernel names them) on top of AVX2.
     Avx512,
+    /// AMX tiles (`quant_matmul_amx`) on top of AVX-512.
+    Amx,
 }
 
 impl Isa {
@@ -23,7 +25,8 @@ impl Isa {
         match value.trim().to_ascii_lowercase().as_str() {
             "portable" => Some(Isa::Portable),
             "avx2" => Some(Isa::Avx2),
-            "avx512" | "native" | "" => Some(Isa::Avx512),
+            "avx512" => Some(Isa::Avx512),
+            "amx" | "native" | "" => Some(Isa::Amx),
             _ => None,
         }
     }
@@ -38,7 +41,7 @@ pub fn cap() -> Isa {
         std::env::var("FERROX_CPU_ISA")
             .ok()
             .and_then(|v| Isa::parse(&v))
-            .unwrap_or(Isa::Avx512)
+            .unwrap_or(Isa::Amx)
     })
 }
 
@@ -79,6 +82,10 @@ pub fn avx512_vnni() -> bool {
 
 /// The widest level kernels may use on this CPU under the cap.
 pub fn effective() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant_matmul_amx::supported() {
+        return Isa::Amx;
+    }
     if avx512() {
         Isa::Avx512
     } else if avx2() {

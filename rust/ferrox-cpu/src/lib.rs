@@ -15,6 +15,8 @@ pub mod paged_attention;
 pub mod pool;
 pub mod quant_matmul;
 #[cfg(target_arch = "x86_64")]
+pub mod quant_matmul_amx;
+#[cfg(target_arch = "x86_64")]
 mod quant_matmul_avx2;
 #[cfg(target_arch = "x86_64")]
 mod quant_matmul_panel;
@@ -38,8 +40,8 @@ pub use paged_attention::{
     paged_attention, paged_attention_with_isa, PagedAttentionArgs, ShapeError,
 };
 pub use quant_matmul::{
-    dequantize_rows, quant_matmul, quant_matmul_with, QuantFormat, QuantKernel, QuantMatmulArgs,
-    QuantShapeError,
+    dequantize_rows, quant_matmul, quant_matmul_invariant, quant_matmul_with, QuantFormat,
+    QuantKernel, QuantMatmulArgs, QuantShapeError,
 };
 pub use quant_pack::{pack_blocks, unpack_blocks, BlockLayout};
 pub use token_bitmask::{apply_token_bitmask, BitmaskError};

@@ -436,35 +436,40 @@ impl QuantKernel {
     }
 }
 
-/// out[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias).
+/// out[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias): on a CPU with AMX
+/// tiles, a call of `quant_matmul_amx::MIN_ROWS` rows or more takes them
+/// (bfloat16 products: a row's result then depends on its call's row
+/// count); every other call, as `quant_matmul_invariant`.
 pub fn quant_matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) -> Result<(), QuantShapeError> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant_matmul_amx::takes(args) {
+        check_shapes(args, out)?;
+        // SAFETY: the CPU has the tiles and the format is theirs (`takes`);
+        // the shapes are checked.
+        unsafe { crate::quant_matmul_amx::matmul(args, out) };
+        return Ok(());
+    }
+    quant_matmul_invariant(args, out)
+}
+
+/// out[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias) on the same kernel for
+/// every row count (`QuantKernel::best`): a row's result is the same bits
+/// whatever the other rows of its call.
+pub fn quant_matmul_invariant(
+    args: &QuantMatmulArgs<'_>,
+    out: &mut [f32],
+) -> Result<(), QuantShapeError> {
     quant_matmul_with(args, out, QuantKernel::best())
 }
 
-/// `quant_matmul` with the given kernel (for tests and benchmarks that set
-/// the kernels side by side); one this CPU lacks is an error.
+/// `quant_matmul_invariant` with the given kernel (for tests and benchmarks
+/// that set the kernels side by side); one this CPU lacks is an error.
 pub fn quant_matmul_with(
     args: &QuantMatmulArgs<'_>,
     out: &mut [f32],
     kernel: QuantKernel,
 ) -> Result<(), QuantShapeError> {
-    let row_bytes = check_k(args.fmt, args.k)?;
-    if args.x.len() != args.m * args.k
-        || args.w.len() != args.n * row_bytes
-        || out.len() != args.m * args.n
-        || args.bias.is_some_and(|b| b.len() != args.n)
-    {
-        return Err(QuantShapeError(format!(
-            "shapes disagree: x {} (M={} K={}), w {} bytes (N={}, {} per row), out {}",
-            args.x.len(),
-            args.m,
-            args.k,
-            args.w.len(),
-            args.n,
-            row_bytes,
-            out.len()
-        )));
-    }
+    check_shapes(args, out)?;
     if !kernel.supported() {
         return Err(QuantShapeError(format!(
             "this CPU lacks the {kernel:?} kernel"
@@ -492,6 +497,28 @@ pub fn quant_matmul_with(
         // kernel (checked above).
         unsafe { chunks.run_columns(kernel, start, end, ptr) };
     });
+    Ok(())
+}
+
+/// The activations, weight, bias and output agree with M, K and N.
+fn check_shapes(args: &QuantMatmulArgs<'_>, out: &[f32]) -> Result<(), QuantShapeError> {
+    let row_bytes = check_k(args.fmt, args.k)?;
+    if args.x.len() != args.m * args.k
+        || args.w.len() != args.n * row_bytes
+        || out.len() != args.m * args.n
+        || args.bias.is_some_and(|b| b.len() != args.n)
+    {
+        return Err(QuantShapeError(format!(
+            "shapes disagree: x {} (M={} K={}), w {} bytes (N={}, {} per row), out {}",
+            args.x.len(),
+            args.m,
+            args.k,
+            args.w.len(),
+            args.n,
+            row_bytes,
+            out.len()
+        )));
+    }
     Ok(())
 }
 

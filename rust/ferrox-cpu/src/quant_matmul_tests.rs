@@ -78,11 +78,39 @@ fn dense(fmt: QuantFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
     out
 }
 
-/// The kernel's output for `args`, from a NaN-filled buffer (every element
-/// must be written).
+/// The default `quant_matmul`'s output for `args`, from a NaN-filled buffer
+/// (every element must be written).
 fn run(args: &QuantMatmulArgs) -> Vec<f32> {
     let mut out = vec![f32::NAN; args.m * args.n];
     quant_matmul(args, &mut out).unwrap();
+    out
+}
+
+/// float32 to bfloat16 and back, rounding to nearest even (finite values).
+fn bf16_round(v: f32) -> f32 {
+    let bits = v.to_bits();
+    f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+}
+
+/// A Q4_1 or Q8_0 rows-layout weight as the tiles take it: each value
+/// `d * q (+ m)` in float32 (one rounding: Q4_1's as a fused multiply-add),
+/// then to bfloat16.
+fn bf16_weights(fmt: QuantFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n * k);
+    for block in w.chunks_exact(fmt.block_bytes()).take(n * k / BLOCK) {
+        let d = half(block, 0);
+        match fmt {
+            QuantFormat::Q4_1 => {
+                let m = half(block, 2);
+                let q = |j: usize| (block[4 + j % 16] >> (4 * (j / 16)) & 0x0f) as f32;
+                out.extend((0..BLOCK).map(|j| bf16_round(q(j).mul_add(d, m))));
+            }
+            QuantFormat::Q8_0 => {
+                out.extend((0..BLOCK).map(|j| bf16_round(block[2 + j] as i8 as f32 * d)));
+            }
+            QuantFormat::Q6_K | QuantFormat::Q4_K => unreachable!(),
+        }
+    }
     out
 }
 
@@ -145,7 +173,9 @@ proptest! {
             // (in the layout a loader packs into for this CPU's kernel)
             let layout = QuantKernel::best().layout();
             let packed = laid_out(&w, fmt, k, layout);
-            let got = run(&QuantMatmulArgs { x: &x, w: &packed, bias, m, k, n, fmt, layout, num_threads: threads });
+            let args = QuantMatmulArgs { x: &x, w: &packed, bias, m, k, n, fmt, layout, num_threads: threads };
+            let mut got = vec![f32::NAN; m * n];
+            quant_matmul_invariant(&args, &mut got).unwrap();
             let acts = quantize_activations(&x, k);
             for i in 0..m {
                 for j in 0..n {
@@ -218,8 +248,8 @@ proptest! {
 
     /// Batch invariance: every row of an M-row call equals, bit for bit,
     /// that row computed alone and computed among other rows in another
-    /// order, under each kernel this CPU has and under the default choice
-    /// (which must not depend on the row count), whatever the threads; and
+    /// order, under each kernel this CPU has and `quant_matmul_invariant`,
+    /// whatever the threads; and
     /// a weight packed ahead gives the panel kernels the bits of the same
     /// weight in rows.
     #[test]
@@ -242,7 +272,7 @@ proptest! {
                     let mut out = vec![f32::NAN; args.m * args.n];
                     match kernel {
                         Some(kernel) => quant_matmul_with(args, &mut out, kernel).unwrap(),
-                        None => quant_matmul(args, &mut out).unwrap(),
+                        None => quant_matmul_invariant(args, &mut out).unwrap(),
                     }
                     out
                 };
@@ -265,6 +295,74 @@ proptest! {
                 let in_rows = call(&rows_args);
                 prop_assert!(batch.iter().zip(&in_rows).all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{kernel:?} {fmt:?} m={m} k={k} n={n}: {:?} differs from the rows layout", args.layout);
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// On a CPU with AMX tiles, the default `quant_matmul` of `MIN_ROWS`
+    /// rows or more (whole row tiles and a partial one, panel pairs and a
+    /// lone panel, the columns past the last panel, a bias or none, either
+    /// layout, any threads) writes every element and equals float64 sums
+    /// of the bfloat16 weights and activations up to float32 summing; and
+    /// a row's bits do not depend on the other rows' order. (Without the
+    /// tiles, the call takes `quant_matmul_invariant`, tested above.)
+    #[test]
+    fn amx_tiles_match_bfloat16_reference(
+        m in crate::quant_matmul_amx::MIN_ROWS..160, kb in 1usize..12, n in 1usize..80,
+        seed in prop::collection::vec(any::<u16>(), 1..64), with_bias in any::<bool>(),
+        threads in 1usize..4, x_seed in any::<u32>(),
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if !crate::quant_matmul_amx::supported() {
+            return Ok(());
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        return Ok(());
+        let k = kb * BLOCK;
+        let mut state = x_seed | 1;
+        let x: Vec<f32> = (0..m * k)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state % 20001) as f32 / 2500.0 - 4.0
+            })
+            .collect();
+        let reversed: Vec<f32> = (0..m).rev().flat_map(|i| x[i * k..(i + 1) * k].to_vec()).collect();
+        let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let bias = with_bias.then_some(bias.as_slice());
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+            let w = weight_bytes(fmt, n, k, &seed);
+            let wf = bf16_weights(fmt, &w, n, k);
+            for layout in LAYOUTS {
+                let packed = laid_out(&w, fmt, k, layout);
+                let args = QuantMatmulArgs { x: &x, w: &packed, bias, m, k, n, fmt, layout, num_threads: threads };
+                let got = run(&args);
+                let flipped = run(&QuantMatmulArgs { x: &reversed, ..args });
+                let whole = n / PANEL * PANEL;
+                for i in 0..m {
+                    for j in 0..n {
+                        let y = got[i * n + j];
+                        prop_assert_eq!(y.to_bits(), flipped[(m - 1 - i) * n + j].to_bits(),
+                            "{:?} {:?} m={} k={} n={} ({},{}): order changed it", fmt, layout, m, k, n, i, j);
+                        if j >= whole {
+                            continue; // (the integer kernel's columns, tested above)
+                        }
+                        let (mut want, mut magnitude) = (0f64, 0f64);
+                        for c in 0..k {
+                            let term = wf[j * k + c] as f64 * bf16_round(x[i * k + c]) as f64;
+                            want += term;
+                            magnitude += term.abs();
+                        }
+                        let b = bias.map_or(0.0, |b| b[j] as f64);
+                        prop_assert!((y as f64 - want - b).abs() <= 4e-5 * (magnitude + b.abs()) + 1e-6,
+                            "{fmt:?} {layout:?} m={m} k={k} n={n} ({i},{j}): {y} vs {}", want + b);
+                    }
+                }
             }
         }
     }
@@ -397,7 +495,8 @@ fn isa_levels_parse_and_cap_the_kernels() {
     use crate::isa::{self, Isa};
     assert_eq!(Isa::parse("AVX2"), Some(Isa::Avx2));
     assert_eq!(Isa::parse(" portable "), Some(Isa::Portable));
-    assert_eq!(Isa::parse("native"), Some(Isa::Avx512));
+    assert_eq!(Isa::parse("native"), Some(Isa::Amx));
+    assert_eq!(Isa::parse("avx512"), Some(Isa::Avx512));
     assert_eq!(Isa::parse("sse9"), None);
     // Whatever the cap this process runs under, no kernel above it runs.
     let level = isa::effective();
@@ -406,4 +505,6 @@ fn isa_levels_parse_and_cap_the_kernels() {
     if level < Isa::Avx512 {
         assert!(!QuantKernel::WidePanels.supported());
     }
+    #[cfg(target_arch = "x86_64")]
+    assert_eq!(crate::quant_matmul_amx::supported(), level == Isa::Amx);
 }

@@ -2,8 +2,9 @@
 
 use ferrox_cpu::{
     add_rms_norm, apply_token_bitmask, dequantize_rows, gated_delta_decode, pack_blocks,
-    paged_attention, quant_matmul, rotary_in_place, BlockLayout, GatedDeltaDecode, KvElement,
-    PagedAttentionArgs, QuantFormat, QuantKernel, QuantMatmulArgs, F16,
+    paged_attention, quant_matmul, quant_matmul_invariant, rotary_in_place, BlockLayout,
+    GatedDeltaDecode, KvElement, PagedAttentionArgs, QuantFormat, QuantKernel, QuantMatmulArgs,
+    F16,
 };
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
@@ -367,9 +368,11 @@ pub(crate) fn block_layout(packed: bool) -> BlockLayout {
 /// `out[M, N] = x[M, K] @ W^T (+ bias)` for a weight `W` kept in a block
 /// format (`w`: [N, K / 32 * block bytes] uint8, in llama.cpp's rows or,
 /// with `packed`, as `pack_blocks_cpu` wrote it; see
-/// ferrox_cpu::quant_matmul).
+/// ferrox_cpu::quant_matmul). `batch_invariant`: the same kernel for every
+/// row count (`quant_matmul_invariant`; otherwise a CPU with AMX tiles takes
+/// calls of many rows to them).
 #[pyfunction]
-#[pyo3(signature = (out, x, w, bias, fmt, num_threads, packed=false))]
+#[pyo3(signature = (out, x, w, bias, fmt, num_threads, packed=false, batch_invariant=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn quant_matmul_cpu(
     py: Python<'_>,
@@ -380,6 +383,7 @@ pub fn quant_matmul_cpu(
     fmt: &str,
     num_threads: usize,
     packed: bool,
+    batch_invariant: bool,
 ) -> PyResult<()> {
     let fmt = quant_format(fmt)?;
     let [m, k] = dims::<2>(x.shape(), "x")?;
@@ -404,8 +408,14 @@ pub fn quant_matmul_cpu(
         layout: block_layout(packed),
         num_threads,
     };
-    py.detach(|| quant_matmul(&args, out))
-        .map_err(|e| invalid_argument(e.to_string()))
+    py.detach(|| {
+        if batch_invariant {
+            quant_matmul_invariant(&args, out)
+        } else {
+            quant_matmul(&args, out)
+        }
+    })
+    .map_err(|e| invalid_argument(e.to_string()))
 }
 
 /// `out` = the block-format weight `w` ([N, row bytes] uint8, llama.cpp's
@@ -458,13 +468,15 @@ pub fn quant_matmul_kernel_cpu() -> &'static str {
 }
 
 /// The widest instruction-set level ferrox's CPU kernels use here: what the
-/// CPU has, capped by `FERROX_CPU_ISA` ("portable", "avx2" or "avx512").
+/// CPU has, capped by `FERROX_CPU_ISA` ("portable", "avx2", "avx512" or
+/// "amx").
 #[pyfunction]
 pub fn cpu_isa() -> &'static str {
     match ferrox_cpu::isa::effective() {
         ferrox_cpu::isa::Isa::Portable => "portable",
         ferrox_cpu::isa::Isa::Avx2 => "avx2",
         ferrox_cpu::isa::Isa::Avx512 => "avx512",
+        ferrox_cpu::isa::Isa::Amx => "amx",
     }
 }
 

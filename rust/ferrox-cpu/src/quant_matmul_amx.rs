@@ -1,0 +1,458 @@
+//! The block matmul of many rows on AMX tiles (Intel Xeon from Sapphire
+//! Rapids on): each thread dequantizes its columns' panels once per call to
+//! bfloat16, in the layout `tdpbf16ps` reads, and multiplies every row's
+//! bfloat16 activations by them, sums in float32 tiles over the whole K.
+//!
+//! The integer kernels quantize each 32 activations to signed bytes and
+//! scale every block's integer sum in float arithmetic; per block, that
+//! float step costs about as much as the tile instruction that would take
+//! its integer sums (an AMX-INT8 kernel measured 0.6-1.2x the VNNI one).
+//! In bfloat16 the weights' scales are inside the values, so one tile
+//! instruction takes 32 inputs of 16 rows and 16 columns with nothing after
+//! it, and the tile unit runs at several times the VNNI kernel's rate.
+//!
+//! Numerics: a weight is its block's `d * q (+ m)` in float32 rounded to
+//! bfloat16 (8 significant bits; the Q4_1 grid's values and Q8_0's whole
+//! bytes times a float16 scale mostly need more), an activation rounded to
+//! bfloat16 (where the integer kernels keep 8 bits a 32-value block under
+//! one shared scale), products summed in float32. So a row's result
+//! differs from the integer kernels' by about their own rounding, and a
+//! call takes this path by its row count (`MIN_ROWS`): the default
+//! `quant_matmul` does, `quant_matmul_invariant` never does (a row's bits
+//! then do not depend on its batch).
+//!
+//! Linux gives a process the tiles' 8 KiB of register state only when it
+//! asks (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), once, at the first call.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use crate::isa::Isa;
+use crate::pool::run_parts_on;
+use crate::quant_matmul::{OutPtr, QuantFormat, QuantMatmulArgs, BLOCK};
+use crate::quant_pack::{BlockLayout, PANEL};
+
+/// Calls of fewer rows take the integer kernels: from this many on, the
+/// tiles are faster on every shape of `benches/quant_matmul.rs`
+/// (SmolLM2-135M's layers and LM head).
+pub const MIN_ROWS: usize = 32;
+
+/// Rows of a tile (activations, sums).
+const TILE_ROWS: usize = 16;
+/// Bytes of one tile: 16 rows of 64 (every tile of this kernel).
+const TILE_BYTES: usize = TILE_ROWS * 64;
+/// Rows a thread takes its columns over at once: their activations (at
+/// most 192 KiB for K = 1536) and its panels stay in the core's cache (32
+/// to 1024 measured within a tenth of each other, 64 as good as any).
+const ROW_CHUNK: usize = 64;
+/// Column parts per thread (claimed as threads come free).
+const PARTS_PER_THREAD: usize = 4;
+
+/// Whether this CPU has AMX-BF16 (with AVX-512 BF16, BW and F), the cap
+/// allows it (`FERROX_CPU_ISA` unset or `amx`) and the OS gave this process
+/// the tiles' state.
+pub fn supported() -> bool {
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        crate::isa::cap() >= Isa::Amx
+            && crate::isa::avx512()
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512bf16")
+            && cpu_has_amx_bf16()
+            && request_tiles()
+    })
+}
+
+/// Whether the default `quant_matmul` takes this call to the tiles.
+pub(crate) fn takes(args: &QuantMatmulArgs<'_>) -> bool {
+    args.m >= MIN_ROWS
+        && args.n >= PANEL
+        && matches!(args.fmt, QuantFormat::Q4_1 | QuantFormat::Q8_0)
+        && supported()
+}
+
+/// CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24); and the OS
+/// saves the tile state (XCR0 bits 17 and 18, with OSXSAVE).
+fn cpu_has_amx_bf16() -> bool {
+    // SAFETY: CPUID exists on every x86-64 CPU; XGETBV runs only when CPUID
+    // says the OS enabled it (OSXSAVE).
+    unsafe {
+        let leaf7 = __cpuid_count(7, 0);
+        let osxsave = __cpuid(1).ecx & (1 << 27) != 0;
+        let amx = (1 << 22) | (1 << 24);
+        if leaf7.edx & amx != amx || !osxsave {
+            return false;
+        }
+        let (lo, _hi): (u32, u32);
+        asm!("xgetbv", in("ecx") 0, out("eax") lo, out("edx") _hi, options(nomem, nostack));
+        lo & (3 << 17) == 3 << 17
+    }
+}
+
+/// Asks Linux for the tile data state (`ARCH_REQ_XCOMP_PERM`,
+/// `XFEATURE_XTILEDATA`; granted to the whole process); true when granted.
+fn request_tiles() -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        const SYS_ARCH_PRCTL: i64 = 158;
+        const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+        const XFEATURE_XTILEDATA: i64 = 18;
+        let ret: i64;
+        // SAFETY: a system call that only changes what the process may use.
+        unsafe {
+            asm!(
+                "syscall",
+                inlateout("rax") SYS_ARCH_PRCTL => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM,
+                in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack)
+            );
+        }
+        ret == 0
+    }
+    #[cfg(not(target_os = "linux"))]
+    false
+}
+
+/// Eight tiles of 16 rows of 64 bytes: tmm0-3 the sums of two row tiles by
+/// two column tiles, tmm4-5 the rows' activations, tmm6-7 the columns'
+/// weights.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+impl TileConfig {
+    fn new() -> Self {
+        let mut c = [0u8; 64];
+        c[0] = 1; // palette 1
+        for t in 0..8 {
+            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+            c[48 + t] = TILE_ROWS as u8;
+        }
+        Self(c)
+    }
+}
+
+/// 64-byte-aligned bytes, reused by a thread from one call to the next.
+#[derive(Default)]
+struct Aligned(Vec<__m512i>);
+
+impl Aligned {
+    fn bytes(&mut self, len: usize) -> *mut u8 {
+        let vectors = len.div_ceil(64);
+        if self.0.len() < vectors {
+            // SAFETY: an all-zero __m512i is a valid value.
+            self.0.resize(vectors, unsafe { _mm512_setzero_si512() });
+        }
+        self.0.as_mut_ptr() as *mut u8
+    }
+}
+
+thread_local! {
+    /// A part's dequantized panels.
+    static PANELS: RefCell<Aligned> = RefCell::default();
+    /// The calling thread's bfloat16 activations.
+    static ROWS: RefCell<Aligned> = RefCell::default();
+}
+
+/// out[M, N] = x @ dequant(w)^T (+ bias) on the tiles.
+///
+/// # Safety
+/// `supported()`; the shapes are checked (`out` holds M * N floats, `w` N
+/// columns of K inputs in `args.layout`); `args.fmt` is Q4_1 or Q8_0.
+pub(crate) unsafe fn matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) {
+    let (m, k) = (args.m, args.k);
+    let padded = m.div_ceil(2 * TILE_ROWS) * 2 * TILE_ROWS;
+    ROWS.with_borrow_mut(|rows| {
+        let x16 = rows.bytes(padded * k * 2) as *mut u16;
+        let x16 = SendPtr(x16);
+        // The activations to bfloat16, rows split between the threads (the
+        // padding rows zero: their sums are computed and dropped).
+        let per = ROW_CHUNK;
+        run_parts_on(args.num_threads, padded.div_ceil(per), &|part| {
+            let (first, last) = (part * per, ((part + 1) * per).min(padded));
+            // SAFETY: rows first..last of the buffer, which holds `padded`.
+            unsafe { to_bf16(args.x, m, k, first, last, x16.get()) };
+        });
+        let whole = args.n / PANEL * PANEL;
+        // Column parts in pairs of panels (32 columns, the kernel's width).
+        let unit = 2 * PANEL;
+        let parts = (args.num_threads.max(1) * PARTS_PER_THREAD).clamp(1, whole.div_ceil(unit));
+        let per = whole.div_ceil(unit).div_ceil(parts) * unit;
+        let parts = whole.div_ceil(per);
+        let ptr = OutPtr(out.as_mut_ptr());
+        run_parts_on(args.num_threads, parts, &|part| {
+            let (start, end) = (part * per, ((part + 1) * per).min(whole));
+            // SAFETY: columns start..end of `out` are this part's alone;
+            // the caller's contract covers the rest.
+            unsafe { columns(args, x16.get(), padded, start, end, ptr) };
+        });
+        if whole < args.n {
+            // The last N % 16 columns (llama.cpp's rows layout) on the
+            // integer kernel.
+            let chunks = crate::quant_matmul::RowChunks::new(args);
+            let kernel = crate::quant_matmul::QuantKernel::best();
+            unsafe { chunks.run_columns(kernel, whole, args.n, ptr) };
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Rows `first..last` of `x` ([m, k] float32) as bfloat16 (round to nearest
+/// even) at `out` (rows of k), rows from `m` on zero.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn to_bf16(x: &[f32], m: usize, k: usize, first: usize, last: usize, out: *mut u16) {
+    for r in first..last {
+        let o = out.add(r * k);
+        if r >= m {
+            std::ptr::write_bytes(o, 0, k);
+            continue;
+        }
+        let row = x.as_ptr().add(r * k);
+        for j in (0..k).step_by(32) {
+            let lo = _mm512_loadu_ps(row.add(j));
+            let hi = _mm512_loadu_ps(row.add(j + 16));
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(o.add(j) as *mut __m512i, v);
+        }
+    }
+}
+
+/// Columns `start..end` (whole panels) of every row of `out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,f16c")]
+unsafe fn columns(
+    args: &QuantMatmulArgs<'_>,
+    x16: *const u16,
+    padded: usize,
+    start: usize,
+    end: usize,
+    out: OutPtr,
+) {
+    let blocks = args.k / BLOCK;
+    let panels = (end - start) / PANEL;
+    let panel_tiles = blocks * TILE_BYTES; // one panel's dequantized bytes
+    let row_bytes = args.fmt.row_bytes(args.k);
+    PANELS.with_borrow_mut(|buffer| {
+        let weights = buffer.bytes(panels * panel_tiles);
+        let mut packed = Vec::new();
+        // Panel p's tiles, written by the first row chunk as it reaches
+        // them (then in the core's L1 cache for that chunk's rows), read
+        // back by the others.
+        let mut dequantize = |p: usize| {
+            let col = start + p * PANEL;
+            let at = match args.layout {
+                BlockLayout::Panels => args.w.as_ptr().add(col * row_bytes),
+                BlockLayout::Rows => {
+                    packed.resize(PANEL * row_bytes, 0);
+                    crate::quant_matmul_panel::pack_panel(args, col, &mut packed);
+                    packed.as_ptr()
+                }
+            };
+            dequantize_panel(args.fmt, at, blocks, weights.add(p * panel_tiles));
+        };
+        let bias = args.bias.map(|b| bias_tiles(&b[start..end]));
+        let config = TileConfig::new();
+        asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly));
+        let a_stride = args.k * 2; // bytes between two rows' activations
+        let c_stride = args.n * 4;
+        let mut edge = [0f32; 2 * TILE_ROWS * 2 * PANEL];
+        for chunk in (0..padded).step_by(ROW_CHUNK) {
+            for p in (0..panels).step_by(2) {
+                let two = p + 1 < panels;
+                if chunk == 0 {
+                    dequantize(p);
+                    if two {
+                        dequantize(p + 1);
+                    }
+                }
+                let w0 = weights.add(p * panel_tiles);
+                let w1 = if two { w0.add(panel_tiles) } else { w0 };
+                let col = start + p * PANEL;
+                for r in (chunk..(chunk + ROW_CHUNK).min(padded)).step_by(2 * TILE_ROWS) {
+                    let a = x16.add(r * args.k) as *const u8;
+                    match &bias {
+                        Some(b) => {
+                            let b0 = b.as_ptr().add(p * TILE_ROWS * PANEL) as *const u8;
+                            let b1 = if two { b0.add(TILE_BYTES) } else { b0 };
+                            asm!(
+                                "tileloadd tmm0, [{b0} + {s} * 1]",
+                                "tileloadd tmm1, [{b1} + {s} * 1]",
+                                "tileloadd tmm2, [{b0} + {s} * 1]",
+                                "tileloadd tmm3, [{b1} + {s} * 1]",
+                                b0 = in(reg) b0,
+                                b1 = in(reg) b1,
+                                s = in(reg) 64usize,
+                                options(nostack, readonly),
+                            );
+                        }
+                        None => asm!(
+                            "tilezero tmm0",
+                            "tilezero tmm1",
+                            "tilezero tmm2",
+                            "tilezero tmm3",
+                            options(nostack, nomem),
+                        ),
+                    }
+                    for b in 0..blocks {
+                        asm!(
+                            "tileloadd tmm4, [{a0} + {sa} * 1]",
+                            "tileloadd tmm6, [{w0} + {sw} * 1]",
+                            "tileloadd tmm5, [{a1} + {sa} * 1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tileloadd tmm7, [{w1} + {sw} * 1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a0 = in(reg) a.add(b * 64),
+                            a1 = in(reg) a.add(TILE_ROWS * a_stride + b * 64),
+                            sa = in(reg) a_stride,
+                            w0 = in(reg) w0.add(b * TILE_BYTES),
+                            w1 = in(reg) w1.add(b * TILE_BYTES),
+                            sw = in(reg) 64usize,
+                            options(nostack, readonly),
+                        );
+                    }
+                    let rows = (args.m.saturating_sub(r)).min(2 * TILE_ROWS);
+                    let width = if two { 2 * PANEL } else { PANEL };
+                    if rows == 2 * TILE_ROWS && two {
+                        let c = out.get().add(r * args.n + col) as *mut u8;
+                        store_sums(c, c_stride);
+                    } else if rows > 0 {
+                        // A partial row tile or a lone panel: through a
+                        // buffer of 32 rows by 32 columns.
+                        store_sums(edge.as_mut_ptr() as *mut u8, 2 * PANEL * 4);
+                        for i in 0..rows {
+                            std::ptr::copy_nonoverlapping(
+                                edge.as_ptr().add(i * 2 * PANEL),
+                                out.get().add((r + i) * args.n + col),
+                                width,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        asm!("tilerelease", options(nostack, nomem));
+    });
+}
+
+/// The four sums' tiles (tmm0-3: rows 0-15 and 16-31 by columns 0-15 and
+/// 16-31) into float32 rows `stride` bytes apart at `c`.
+///
+/// # Safety
+/// The tiles are configured and hold sums; `c` has 32 such rows of 32
+/// floats.
+#[inline(always)]
+unsafe fn store_sums(c: *mut u8, stride: usize) {
+    asm!(
+        "tilestored [{c0} + {s} * 1], tmm0",
+        "tilestored [{c1} + {s} * 1], tmm1",
+        "tilestored [{c2} + {s} * 1], tmm2",
+        "tilestored [{c3} + {s} * 1], tmm3",
+        c0 = in(reg) c,
+        c1 = in(reg) c.add(64),
+        c2 = in(reg) c.add(TILE_ROWS * stride),
+        c3 = in(reg) c.add(TILE_ROWS * stride + 64),
+        s = in(reg) stride,
+        options(nostack),
+    );
+}
+
+/// The bias of a part's columns as tiles, one per panel: 16 rows, each the
+/// panel's 16 biases (the starting sums of every row).
+fn bias_tiles(bias: &[f32]) -> Vec<f32> {
+    let mut tiles = Vec::with_capacity(bias.len() * TILE_ROWS);
+    for panel in bias.chunks_exact(PANEL) {
+        for _ in 0..TILE_ROWS {
+            tiles.extend_from_slice(panel);
+        }
+    }
+    tiles
+}
+
+/// Two vectors of sixteen columns' weights (inputs 2i and 2i + 1) as one
+/// tile row: each column's two bfloat16 values side by side.
+#[inline(always)]
+unsafe fn pair_row(even: __m512, odd: __m512, interleave: __m512i, at: *mut u8) {
+    // low half the even inputs, high half the odd ones
+    let halves: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
+    _mm512_store_si512(
+        at as *mut __m512i,
+        _mm512_permutexvar_epi16(interleave, halves),
+    );
+}
+
+/// One panel's `blocks` blocks (packed layout) as bfloat16 tiles at `out`:
+/// block b's tile row i holds inputs 32b + 2i and 32b + 2i + 1 of each of
+/// the sixteen columns.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,f16c")]
+unsafe fn dequantize_panel(fmt: QuantFormat, panel: *const u8, blocks: usize, out: *mut u8) {
+    let interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+        19, 3, 18, 2, 17, 1, 16, 0,
+    );
+    let (panel_block, scales) = (fmt.panel_block_bytes(), fmt.panel_scales_at());
+    let group = 4 * PANEL;
+    for b in 0..blocks {
+        let p = panel.add(b * panel_block);
+        let o = out.add(b * TILE_BYTES);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(scales) as *const __m256i));
+        match fmt {
+            QuantFormat::Q8_0 => {
+                // group g: inputs 4g..4g + 4 of each column, a byte each
+                for g in 0..8 {
+                    let v = _mm512_loadu_si512(p.add(g * group) as *const __m512i);
+                    let byte = |q: __m512i| _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+                    let w0 = byte(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(v)));
+                    let w1 = byte(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(v)));
+                    let w2 = byte(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(v)));
+                    let w3 = byte(_mm512_srai_epi32::<24>(v));
+                    pair_row(w0, w1, interleave, o.add(2 * g * 64));
+                    pair_row(w2, w3, interleave, o.add((2 * g + 1) * 64));
+                }
+            }
+            QuantFormat::Q4_1 => {
+                // group g: bytes 4g..4g + 4 of each column, the low nibbles
+                // inputs 4g.., the high ones 16 + 4g..
+                let m = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(scales + 32) as *const __m256i));
+                let mask = _mm512_set1_epi32(0x0f);
+                for g in 0..4 {
+                    let v = _mm512_loadu_si512(p.add(g * group) as *const __m512i);
+                    let nibble = |q: __m512i| {
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, mask)), d, m)
+                    };
+                    let lo = [
+                        nibble(v),
+                        nibble(_mm512_srli_epi32::<8>(v)),
+                        nibble(_mm512_srli_epi32::<16>(v)),
+                        nibble(_mm512_srli_epi32::<24>(v)),
+                    ];
+                    let hi = [
+                        nibble(_mm512_srli_epi32::<4>(v)),
+                        nibble(_mm512_srli_epi32::<12>(v)),
+                        nibble(_mm512_srli_epi32::<20>(v)),
+                        nibble(_mm512_srli_epi32::<28>(v)),
+                    ];
+                    pair_row(lo[0], lo[1], interleave, o.add(2 * g * 64));
+                    pair_row(lo[2], lo[3], interleave, o.add((2 * g + 1) * 64));
+                    pair_row(hi[0], hi[1], interleave, o.add((8 + 2 * g) * 64));
+                    pair_row(hi[2], hi[3], interleave, o.add((8 + 2 * g + 1) * 64));
+                }
+            }
+            QuantFormat::Q6_K | QuantFormat::Q4_K => unreachable!("not taken (`takes`)"),
+        }
+    }
+}
