@@ -211,22 +211,36 @@ impl<T> SendPtr<T> {
     }
 }
 
+/// Where element `j` of activation row `r` goes in the bfloat16 buffer (in
+/// 16-bit units): tile after tile, each sixteen rows' 32 inputs of one
+/// block (1 KiB), the tiles of one row group in K order, so that a tile
+/// loads from one contiguous kilobyte (1.02-1.09x the speed of rows `k`
+/// apart, by hand on this kernel's shapes).
+#[inline(always)]
+fn tile_at(r: usize, j: usize, k: usize) -> usize {
+    ((r / TILE_ROWS * (k / BLOCK) + j / BLOCK) * TILE_ROWS + r % TILE_ROWS) * BLOCK + j % BLOCK
+}
+
 /// Rows `first..last` of `x` ([m, k] float32) as bfloat16 (round to nearest
-/// even) at `out` (rows of k), rows from `m` on zero.
+/// even) at `out` (laid out by `tile_at`), rows from `m` on zero.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn to_bf16(x: &[f32], m: usize, k: usize, first: usize, last: usize, out: *mut u16) {
     for r in first..last {
-        let o = out.add(r * k);
         if r >= m {
-            std::ptr::write_bytes(o, 0, k);
+            for j in (0..k).step_by(BLOCK) {
+                _mm512_storeu_si512(
+                    out.add(tile_at(r, j, k)) as *mut __m512i,
+                    _mm512_setzero_si512(),
+                );
+            }
             continue;
         }
         let row = x.as_ptr().add(r * k);
-        for j in (0..k).step_by(32) {
+        for j in (0..k).step_by(BLOCK) {
             let lo = _mm512_loadu_ps(row.add(j));
             let hi = _mm512_loadu_ps(row.add(j + 16));
             let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-            _mm512_storeu_si512(o.add(j) as *mut __m512i, v);
+            _mm512_storeu_si512(out.add(tile_at(r, j, k)) as *mut __m512i, v);
         }
     }
 }
@@ -266,7 +280,6 @@ unsafe fn columns(
         let bias = args.bias.map(|b| bias_tiles(&b[start..end]));
         let config = TileConfig::new();
         asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly));
-        let a_stride = args.k * 2; // bytes between two rows' activations
         let c_stride = args.n * 4;
         let mut edge = [0f32; 2 * TILE_ROWS * 2 * PANEL];
         for chunk in (0..padded).step_by(ROW_CHUNK) {
@@ -282,7 +295,9 @@ unsafe fn columns(
                 let w1 = if two { w0.add(panel_tiles) } else { w0 };
                 let col = start + p * PANEL;
                 for r in (chunk..(chunk + ROW_CHUNK).min(padded)).step_by(2 * TILE_ROWS) {
-                    let a = x16.add(r * args.k) as *const u8;
+                    // rows r.. and r + 16.. (`tile_at`)
+                    let a0 = x16.add(tile_at(r, 0, args.k)) as *const u8;
+                    let a1 = a0.add(blocks * TILE_BYTES);
                     match &bias {
                         Some(b) => {
                             let b0 = b.as_ptr().add(p * TILE_ROWS * PANEL) as *const u8;
@@ -316,9 +331,9 @@ unsafe fn columns(
                             "tdpbf16ps tmm2, tmm5, tmm6",
                             "tdpbf16ps tmm1, tmm4, tmm7",
                             "tdpbf16ps tmm3, tmm5, tmm7",
-                            a0 = in(reg) a.add(b * 64),
-                            a1 = in(reg) a.add(TILE_ROWS * a_stride + b * 64),
-                            sa = in(reg) a_stride,
+                            a0 = in(reg) a0.add(b * TILE_BYTES),
+                            a1 = in(reg) a1.add(b * TILE_BYTES),
+                            sa = in(reg) 64usize,
                             w0 = in(reg) w0.add(b * TILE_BYTES),
                             w1 = in(reg) w1.add(b * TILE_BYTES),
                             sw = in(reg) 64usize,
