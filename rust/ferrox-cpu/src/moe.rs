@@ -10,8 +10,9 @@
 //! another: two dispatches a layer however many experts are active, where
 //! one matmul call per projection costs two per expert. Each expert's
 //! arithmetic is `quant_matmul`'s (its input rows quantized per 32-wide
-//! block, the kernel chosen by its row count), so the result equals running
-//! the experts one `quant_matmul` at a time up to the SiLU's rounding.
+//! block on the integer kernel, or, with 32 rows or more on a CPU with AMX,
+//! rounded to bfloat16 on the tiles), so the result equals running the
+//! experts one `quant_matmul` at a time up to the SiLU's rounding.
 
 use crate::activation::{gate_rows, Gate};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
@@ -19,7 +20,7 @@ use crate::pool::run_parts_on;
 use crate::quant_matmul::{
     check_k, OutPtr, QuantFormat, QuantKernel, QuantMatmulArgs, QuantShapeError, RowChunks,
 };
-use crate::quant_pack::BlockLayout;
+use crate::quant_pack::{BlockLayout, PANEL};
 
 /// One expert's weights, in block formats: gate and up stacked
 /// ([2 I, row bytes of hidden]), down ([hidden, row bytes of I]), and their
@@ -259,7 +260,40 @@ fn project<'a>(
             num_threads: 1,
         })
         .collect();
-    let chunks: Vec<RowChunks<'_>> = args.iter().map(RowChunks::new).collect();
+    // An expert with enough rows on a CPU with AMX takes the tiles (as
+    // `quant_matmul` would take its call), the columns past its last panel
+    // and every other expert the integer kernel.
+    #[cfg(target_arch = "x86_64")]
+    let tiles: Vec<Option<crate::quant_matmul_amx::TileRows>> = args
+        .iter()
+        .map(|a| {
+            // SAFETY: `takes` checked the CPU and the format; the rows are
+            // `inputs`' ([rows, k]).
+            crate::quant_matmul_amx::takes(a)
+                .then(|| unsafe { crate::quant_matmul_amx::TileRows::new(a) })
+        })
+        .collect();
+    #[cfg(not(target_arch = "x86_64"))]
+    let tiles: Vec<Option<()>> = args.iter().map(|_| None).collect();
+    // (an expert on the tiles quantizes its rows only for columns past its
+    // last panel)
+    let chunks: Vec<RowChunks<'_>> = args
+        .iter()
+        .zip(&tiles)
+        .map(|(a, t)| {
+            let rows = if t.is_some() && n.is_multiple_of(PANEL) {
+                0
+            } else {
+                a.m
+            };
+            let x: &[f32] = a.x;
+            RowChunks::new(&QuantMatmulArgs {
+                x: &x[..rows * k],
+                m: rows,
+                ..*a
+            })
+        })
+        .collect();
     let mut outs: Vec<Vec<f32>> = groups
         .iter()
         .map(|g| vec![0.0; g.tokens.len() * n])
@@ -284,6 +318,17 @@ fn project<'a>(
     }
     let job = |p: usize| {
         let (i, start, end) = parts[p];
+        #[cfg(target_arch = "x86_64")]
+        let start = match &tiles[i] {
+            Some(rows) => {
+                let whole = (n / PANEL * PANEL).clamp(start, end);
+                // SAFETY: as below; `start` is a multiple of 16 (`unit`),
+                // and so is `whole`.
+                unsafe { rows.run_columns(&args[i], start, whole, ptrs[i]) };
+                whole
+            }
+            None => start,
+        };
         // SAFETY: part p writes columns start..end of group i's output
         // ([rows, n], allocated above), no other part the same; the kernel
         // runs on this CPU (`best`); the weight's size was checked.
@@ -374,27 +419,36 @@ mod tests {
 
     /// The block against each expert run alone, one quant_matmul at a
     /// time; with biases and gpt-oss's clamped SwiGLU too, and with down
-    /// projections in Q6_K and Q4_K (a Q4_K_M file's).
+    /// projections in Q6_K and Q4_K (a Q4_K_M file's); with 7 tokens, and
+    /// with 75 (experts of 32 rows or more, which take the AMX tiles on a
+    /// CPU with them, as `quant_matmul` does).
     #[test]
     fn equals_the_experts_one_matmul_at_a_time() {
         let clamped = Gate::ClampedSwiGlu {
             alpha: 1.702,
             limit: 0.5,
         };
-        for (activation, with_bias) in [(Gate::Silu, false), (clamped, true)] {
-            check_against_one_at_a_time(activation, with_bias, QuantFormat::Q8_0);
+        for tokens in [7, 75] {
+            for (activation, with_bias) in [(Gate::Silu, false), (clamped, true)] {
+                check_against_one_at_a_time(activation, with_bias, QuantFormat::Q8_0, tokens);
+            }
+            check_against_one_at_a_time(Gate::Silu, false, QuantFormat::Q6_K, tokens);
+            check_against_one_at_a_time(Gate::Silu, false, QuantFormat::Q4_K, tokens);
         }
-        check_against_one_at_a_time(Gate::Silu, false, QuantFormat::Q6_K);
-        check_against_one_at_a_time(Gate::Silu, false, QuantFormat::Q4_K);
     }
 
-    fn check_against_one_at_a_time(activation: Gate, with_bias: bool, down_fmt: QuantFormat) {
+    fn check_against_one_at_a_time(
+        activation: Gate,
+        with_bias: bool,
+        down_fmt: QuantFormat,
+        tokens: usize,
+    ) {
         let inter = if down_fmt.block_values() == 256 {
             256
         } else {
             96
         };
-        let (hidden, experts, tokens, top_k) = (64, 5, 7, 2);
+        let (hidden, experts, top_k) = (64, 5, 2);
         let mut seed = 7;
         let weights: Vec<(Vec<u8>, Vec<u8>)> = (0..experts)
             .map(|_| {
@@ -479,7 +533,7 @@ mod tests {
         assert!(want.iter().all(|v| v.is_finite() && *v != 0.0));
         assert_eq!(
             got, want,
-            "{activation:?}, biases {with_bias}, down {down_fmt:?}"
+            "{activation:?}, biases {with_bias}, down {down_fmt:?}, {tokens} tokens"
         );
     }
 

@@ -200,6 +200,46 @@ pub(crate) unsafe fn matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) {
     });
 }
 
+/// One call's activations in bfloat16 tile order (`tile_at`), its rows
+/// padded to a multiple of 32 with zeros, for `run_columns`: what the MoE
+/// experts' call makes for each expert that takes the tiles.
+pub(crate) struct TileRows {
+    buffer: Aligned,
+    padded: usize,
+}
+
+impl TileRows {
+    /// `args.x` converted on the calling thread.
+    ///
+    /// # Safety
+    /// `supported()`; `args.x` holds M rows of K (a multiple of 32).
+    pub(crate) unsafe fn new(args: &QuantMatmulArgs<'_>) -> Self {
+        let padded = args.m.div_ceil(2 * TILE_ROWS) * 2 * TILE_ROWS;
+        let mut buffer = Aligned::default();
+        let x16 = buffer.bytes(padded * args.k * 2) as *mut u16;
+        to_bf16(args.x, args.m, args.k, 0, padded, x16);
+        Self { buffer, padded }
+    }
+
+    /// Columns `start..end` of every row of `out`, `start` and `end`
+    /// multiples of 16 (whole panels).
+    ///
+    /// # Safety
+    /// As `columns`: `out` holds M * N floats whose columns start..end no
+    /// other thread writes; the format is Q4_1 or Q8_0; `args` is the one
+    /// these rows were made from.
+    pub(crate) unsafe fn run_columns(
+        &self,
+        args: &QuantMatmulArgs<'_>,
+        start: usize,
+        end: usize,
+        out: OutPtr,
+    ) {
+        let x16 = self.buffer.0.as_ptr() as *const u16;
+        columns(args, x16, self.padded, start, end, out);
+    }
+}
+
 #[derive(Clone, Copy)]
 struct SendPtr<T>(*mut T);
 unsafe impl<T> Send for SendPtr<T> {}
