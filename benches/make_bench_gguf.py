@@ -7,6 +7,7 @@ peer from).
     python benches/make_bench_gguf.py --family gpt-oss # gpt-oss-20b scaled down
     python benches/make_bench_gguf.py --family qwen3.5 # a Qwen3.5 hybrid, ~0.8B
     python benches/make_bench_gguf.py --quantize Q4_K_M  # then llama-quantize's Q4_K_M of it
+    python benches/make_bench_gguf.py --layers 4 --checkpoint-only DIR  # the checkpoint alone
     python benches/vs_llamacpp.py --model \
         ~/.cache/ferrox/bench-models/qwen3-moe-0.9b-a0.2b.q8_0.gguf
 
@@ -151,7 +152,17 @@ def main() -> None:
         metavar="TYPE",
         help="also write llama-quantize's TYPE (Q4_K_M, ...) of the converted file beside it",
     )
+    parser.add_argument(
+        "--checkpoint-only",
+        type=Path,
+        metavar="DIR",
+        help="write the random-weight transformers checkpoint to DIR and stop (no llama.cpp)",
+    )
     args = parser.parse_args()
+    if args.checkpoint_only:
+        build_checkpoint(args.checkpoint_only, args)
+        print(f"wrote {args.checkpoint_only}")
+        return
     from ferrox.model_files.default import cache_dir
 
     name = {
