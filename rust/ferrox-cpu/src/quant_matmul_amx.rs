@@ -166,7 +166,7 @@ thread_local! {
 /// columns of K inputs in `args.layout`); `args.fmt` is Q4_1 or Q8_0.
 pub(crate) unsafe fn matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) {
     let (m, k) = (args.m, args.k);
-    let padded = m.div_ceil(2 * TILE_ROWS) * 2 * TILE_ROWS;
+    let padded = m.next_multiple_of(2 * TILE_ROWS);
     ROWS.with_borrow_mut(|rows| {
         let x16 = rows.bytes(padded * k * 2) as *mut u16;
         let x16 = SendPtr(x16);
@@ -215,7 +215,7 @@ impl TileRows {
     /// # Safety
     /// `supported()`; `args.x` holds M rows of K (a multiple of 32).
     pub(crate) unsafe fn new(args: &QuantMatmulArgs<'_>) -> Self {
-        let padded = args.m.div_ceil(2 * TILE_ROWS) * 2 * TILE_ROWS;
+        let padded = args.m.next_multiple_of(2 * TILE_ROWS);
         let mut buffer = Aligned::default();
         let x16 = buffer.bytes(padded * args.k * 2) as *mut u16;
         to_bf16(args.x, args.m, args.k, 0, padded, x16);
