@@ -1,20 +1,24 @@
-//! The paged-attention kernel's vector loops side by side: the AVX2 loops
-//! (eight lanes a vector) and the AVX-512 ones (sixteen), those this CPU
-//! has, alternating in one process, on SmolLM2-135M's heads (9 query and 3
-//! KV heads of 64) over a float16 cache of 16-token blocks:
+//! The paged-attention kernel's loops side by side: the AVX2 loops (eight
+//! lanes a vector), the AVX-512 ones (sixteen) and the AMX tiles
+//! (`paged_attention_amx`), those this CPU has, alternating in one process,
+//! on SmolLM2-135M's heads (9 query and 3 KV heads of 64) over a float16
+//! cache of 16-token blocks:
 //!
 //! - `fresh`: one prompt of `--prompt` tokens (1012) with nothing cached,
 //!   the tile loops' case of a long prefill;
+//! - `tails`: 31 rows of 9 queries behind one shared 1,000-token prefix
+//!   (an agent's fan-out: the requests that waited for the first one's
+//!   prefix, their own prompts' ends);
 //! - `fan-out`: 32 decode rows behind one shared 1,000-token prefix, each
-//!   with a block of its own (an agent's fan-out);
+//!   with a block of its own (the same fan-out's decode steps);
 //! - `chat`: 16 decode rows behind a shared 704-token system prompt and 124
 //!   tokens of their own each.
 //!
 //! Each case runs over 30 layers' caches in turn (as a model's step finds
 //! them: in memory, not in the core's caches). Prints per case and loops
 //! the median milliseconds of one call (min-max over `--repeats`), GFLOP/s
-//! (a multiply-add counted as two), and the AVX-512 loops' speed over the
-//! AVX2 ones per repeat.
+//! (a multiply-add counted as two), and each loops' speed over the
+//! narrower ones' per repeat.
 //!
 //! cargo bench -p ferrox-cpu --bench paged_attention [-- --threads 2 --repeats 15 --prompt 1012]
 
@@ -142,6 +146,13 @@ fn main() {
             shared: 0,
         },
         Case {
+            name: "tails",
+            rows: 31,
+            q: 9,
+            seq: 1009,
+            shared: 1000 / BLOCK,
+        },
+        Case {
             name: "fan-out",
             rows: 32,
             q: 1,
@@ -156,31 +167,28 @@ fn main() {
             shared: 704 / BLOCK,
         },
     ];
+    let mut loops = vec![("AVX2", Isa::Avx2), ("AVX-512", Isa::Avx512)];
+    if ferrox_cpu::quant_matmul_amx::supported() {
+        loops.push(("AMX", Isa::Amx));
+    }
     println!("{threads} threads, {repeats} repeats; ms a call, median (min-max); GFLOP/s");
     for case in &cases {
         let data = data(case);
-        let (mut narrow, mut wide, mut ratios) = (vec![], vec![], vec![]);
+        let mut times = vec![vec![]; loops.len()];
         for repeat in 0..repeats + 1 {
-            // Each repeat's order swapped: neither goes first every time.
-            let (a, b) = match repeat % 2 {
-                0 => (
-                    run(case, threads, Isa::Avx2, &data),
-                    run(case, threads, Isa::Avx512, &data),
-                ),
-                _ => {
-                    let b = run(case, threads, Isa::Avx512, &data);
-                    (run(case, threads, Isa::Avx2, &data), b)
+            // Each repeat starts at another of the loops: none goes first
+            // every time.
+            for i in 0..loops.len() {
+                let which = (i + repeat) % loops.len();
+                let ms = run(case, threads, loops[which].1, &data);
+                if repeat > 0 {
+                    times[which].push(ms);
                 }
-            };
-            if repeat > 0 {
-                narrow.push(a);
-                wide.push(b);
-                ratios.push(a / b);
             }
         }
         let flops = 2.0 * macs(case);
-        for (name, times) in [("AVX2", narrow), ("AVX-512", wide)] {
-            let (m, lo, hi) = median_min_max(times);
+        for ((name, _), times) in loops.iter().zip(&times) {
+            let (m, lo, hi) = median_min_max(times.clone());
             println!(
                 "{:8} {:8} {m:8.3} ({lo:.3}-{hi:.3})  {:6.1}",
                 case.name,
@@ -188,10 +196,19 @@ fn main() {
                 flops / m / 1e6
             );
         }
-        let (m, lo, hi) = median_min_max(ratios);
-        println!(
-            "{:8} AVX-512 / AVX2 speed: {m:.2}x ({lo:.2}-{hi:.2})",
-            case.name
-        );
+        for pair in 1..loops.len() {
+            let ratios: Vec<f64> = times[pair - 1]
+                .iter()
+                .zip(&times[pair])
+                .map(|(a, b)| a / b)
+                .collect();
+            let (m, lo, hi) = median_min_max(ratios);
+            println!(
+                "{:8} {} / {} speed: {m:.2}x ({lo:.2}-{hi:.2})",
+                case.name,
+                loops[pair].0,
+                loops[pair - 1].0
+            );
+        }
     }
 }

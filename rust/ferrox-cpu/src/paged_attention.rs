@@ -164,6 +164,8 @@ pub fn paged_attention_with_isa<T: KvElement>(
         Loops::Avx2 => crate::isa::Isa::Avx2,
         #[cfg(target_arch = "x86_64")]
         Loops::Avx512 => crate::isa::Isa::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        Loops::Amx => crate::isa::Isa::Amx,
     };
     let loops = Loops::supported()
         .into_iter()
@@ -181,6 +183,10 @@ enum Loops {
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// The AVX-512 loops, and the AMX tiles for the tiles they take
+    /// (`paged_attention_amx`).
+    #[cfg(target_arch = "x86_64")]
+    Amx,
 }
 
 impl Loops {
@@ -194,6 +200,9 @@ impl Loops {
                 all.push(Loops::Avx2);
                 if avx512::supported() {
                     all.push(Loops::Avx512);
+                    if amx::supported() {
+                        all.push(Loops::Amx);
+                    }
                 }
             }
         }
@@ -265,25 +274,33 @@ fn paged_attention_on<T: KvElement>(
         let (run, ref kv_heads, (tile_part, tile_parts), size) = pieces[part];
         let queries = tiles(args, run);
         let mut scratch = Scratch::new(args, queries.len().min(size));
+        let mut emit = |t: usize, h: usize, v: &[f32]| {
+            // SAFETY: `out` holds T * H * D floats (`validate`); each
+            // (token, head) is written by the one piece whose run holds the
+            // token's row, whose tiles its query and whose KV heads the head.
+            unsafe {
+                let at = out.get().add(t * token_width + h * args.head_dim);
+                std::ptr::copy_nonoverlapping(v.as_ptr(), at, args.head_dim);
+            }
+        };
+        #[cfg(target_arch = "x86_64")]
+        let (tiles_fit, mut staged) = (
+            loops == Loops::Amx && amx::fits(args),
+            amx::Staged::default(),
+        );
         let mine = queries.chunks(size).skip(tile_part).step_by(tile_parts);
         for tile in mine {
-            run_tile(
-                args,
-                tile,
-                kv_heads.clone(),
-                loops,
-                &mut scratch,
-                &mut |t, h, v| {
-                    // SAFETY: `out` holds T * H * D floats (`validate`); each
-                    // (token, head) is written by the one piece whose run holds
-                    // the token's row, whose tiles its query and whose KV
-                    // heads the head.
-                    unsafe {
-                        let at = out.get().add(t * token_width + h * args.head_dim);
-                        std::ptr::copy_nonoverlapping(v.as_ptr(), at, args.head_dim);
-                    }
-                },
-            );
+            #[cfg(target_arch = "x86_64")]
+            if tiles_fit {
+                let queries = tile_queries(args, tile);
+                // SAFETY: `fits`; the arguments were validated.
+                if unsafe {
+                    amx::run_tile(args, &queries, kv_heads.clone(), &mut staged, &mut emit)
+                } {
+                    continue;
+                }
+            }
+            run_tile(args, tile, kv_heads.clone(), loops, &mut scratch, &mut emit);
         }
     });
     Ok(())
@@ -312,7 +329,9 @@ impl Loops {
     fn query_tile(self, queries: usize, threads: usize) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Loops::Avx512 if threads == 1 || queries >= 4 * WIDE_QUERY_TILE * threads => {
+            Loops::Avx512 | Loops::Amx
+                if threads == 1 || queries >= 4 * WIDE_QUERY_TILE * threads =>
+            {
                 WIDE_QUERY_TILE
             }
             _ => QUERY_TILE,
@@ -404,7 +423,9 @@ fn run_tile<T: KvElement>(
         #[cfg(target_arch = "x86_64")]
         Loops::Avx2 => unsafe { run_tile_avx2(args, tile, kv_heads, scratch, emit) },
         #[cfg(target_arch = "x86_64")]
-        Loops::Avx512 => unsafe { run_tile_avx512(args, tile, kv_heads, scratch, emit) },
+        Loops::Avx512 | Loops::Amx => unsafe {
+            run_tile_avx512(args, tile, kv_heads, scratch, emit)
+        },
     }
 }
 
@@ -658,6 +679,10 @@ pub(crate) mod avx2;
 #[path = "paged_attention_avx512.rs"]
 mod avx512;
 
+#[cfg(target_arch = "x86_64")]
+#[path = "paged_attention_amx.rs"]
+mod amx;
+
 #[path = "paged_attention_tile.rs"]
 pub(crate) mod tile;
 use tile::{attend_together, shares_a_block, TileState};
@@ -725,23 +750,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
         args.block_size,
     );
     let group = h / hkv;
-    let width = args.block_table.len() / args.seq_lens.len();
-    // Per query: its token, its row's table, and the keys it sees,
-    // [first, end): up to itself, within the window if there is one.
-    let queries: Vec<TileQuery<'_>> = tile
-        .iter()
-        .map(|&(row, i)| {
-            let q_start = args.query_start_loc[row] as usize;
-            let q_len = args.query_start_loc[row + 1] as usize - q_start;
-            let end = args.seq_lens[row] as usize - q_len + i + 1;
-            let first = match args.window {
-                0 => 0,
-                w => end.saturating_sub(w),
-            };
-            let table = &args.block_table[row * width..(row + 1) * width];
-            (q_start + i, table, first, end)
-        })
-        .collect();
+    let queries = tile_queries(args, tile);
     for state in &mut s.states[..tile.len()] {
         match args.sinks {
             // A sink is a key of score `sink` whose value is zero.
@@ -870,6 +879,28 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
 /// A tile's query: its token, its row's block table, and the keys it sees,
 /// [first, end).
 type TileQuery<'a> = (usize, &'a [i32], usize, usize);
+
+/// Per query of `tile`: its token, its row's table, and the keys it sees,
+/// [first, end): up to itself, within the window if there is one.
+fn tile_queries<'a, T: KvElement>(
+    args: &PagedAttentionArgs<'a, T>,
+    tile: &[Query],
+) -> Vec<TileQuery<'a>> {
+    let width = args.block_table.len() / args.seq_lens.len();
+    tile.iter()
+        .map(|&(row, i)| {
+            let q_start = args.query_start_loc[row] as usize;
+            let q_len = args.query_start_loc[row + 1] as usize - q_start;
+            let end = args.seq_lens[row] as usize - q_len + i + 1;
+            let first = match args.window {
+                0 => 0,
+                w => end.saturating_sub(w),
+            };
+            let table = &args.block_table[row * width..(row + 1) * width];
+            (q_start + i, table, first, end)
+        })
+        .collect()
+}
 
 /// A query's chunk of block position `block`, as offsets in the block.
 #[inline(always)]

@@ -216,6 +216,11 @@ fn check_case<T: KvElement>(c: &Case, q: &[f32], k: &[T], v: &[T], table: &[i32]
     // Every set of vector loops this CPU has, not only the widest; the
     // queries that share blocks taken together, then each as it is alone.
     for loops in Loops::supported() {
+        #[cfg(target_arch = "x86_64")]
+        if loops == Loops::Amx && amx::fits(&args) {
+            tiles_match_bfloat16_reference(&args, num_tokens);
+            continue;
+        }
         let mut out = vec![0.0; q.len()];
         paged_attention_on(&args, &mut out, loops).unwrap();
         for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
@@ -260,6 +265,127 @@ fn check_case<T: KvElement>(c: &Case, q: &[f32], k: &[T], v: &[T], table: &[i32]
                     "{loops:?}: row {r} query {i} alone differs from its row's call"
                 );
             }
+        }
+    }
+}
+
+/// `x` rounded to bfloat16 (nearest even), as a float.
+#[cfg(target_arch = "x86_64")]
+fn bf16_value(x: f32) -> f32 {
+    f32::from_bits((x.to_bits() + 0x7fff + ((x.to_bits() >> 16) & 1)) & 0xffff_0000)
+}
+
+/// The AMX tiles' attention (`Loops::Amx`) against the plain reference on
+/// the values they compute with: queries times the scale, keys and values
+/// rounded to bfloat16. What is left is the probabilities' rounding to
+/// bfloat16: each within 2^-9 of its value relatively, so the weighted sum
+/// and the weights' sum (taken over the rounded ones) each within 2^-9 of
+/// theirs, the result within about 2^-8 (values in [-1, 1]; measured up to
+/// 1.3e-3).
+#[cfg(target_arch = "x86_64")]
+fn tiles_match_bfloat16_reference<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    num_tokens: usize,
+) {
+    let round = |x: &[T]| {
+        x.iter()
+            .map(|v| bf16_value(v.to_f32()))
+            .collect::<Vec<f32>>()
+    };
+    let q: Vec<f32> = args.q.iter().map(|&x| bf16_value(x * args.scale)).collect();
+    let (k, v) = (round(args.k_cache), round(args.v_cache));
+    let rounded = PagedAttentionArgs {
+        q: &q,
+        k_cache: &k,
+        v_cache: &v,
+        block_table: args.block_table,
+        query_start_loc: args.query_start_loc,
+        seq_lens: args.seq_lens,
+        rows: args.rows,
+        num_heads: args.num_heads,
+        num_kv_heads: args.num_kv_heads,
+        head_dim: args.head_dim,
+        block_size: args.block_size,
+        scale: 1.0,
+        window: args.window,
+        sinks: args.sinks,
+        batch_invariant: false,
+        num_threads: args.num_threads,
+    };
+    let expected = reference(&rounded, num_tokens);
+    let mut out = vec![0.0; args.q.len()];
+    paged_attention_on(args, &mut out, Loops::Amx).unwrap();
+    for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+        assert!((a - b).abs() < 4e-3, "Amx, element {i}: {a} vs {b}");
+    }
+}
+
+/// The tiles take a prompt's tile and decode rows behind a shared prefix,
+/// not decode rows over blocks of their own, nor a float32 cache or a
+/// `batch_invariant` call.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn tiles_take_tiles_whose_lanes_share_their_keys() {
+    // (rows, queries a row, tokens a row, leading blocks shared)
+    let case = |rows: usize, q: usize, seq: usize, shared: usize| {
+        let width = seq.div_ceil(16);
+        let mut table = Vec::new();
+        for r in 0..rows {
+            table.extend((0..width).map(|j| if j < shared { j } else { shared + r * width + j } as i32));
+        }
+        let qsl: Vec<i32> = (0..=rows).map(|r| (r * q) as i32).collect();
+        (
+            table,
+            qsl,
+            vec![seq as i32; rows],
+            (rows * width + shared) * 16 * 3 * 64,
+        )
+    };
+    for (rows, q, seq, shared, half, invariant, want) in [
+        (1, 16, 1012, 0, true, false, true), // a prompt's tile of 16 queries
+        (16, 1, 1001, 62, true, false, true), // decode behind a shared prefix
+        (16, 1, 829, 44, true, false, false), // 124 tokens of their own each
+        (2, 8, 1009, 62, true, false, true), // two rows' prompt ends behind a prefix
+        (1, 16, 1012, 0, false, false, false), // a float32 cache
+        (1, 16, 1012, 0, true, true, false), // batch_invariant
+    ] {
+        let (table, qsl, seq_lens, cache) = case(rows, q, seq, shared);
+        let rows_all: Vec<i32> = (0..rows as i32).collect();
+        let qs = vec![0.0f32; rows * q * 9 * 64];
+        let (k16, k32) = (vec![F16::from_f32(0.0); cache], vec![0.0f32; cache]);
+        macro_rules! decide {
+            ($k:expr) => {{
+                let args = PagedAttentionArgs {
+                    q: &qs,
+                    k_cache: $k,
+                    v_cache: $k,
+                    block_table: &table,
+                    query_start_loc: &qsl,
+                    seq_lens: &seq_lens,
+                    rows: &rows_all,
+                    num_heads: 9,
+                    num_kv_heads: 3,
+                    head_dim: 64,
+                    block_size: 16,
+                    scale: 0.125,
+                    window: 0,
+                    sinks: None,
+                    batch_invariant: invariant,
+                    num_threads: 1,
+                };
+                let all: Vec<usize> = (0..rows).collect();
+                let queries = tile_queries(&args, &tiles(&args, &all)[..16]);
+                amx::fits(&args) && amx::takes(&args, &queries)
+            }};
+        }
+        let got = if half { decide!(&k16) } else { decide!(&k32) };
+        if amx::supported() {
+            assert_eq!(
+                got, want,
+                "rows {rows}, q {q}, seq {seq}, shared {shared}, half {half}"
+            );
+        } else {
+            assert!(!got);
         }
     }
 }

@@ -418,6 +418,20 @@ mod lanes {
         }
     }
 
+    impl From<__m512> for Lanes16 {
+        #[inline(always)]
+        fn from(x: __m512) -> Self {
+            Self(x)
+        }
+    }
+
+    impl From<Lanes16> for __m512 {
+        #[inline(always)]
+        fn from(x: Lanes16) -> Self {
+            x.0
+        }
+    }
+
     impl Lanes for Lanes16 {
         const WIDTH: usize = 16;
         // up to 24 accumulators of the 32 registers (a block of 16 keys

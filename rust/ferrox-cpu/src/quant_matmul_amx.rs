@@ -119,21 +119,36 @@ fn request_tiles() -> bool {
     false
 }
 
-/// Eight tiles of 16 rows of 64 bytes: tmm0-3 the sums of two row tiles by
-/// two column tiles, tmm4-5 the rows' activations, tmm6-7 the columns'
-/// weights.
+/// A tile configuration (palette 1): each tile's rows and bytes a row.
+/// This kernel's: eight tiles of 16 rows of 64 bytes, tmm0-3 the sums of
+/// two row tiles by two column tiles, tmm4-5 the rows' activations, tmm6-7
+/// the columns' weights.
 #[repr(C, align(64))]
-struct TileConfig([u8; 64]);
+pub(crate) struct TileConfig([u8; 64]);
 
 impl TileConfig {
     fn new() -> Self {
+        Self::with_shapes([(TILE_ROWS as u8, 64); 8])
+    }
+
+    /// Tile t: `shapes[t]` = (rows, bytes a row).
+    pub(crate) fn with_shapes(shapes: [(u8, u16); 8]) -> Self {
         let mut c = [0u8; 64];
         c[0] = 1; // palette 1
-        for t in 0..8 {
-            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
-            c[48 + t] = TILE_ROWS as u8;
+        for (t, (rows, bytes)) in shapes.into_iter().enumerate() {
+            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&bytes.to_le_bytes());
+            c[48 + t] = rows;
         }
         Self(c)
+    }
+
+    /// Makes this the thread's configuration (the tiles start at zero).
+    ///
+    /// # Safety
+    /// `supported()`.
+    #[inline(always)]
+    pub(crate) unsafe fn load(&self) {
+        asm!("ldtilecfg [{}]", in(reg) self.0.as_ptr(), options(nostack, readonly));
     }
 }
 
@@ -319,8 +334,7 @@ unsafe fn columns(
             dequantize_panel(args.fmt, at, blocks, weights.add(p * panel_tiles));
         };
         let bias = args.bias.map(|b| bias_tiles(&b[start..end]));
-        let config = TileConfig::new();
-        asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly));
+        TileConfig::new().load();
         let c_stride = args.n * 4;
         let mut edge = [0f32; 2 * TILE_ROWS * 2 * PANEL];
         for chunk in (0..padded).step_by(ROW_CHUNK) {
