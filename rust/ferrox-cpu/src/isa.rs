@@ -15,7 +15,8 @@ pub enum Isa {
     Avx2,
     /// AVX-512 (F, and BW / VNNI where a kernel names them) on top of AVX2.
     Avx512,
-    /// AMX tiles (`quant_matmul_amx`) on top of AVX-512.
+    /// AMX tiles (`quant_matmul_amx`, `paged_attention_amx`) on top of
+    /// AVX-512.
     Amx,
 }
 
