@@ -47,13 +47,17 @@ const LANES: usize = 16;
 
 /// A tile takes the tiles when at least this share of the lanes it would
 /// compute (a lane group's sixteen, for each unit any of them reads) do
-/// work; by `benches/paged_attention.rs` on SmolLM2's groups of three query
-/// heads: a prompt's tile of sixteen queries keeps 48 of 48 busy (2.5x the
-/// AVX-512 loops), 32 decode rows behind a shared prefix with a block of
-/// their own each about 46 of 48 (1.2x), 16 decode rows behind a shared
-/// prompt with 124 tokens of their own each 60 % (0.6x: the units of one
-/// row's blocks are staged for three lanes each, and used once).
+/// work, and its rows have two queries each on average or more; by
+/// `benches/paged_attention.rs` on SmolLM2's groups of three query heads: a
+/// prompt's tile of sixteen queries keeps 48 of 48 lanes busy (2.0-2.5x the
+/// AVX-512 loops), prompt ends of 9 queries behind a shared prefix about
+/// as many (1.7-2.2x); 16 decode rows behind a shared prompt with 124
+/// tokens of their own each 60 % (0.6x: a row's own blocks are staged for
+/// three lanes each, and used once), and decode rows behind a shared prefix
+/// with a block of their own 46 of 48 but 0.86-1.2x (a decode step stages
+/// the prefix's blocks for one use; the engine's fan-out ran slower).
 const MIN_BUSY: (usize, usize) = (3, 4);
+const MIN_QUERIES_A_ROW: usize = 2;
 
 /// Whether a call's tiles may take this path: its shapes fit the tiles (a
 /// head of a multiple of 32, blocks of a multiple of 16 keys), its cache is
@@ -163,6 +167,11 @@ fn find_units<T: KvElement>(
     st: &mut Staged,
 ) -> bool {
     let bs = args.block_size;
+    let mut rows: Vec<*const i32> = queries.iter().map(|q| q.1.as_ptr()).collect();
+    rows.dedup();
+    if queries.len() < MIN_QUERIES_A_ROW * rows.len() {
+        return false;
+    }
     st.units.clear();
     st.masks.clear();
     let first = queries.iter().map(|q| q.2).min().unwrap_or(0) / KEYS * KEYS;
