@@ -9,9 +9,10 @@ AVX-512 would), every version and cap in its own process, interleaved:
   single    one 256-token prompt (`--prompt-len`), 128 greedy tokens: tok/s
             over the whole request, and of its decode alone (first to last
             token, from the request's metrics)
-  prefill   32 prompts of 256 random tokens, one output token each, in one
-            `LLM.generate` (one step of 8,192 prompt tokens), the prefix
-            cache emptied before each of three runs: prompt tok/s, the best
+  prefill   32 prompts of 256 random tokens (`--prefill 32x256`; 4x2048: four
+            long prompts), one output token each, in one `LLM.generate`
+            (one step of 8,192 prompt tokens), the prefix cache emptied
+            before each of three runs: prompt tok/s, the best
   shared    16 requests with a common 700-token system prompt (already in
             the prefix cache) and 60 tokens of their own, 128 greedy tokens
             each, one `LLM.generate`: output tok/s (the chat archetype's many
@@ -64,6 +65,7 @@ def measure(
     prompt_len: int,
     quantization: str | None,
     block_size: int | None,
+    prefill: tuple[int, int] = (PREFILL_REQUESTS, PREFILL_LEN),
 ) -> dict[str, object]:
     import numpy as np
 
@@ -111,9 +113,8 @@ def measure(
         decode_s = m.last_token_time - m.first_token_time
         result["single_decode_tok_s"] = (OUTPUT_LEN - 1) / decode_s
     if "prefill" in workloads:
-        fresh = [
-            rng.integers(100, 49000, size=PREFILL_LEN).tolist() for _ in range(PREFILL_REQUESTS)
-        ]
+        requests, length = prefill
+        fresh = [rng.integers(100, 49000, size=length).tolist() for _ in range(requests)]
         once = SamplingParams(temperature=0.0, max_tokens=1)
         times = []
         for _ in range(3):
@@ -121,7 +122,7 @@ def measure(
             start = time.perf_counter()
             llm.generate(fresh, once, use_tqdm=False)
             times.append(time.perf_counter() - start)
-        result["prefill_tok_s"] = PREFILL_LEN * PREFILL_REQUESTS / min(times)
+        result["prefill_tok_s"] = requests * length / min(times)
     if "shared" in workloads:
         llm.reset_prefix_cache()
         system = rng.integers(100, 49000, size=SYSTEM_LEN).tolist()
@@ -156,6 +157,11 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled model)")
     parser.add_argument("--workloads", default="offline,single")
     parser.add_argument("--prompt-len", type=int, default=256, help="the single stream's prompt")
+    parser.add_argument(
+        "--prefill",
+        default=f"{PREFILL_REQUESTS}x{PREFILL_LEN}",
+        help="the prefill workload's prompts: REQUESTSxTOKENS",
+    )
     parser.add_argument("--quantization", default=None, help="also run the current code so")
     parser.add_argument("--block-size", type=int, default=None, help="also run it so")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -165,13 +171,23 @@ def main() -> int:
     workloads = args.workloads.split(",")
     if not workloads or not set(workloads) <= set(WORKLOADS):
         parser.error(f"--workloads: a comma-separated list of {', '.join(WORKLOADS)}")
+    try:
+        requests, length = (int(n) for n in args.prefill.split("x"))
+    except ValueError:
+        parser.error("--prefill: REQUESTSxTOKENS, such as 4x2048")
     if args.child:
         result = measure(
-            args.model, workloads, args.prompt_len, args.child_quantization, args.child_block_size
+            args.model,
+            workloads,
+            args.prompt_len,
+            args.child_quantization,
+            args.child_block_size,
+            (requests, length),
         )
         print(json.dumps(result))
         return 0
     child_args = ["--workloads", args.workloads, "--prompt-len", str(args.prompt_len)]
+    child_args += ["--prefill", args.prefill]
     if args.model:
         child_args += ["--model", str(Path(args.model).expanduser().resolve())]
     work = Path(tempfile.mkdtemp(prefix="ferrox-quant-batches-"))
