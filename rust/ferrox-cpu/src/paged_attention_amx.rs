@@ -24,12 +24,12 @@
 //!
 //! Numerics: queries (times the scale), keys, values and probabilities are
 //! rounded to bfloat16 (8 significant bits), every product summed in
-//! float32, a lane's sum of probabilities taken over the rounded ones. A
-//! tile takes this path when the KV cache is float16 (the cache of
-//! block-format models; a float32 cache keeps float32 attention), the call
-//! is not `batch_invariant`, and at least half the lanes it would compute do
-//! work (`MIN_BUSY`): a decode step's lone queries over blocks of their own
-//! stay on the vector loops.
+//! float32. A tile takes this path when the KV cache is float16 (the cache
+//! of block-format models; a float32 cache keeps float32 attention), the
+//! call is not `batch_invariant`, most of the lanes it would compute do
+//! work (`MIN_BUSY`) and its rows have more than one query each
+//! (`MIN_QUERIES_A_ROW`): decode steps stay on the vector loops. A query's
+//! result then depends on whether its tile took this path.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -54,9 +54,10 @@ const LANES: usize = 16;
 /// as many (1.7-2.2x); 16 decode rows behind a shared prompt with 124
 /// tokens of their own each 60 % (0.6x: a row's own blocks are staged for
 /// three lanes each, and used once), and decode rows behind a shared prefix
-/// with a block of their own 46 of 48 but 0.86-1.2x (a decode step stages
-/// the prefix's blocks for one use; the engine's fan-out ran slower).
+/// with a block of their own 46 of 48 but 1.0-1.2x on one thread and about
+/// 1.0x on two (a decode step stages the prefix's blocks for one use).
 const MIN_BUSY: (usize, usize) = (3, 4);
+/// Decode rows (one query each) keep the vector loops (see `MIN_BUSY`).
 const MIN_QUERIES_A_ROW: usize = 2;
 
 /// Whether a call's tiles may take this path: its shapes fit the tiles (a
@@ -113,8 +114,8 @@ pub(super) struct Staged {
 }
 
 /// Runs the tile of `queries` for `kv_heads` and returns true, or returns
-/// false (nothing computed) if too few of its lanes would work
-/// (`MIN_BUSY`).
+/// false (nothing computed) if too few of its lanes would work or its rows
+/// are decode rows (`MIN_BUSY`, `MIN_QUERIES_A_ROW`).
 ///
 /// # Safety
 /// `fits(args)`; `args` validated; `queries` from `tile_queries`.
@@ -158,7 +159,8 @@ pub(super) fn takes<T: KvElement>(
 }
 
 /// The tile's units in position order (and, at a position, by block) with
-/// their lanes; false if they would leave too many lanes idle.
+/// their lanes; false if the tile holds decode rows or its units would
+/// leave too many lanes idle.
 fn find_units<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     queries: &[TileQuery<'_>],

@@ -278,10 +278,10 @@ fn bf16_value(x: f32) -> f32 {
 /// The AMX tiles' attention (`Loops::Amx`) against the plain reference on
 /// the values they compute with: queries times the scale, keys and values
 /// rounded to bfloat16. What is left is the probabilities' rounding to
-/// bfloat16: each within 2^-9 of its value relatively, so the weighted sum
-/// and the weights' sum (taken over the rounded ones) each within 2^-9 of
-/// theirs, the result within about 2^-8 (values in [-1, 1]; measured up to
-/// 1.3e-3).
+/// bfloat16 in the weighted sum (each within 2^-9 of its value relatively;
+/// their sum is taken before the rounding) and their exponential's
+/// polynomial (4e-5): the result within about 2^-8 (values in [-1, 1];
+/// measured up to 1.3e-3).
 #[cfg(target_arch = "x86_64")]
 fn tiles_match_bfloat16_reference<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
