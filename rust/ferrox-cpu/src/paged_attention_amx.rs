@@ -253,10 +253,7 @@ unsafe fn stage_units<T: KvElement>(
             }
             widen(args.v_cache, valid, d, &row, &mut widened);
             // V^T[i][r] = v_r[i]: dim i's sixteen keys in one row
-            let index = _mm512_mullo_epi32(
-                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                _mm512_set1_epi32(d as i32),
-            );
+            let index = strides(d as i32);
             for i in 0..d {
                 let column = _mm512_i32gather_ps::<4>(index, widened.as_ptr().add(i));
                 let bf: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(column));
@@ -326,10 +323,7 @@ unsafe fn queries_as_pairs<T: KvElement>(
     st.q.fill(0);
     let scale = _mm512_set1_ps(args.scale);
     // pair r of a lane's 32 dims goes to row r: 16 pairs (u32) apart
-    let rows = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(LANES as i32),
-    );
+    let rows = strides(LANES as i32);
     for (e, &(t, ..)) in queries.iter().enumerate() {
         for g in 0..group {
             let lane = e * group + g;
@@ -624,10 +618,7 @@ unsafe fn kv_head_of_tile<T: KvElement>(
     ])
     .load();
     // lane l's 16 dims of a tile: 16 floats apart
-    let down = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(LANES as i32),
-    );
+    let down = strides(LANES as i32);
     for (lg, sum) in sums.iter().enumerate() {
         let mine: Vec<usize> = (0..units)
             .filter(|&u| st.masks[st.units[u].masks + lg] != 0)
@@ -689,6 +680,15 @@ unsafe fn exp(x: Lanes16) -> Lanes16 {
         p = p.mul_add(f, Lanes16::splat(c));
     }
     Lanes16::from(_mm512_scalef_ps(to(p), to(n)))
+}
+
+/// The offsets 0, step, ..., 15 step (a gather's or a scatter's).
+#[inline(always)]
+unsafe fn strides(step: i32) -> __m512i {
+    _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(step),
+    )
 }
 
 #[inline(always)]
