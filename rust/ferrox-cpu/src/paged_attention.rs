@@ -2,7 +2,9 @@
 //! every cached key and value once per tile of queries (up to eight query
 //! tokens, sixteen with AVX-512, of one request, or of requests whose block
 //! tables share the block: a shared prefix is read once for several
-//! requests).
+//! requests). On a CPU with AMX, a tile of a prompt's queries over a
+//! float16 cache is computed in bfloat16 on the tiles instead
+//! (`paged_attention_amx`).
 //!
 //! ```text
 //!  row r:  | cached context ........ | this step's queries (q_len) |
