@@ -292,9 +292,9 @@ fn paged_attention_on<T: KvElement>(
         );
         let mine = queries.chunks(size).skip(tile_part).step_by(tile_parts);
         for tile in mine {
+            let queries = tile_queries(args, tile);
             #[cfg(target_arch = "x86_64")]
             if tiles_fit {
-                let queries = tile_queries(args, tile);
                 // SAFETY: `fits`; the arguments were validated.
                 if unsafe {
                     amx::run_tile(args, &queries, kv_heads.clone(), &mut staged, &mut emit)
@@ -302,7 +302,14 @@ fn paged_attention_on<T: KvElement>(
                     continue;
                 }
             }
-            run_tile(args, tile, kv_heads.clone(), loops, &mut scratch, &mut emit);
+            run_tile(
+                args,
+                &queries,
+                kv_heads.clone(),
+                loops,
+                &mut scratch,
+                &mut emit,
+            );
         }
     });
     Ok(())
@@ -412,7 +419,7 @@ impl Scratch {
 
 fn run_tile<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
-    tile: &[Query],
+    tile: &[TileQuery<'_>],
     kv_heads: Range<usize>,
     loops: Loops,
     scratch: &mut Scratch,
@@ -435,7 +442,7 @@ fn run_tile<T: KvElement>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_tile_avx2<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
-    tile: &[Query],
+    tile: &[TileQuery<'_>],
     kv_heads: Range<usize>,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
@@ -447,7 +454,7 @@ unsafe fn run_tile_avx2<T: KvElement>(
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn run_tile_avx512<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
-    tile: &[Query],
+    tile: &[TileQuery<'_>],
     kv_heads: Range<usize>,
     scratch: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
@@ -740,7 +747,7 @@ fn fast_exp(x: f32) -> f32 {
 #[inline(always)]
 fn run_tile_impl<V: VectorOps, T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
-    tile: &[Query],
+    queries: &[TileQuery<'_>],
     kv_heads: Range<usize>,
     s: &mut Scratch,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
@@ -752,8 +759,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
         args.block_size,
     );
     let group = h / hkv;
-    let queries = tile_queries(args, tile);
-    for state in &mut s.states[..tile.len()] {
+    for state in &mut s.states[..queries.len()] {
         match args.sinks {
             // A sink is a key of score `sink` whose value is zero.
             Some(sinks) => {
@@ -770,7 +776,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
     let chunk = |query: &TileQuery<'_>, block: usize| chunk(query, block, bs);
     // Blocks several queries read taken together (the tile loops; their
     // state is set up at the first such block).
-    let together = V::TILE_WIDTH > 0 && !args.batch_invariant && shares_a_block(&queries, bs);
+    let together = V::TILE_WIDTH > 0 && !args.batch_invariant && shares_a_block(queries, bs);
     s.tile.started = false;
     let first_block = queries.iter().map(|q| q.2 / bs).min().unwrap_or(0);
     let blocks = queries.iter().map(|q| q.3.div_ceil(bs)).max().unwrap_or(0);
@@ -789,7 +795,7 @@ fn run_tile_impl<V: VectorOps, T: KvElement>(
             }
         };
         let served = match together {
-            true => attend_together::<V, T>(args, &queries, block, &kv_heads, s),
+            true => attend_together::<V, T>(args, queries, block, &kv_heads, s),
             false => 0,
         };
         // The float16 keys and values in `s.keys` / `s.values`: the
