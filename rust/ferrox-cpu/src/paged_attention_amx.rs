@@ -111,6 +111,8 @@ pub(super) struct Staged {
     o: Vec<f32>,
     /// A lane's result, [D].
     out: Vec<f32>,
+    /// A unit's keys or values as float32, [16, D] (staging).
+    widened: Vec<f32>,
 }
 
 /// Runs the tile of `queries` for `kv_heads` and returns true, or returns
@@ -126,12 +128,10 @@ pub(super) unsafe fn run_tile<T: KvElement>(
     st: &mut Staged,
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) -> bool {
-    let group = args.num_heads / args.num_kv_heads;
-    let lanes = queries.len() * group;
-    let groups = lanes.div_ceil(LANES);
-    if !find_units(args, queries, group, groups, st) {
+    if !find_units(args, queries, st) {
         return false;
     }
+    let (group, groups) = lane_groups(args, queries);
     let d = args.head_dim;
     st.s.resize(st.units.len() * KEYS * LANES, 0.0);
     st.p.resize(groups * st.units.len() * KEYS * LANES, 0);
@@ -153,9 +153,16 @@ pub(super) fn takes<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     queries: &[TileQuery<'_>],
 ) -> bool {
+    find_units(args, queries, &mut Staged::default())
+}
+
+/// Query heads a KV head serves, and the tile's lane groups.
+fn lane_groups<T: KvElement>(
+    args: &PagedAttentionArgs<'_, T>,
+    queries: &[TileQuery<'_>],
+) -> (usize, usize) {
     let group = args.num_heads / args.num_kv_heads;
-    let groups = (queries.len() * group).div_ceil(LANES);
-    find_units(args, queries, group, groups, &mut Staged::default())
+    (group, (queries.len() * group).div_ceil(LANES))
 }
 
 /// The tile's units in position order (and, at a position, by block) with
@@ -164,11 +171,10 @@ pub(super) fn takes<T: KvElement>(
 fn find_units<T: KvElement>(
     args: &PagedAttentionArgs<'_, T>,
     queries: &[TileQuery<'_>],
-    group: usize,
-    groups: usize,
     st: &mut Staged,
 ) -> bool {
     let bs = args.block_size;
+    let (group, groups) = lane_groups(args, queries);
     let mut rows: Vec<*const i32> = queries.iter().map(|q| q.1.as_ptr()).collect();
     rows.dedup();
     if queries.len() < MIN_QUERIES_A_ROW * rows.len() {
@@ -227,7 +233,7 @@ unsafe fn stage_units<T: KvElement>(
 ) {
     let (d, bs) = (args.head_dim, args.block_size);
     let block_len = bs * 2 * d; // u16s of a block's units
-    let mut widened = vec![0f32; KEYS * d];
+    st.widened.resize(KEYS * d, 0.0);
     for u in 0..st.units.len() {
         let (physical, need) = (st.units[u].physical, st.units[u].need);
         let len = st.data.len();
@@ -247,15 +253,15 @@ unsafe fn stage_units<T: KvElement>(
             let row = |r: usize| {
                 (physical as usize * bs + sub * KEYS + r) * args.num_kv_heads * d + kv_head * d
             };
-            widen(args.k_cache, valid, d, &row, &mut widened);
-            for (dst, src) in keys.chunks_exact_mut(32).zip(widened.chunks_exact(32)) {
+            widen(args.k_cache, valid, d, &row, &mut st.widened);
+            for (dst, src) in keys.chunks_exact_mut(32).zip(st.widened.chunks_exact(32)) {
                 bf16_32(src, dst);
             }
-            widen(args.v_cache, valid, d, &row, &mut widened);
+            widen(args.v_cache, valid, d, &row, &mut st.widened);
             // V^T[i][r] = v_r[i]: dim i's sixteen keys in one row
             let index = strides(d as i32);
             for i in 0..d {
-                let column = _mm512_i32gather_ps::<4>(index, widened.as_ptr().add(i));
+                let column = _mm512_i32gather_ps::<4>(index, st.widened.as_ptr().add(i));
                 let bf: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(column));
                 _mm256_storeu_si256(values_t.as_mut_ptr().add(i * KEYS) as *mut __m256i, bf);
             }
@@ -492,7 +498,15 @@ unsafe fn kv_head_of_tile<T: KvElement>(
     emit: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
     let (d, units) = (args.head_dim, st.units.len());
-    let groups = (queries.len() * group).div_ceil(LANES);
+    let groups = lane_groups(args, queries).1;
+    // Each lane group's units (those any of its lanes read).
+    let mine: Vec<Vec<usize>> = (0..groups)
+        .map(|lg| {
+            (0..units)
+                .filter(|&u| st.masks[st.units[u].masks + lg] != 0)
+                .collect()
+        })
+        .collect();
     // Each unit's keys, then its values transposed, as staged.
     let staged: Vec<*const u8> = st
         .units
@@ -509,9 +523,7 @@ unsafe fn kv_head_of_tile<T: KvElement>(
     TileConfig::with_shapes([(16, 64); 8]).load();
     for (lg, sum) in sums.iter_mut().enumerate() {
         let lanes = LaneGroup::new(args, queries, kv_head, group, lg);
-        let mine: Vec<usize> = (0..units)
-            .filter(|&u| st.masks[st.units[u].masks + lg] != 0)
-            .collect();
+        let mine = &mine[lg];
         let q = st.q.as_ptr().add(lg * (d / 32) * 512) as *const u8;
         let neg = Lanes16::splat(f32::NEG_INFINITY);
         let mut max = lanes.sink;
@@ -620,9 +632,7 @@ unsafe fn kv_head_of_tile<T: KvElement>(
     // lane l's 16 dims of a tile: 16 floats apart
     let down = strides(LANES as i32);
     for (lg, sum) in sums.iter().enumerate() {
-        let mine: Vec<usize> = (0..units)
-            .filter(|&u| st.masks[st.units[u].masks + lg] != 0)
-            .collect();
+        let mine = &mine[lg];
         for first in (0..d / 16).step_by(4) {
             let tiles = (d / 16 - first).min(4);
             zero_sums();
