@@ -21,6 +21,7 @@ from ferrox._native import cpu_isa
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers import cpu_decoder, cpu_linear, quant_linear
+from ferrox.layers.activation import gated_projection, gelu_tanh_and_mul, silu_and_mul
 from ferrox.layers.moe import SparseMoe
 from ferrox.layers.quant_linear import (
     QuantEmbedding,
@@ -112,6 +113,40 @@ def test_quant_linear_matches_float_linear(
         assert bool((diff <= bound).all()), float((diff - bound).max())
         # and not vacuously: the bound is well below the outputs' size
         assert float(bound.mean()) < 0.25 * float(expected.abs().mean())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_gated_projection_is_the_projection_then_the_activation(
+    fmt: str, activation: str, packed: bool
+) -> None:
+    # act(gate) * up in one native call (on AMX tiles from 32 rows, where
+    # I = 48 is whole panels; I = 40 is not) against the layer's output,
+    # then the torch activation.
+    gen = torch.Generator().manual_seed(3)
+    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    for inter in (48, 40):
+        dense = torch.nn.Linear(256, 2 * inter, bias=True)
+        with torch.no_grad():
+            dense.weight.copy_(torch.randn(2 * inter, 256, generator=gen) / 8)
+            dense.bias.copy_(torch.randn(2 * inter, generator=gen))
+        layer = QuantLinear.from_linear(dense, fmt)
+        if packed:
+            layer.pack_for_cpu({})
+        for rows in (3, 40):
+            x = torch.randn(2, rows, 256, generator=gen)
+            want = act(layer(x))
+            got = gated_projection(layer, x, activation)
+            assert got.shape == (2, rows, inter) and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # past the layer's dequantize limit: the float GEMM, then the activation
+        layer.dequantize_above = 2
+        assert layer.gated(x, activation) is None
+        torch.testing.assert_close(gated_projection(layer, x, activation), act(layer(x)))
+    layer.dequantize_above = None
+    with pytest.raises(InvalidArgumentError, match="activation"):
+        layer.gated(x[:, :3], "relu")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -2,6 +2,9 @@
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from ferrox.layers.quant_linear import QuantLinear
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -17,3 +20,16 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU with the tanh approximation of GELU (Gemma): gate then up."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def gated_projection(proj: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of a gated MLP's gate_up projection `proj` of `x`
+    (`activation`: "silu" or "gelu_tanh"): one native call where `proj` is
+    a block-format layer on the CPU kernels (`QuantLinear.gated`), else the
+    projection, then the activation."""
+    if isinstance(proj, QuantLinear):
+        out = proj.gated(x, activation)
+        if out is not None:
+            return out
+    gate_up = proj(x)
+    return silu_and_mul(gate_up) if activation == "silu" else gelu_tanh_and_mul(gate_up)

@@ -38,6 +38,7 @@ from torch import nn
 from ferrox._native import (
     dequantize_rows_cpu,
     pack_blocks_cpu,
+    quant_gated_matmul_cpu,
     quant_layout_cpu,
     quant_matmul_cpu,
     quant_matmul_kernel_cpu,
@@ -244,36 +245,71 @@ class QuantLinear(nn.Module):
         self.packed = True
         self._views = None
 
+    def gated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """act(gate) * up of this layer's output, for a gated MLP's gate_up
+        projection (the gate's columns, then up's), in one native call where
+        `forward` would run the block kernels on the CPU (on AMX tiles the
+        sums are activated as they leave the tiles: the [T, 2 I] output is
+        never written); None elsewhere (a GPU's split blocks, rows past
+        `DEQUANTIZE_ABOVE_ROWS`). `activation`: "silu" or "gelu_tanh"."""
+        x2 = self._float_rows(x)
+        if not self._on_kernels(x2.shape[0]):
+            return None
+        out = torch.empty(x2.shape[0], self.out_features // 2, dtype=torch.float32)
+        quant_gated_matmul_cpu(
+            out.numpy(),
+            x2.numpy(),
+            *self._numpy_views(),
+            self.fmt,
+            activation,
+            kernel_threads(),
+            self.packed,
+            self.batch_invariant,
+        )
+        return out.view(*x.shape[:-1], out.shape[1])
+
+    def _float_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as [T, in_features] contiguous float32 rows."""
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        return x2
+
+    def _on_kernels(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the native block kernels (not
+        a GPU's split blocks, nor the dequantized GEMM of many rows)."""
+        limit = DEQUANTIZE_ABOVE_ROWS if self.dequantize_above is None else self.dequantize_above
+        return self._split is None and rows <= limit
+
+    def _numpy_views(self) -> tuple[np.ndarray, np.ndarray | None]:
+        # The weight and bias never change after loading: their numpy views
+        # are made once (a tied head shares the embedding's bytes).
+        if self._views is None:
+            bias = None if self.bias is None else self.bias.detach().numpy()
+            self._views = (self.weight.detach().numpy(), bias)
+        return self._views
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._split is not None:
             from ferrox.triton_kernels.quant_matmul import dequant_matmul
 
             return dequant_matmul(x, self._split, self.bias)
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.to(torch.float32).contiguous()
+        x2 = self._float_rows(x)
         rows = x2.shape[0]
-        limit = DEQUANTIZE_ABOVE_ROWS if self.dequantize_above is None else self.dequantize_above
-        if rows > limit:
+        if not self._on_kernels(rows):
             out = self._dequantized_matmul(x2)
         else:
-            # The weight and bias never change after loading: their numpy
-            # views are made once (a tied head shares the embedding's bytes).
-            if self._views is None:
-                bias = None if self.bias is None else self.bias.detach().numpy()
-                self._views = (self.weight.detach().numpy(), bias)
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
             quant_matmul_cpu(
                 out.numpy(),
                 x2.numpy(),
-                *self._views,
+                *self._numpy_views(),
                 self.fmt,
                 kernel_threads(),
                 self.packed,
                 self.batch_invariant,
             )
-        return out.view(*shape[:-1], self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through float32: W dequantized a slice of rows at a time

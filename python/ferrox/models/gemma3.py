@@ -39,7 +39,6 @@ from transformers import Gemma3TextConfig
 
 from ferrox.common.errors import UnsupportedModelError
 from ferrox.common.multimodal import ImagePrompt
-from ferrox.layers.activation import gelu_tanh_and_mul
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.layers.norm import RMSNorm
@@ -53,9 +52,6 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 class GeGluMlp(GatedMlp):
     activation: ClassVar[str] = "gelu_tanh"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
 class Gemma3DecoderLayer(nn.Module):

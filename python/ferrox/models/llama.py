@@ -25,7 +25,7 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from ferrox.common.errors import ModelLoadError, UnsupportedModelError
 from ferrox.common.lora import LoraTargets
-from ferrox.layers.activation import silu_and_mul
+from ferrox.layers.activation import gated_projection
 from ferrox.layers.attention import AttentionBackend, AttentionMetadata
 from ferrox.layers.attention.base import KvCache
 from ferrox.layers.cpu_decoder import FusedCpuDecode
@@ -127,11 +127,13 @@ class DecoderAttention(nn.Module):
 
 class GatedMlp(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), its intermediate columns split
-    over the tensor-parallel ranks. `intermediate_size`: the whole width
+    over the tensor-parallel ranks (a subclass names another `activation`
+    of the gate: Gemma's GeGLU). `intermediate_size`: the whole width
     (default the config's); `reduce`: all-reduce the output (False for an
     expert, whose block sums its experts first)."""
 
-    activation: ClassVar[str] = "silu"  # (of the gate, for the CPU's fused decode)
+    # (of the gate: `gated_projection`'s and the CPU's fused decode's)
+    activation: ClassVar[str] = "silu"
 
     def __init__(
         self, config: Any, intermediate_size: int | None = None, reduce: bool = True
@@ -146,7 +148,7 @@ class GatedMlp(nn.Module):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(gated_projection(self.gate_up_proj, x, self.activation))
         return distributed.all_reduce(out) if self.reduce else out
 
 

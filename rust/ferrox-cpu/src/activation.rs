@@ -22,14 +22,22 @@ pub(crate) fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75; // ln 2's leading bits (n * LN2_HI is exact)
     const LN2_LO: f32 = 1.428_606_8e-6; // the rest of ln 2
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + SHIFT) - SHIFT;
+    let shifted = x * std::f32::consts::LOG2_E + SHIFT;
+    let n = shifted - SHIFT;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // n lies in [-126, 127], so 2^n is a normal float.
-    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    // n lies in [-126, 127], so 2^n is a normal float. Its exponent bits
+    // from `shifted`'s low bits (which hold n: it lies in SHIFT's binade),
+    // in integer arithmetic that vectorises, where `n as i32` (a saturating
+    // conversion) made the compiler convert one value at a time.
+    let biased = shifted
+        .to_bits()
+        .wrapping_sub(SHIFT.to_bits())
+        .wrapping_add(127);
+    p * f32::from_bits(biased << 23)
 }
 
 /// The gated MLP's activation of its gate.
@@ -86,8 +94,19 @@ unsafe fn gate_row_avx2(gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
     gate_row_impl(gate, g, u, out)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn gate_row_avx512(gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
+    gate_row_impl(gate, g, u, out)
+}
+
 /// `out[i] = act(g[i]) * u[i]` (the three slices of one length).
 pub fn gate_row(gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F, AVX2 and FMA.
+        return unsafe { gate_row_avx512(gate, g, u, out) };
+    }
     #[cfg(target_arch = "x86_64")]
     if crate::isa::avx2() {
         // SAFETY: the CPU has AVX2 and FMA.

@@ -20,7 +20,9 @@ use crate::elementwise::{add_rms_norm, rotary_partial_in_place, RotaryHeads};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
 use crate::kv_element::KvElement;
 use crate::paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
-use crate::quant_matmul::{quant_matmul, quant_matmul_invariant, QuantFormat, QuantMatmulArgs};
+use crate::quant_matmul::{
+    quant_matmul, quant_matmul_gated, quant_matmul_invariant, QuantFormat, QuantMatmulArgs,
+};
 use crate::quant_pack::BlockLayout;
 
 /// A linear layer's weight: block-format bytes ([N, row bytes], in a
@@ -462,17 +464,35 @@ impl MlpTail<'_> {
         let hidden = self.post_attention_norm.len();
         let inter = mlp.gate_up.out_features / 2;
         let rows = normed.len() / hidden;
-        let gate_up = sized(&mut buffers.gate_up, rows * 2 * inter);
-        linear_into(
-            &mlp.gate_up,
-            normed,
-            hidden,
-            threads,
-            self.batch_invariant,
-            gate_up,
-        )?;
         let act = sized(&mut buffers.act, rows * inter);
-        gate_rows_threaded(self.activation, gate_up, inter, threads, act);
+        if let LinearWeight::Blocks(w, fmt, layout) = mlp.gate_up.weight {
+            // (on AMX tiles, the activation of the sums as they come out)
+            let args = QuantMatmulArgs {
+                x: normed,
+                w,
+                bias: mlp.gate_up.bias,
+                m: rows,
+                k: hidden,
+                n: 2 * inter,
+                fmt,
+                layout,
+                num_threads: threads,
+            };
+            let invariant = self.batch_invariant;
+            quant_matmul_gated(&args, self.activation, invariant, &mut buffers.gate_up, act)
+                .map_err(|e| ShapeError(e.to_string()))?;
+        } else {
+            let gate_up = sized(&mut buffers.gate_up, rows * 2 * inter);
+            linear_into(
+                &mlp.gate_up,
+                normed,
+                hidden,
+                threads,
+                self.batch_invariant,
+                gate_up,
+            )?;
+            gate_rows_threaded(self.activation, gate_up, inter, threads, act);
+        }
         linear_into(&mlp.down, act, inter, threads, self.batch_invariant, x)?;
         if let Some(norm) = self.mlp_out_norm {
             rms_norm_rows(x, norm, self.eps, threads)?;

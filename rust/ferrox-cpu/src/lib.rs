@@ -40,8 +40,8 @@ pub use paged_attention::{
     paged_attention, paged_attention_with_isa, PagedAttentionArgs, ShapeError,
 };
 pub use quant_matmul::{
-    dequantize_rows, quant_matmul, quant_matmul_invariant, quant_matmul_with, QuantFormat,
-    QuantKernel, QuantMatmulArgs, QuantShapeError,
+    dequantize_rows, quant_matmul, quant_matmul_gated, quant_matmul_invariant, quant_matmul_with,
+    QuantFormat, QuantKernel, QuantMatmulArgs, QuantShapeError,
 };
 pub use quant_pack::{pack_blocks, unpack_blocks, BlockLayout};
 pub use token_bitmask::{apply_token_bitmask, BitmaskError};

@@ -27,6 +27,7 @@
 
 use std::fmt;
 
+use crate::activation::{gate_rows_threaded, Gate};
 use crate::pool::{run_parts, run_parts_on};
 use crate::quant_pack::{column_block, BlockLayout, PANEL};
 
@@ -446,10 +447,55 @@ pub fn quant_matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) -> Result<(), Q
         check_shapes(args, out)?;
         // SAFETY: the CPU has the tiles and the format is theirs (`takes`);
         // the shapes are checked.
-        unsafe { crate::quant_matmul_amx::matmul(args, out) };
+        unsafe { crate::quant_matmul_amx::matmul(args, None, out) };
         return Ok(());
     }
     quant_matmul_invariant(args, out)
+}
+
+/// A gated MLP's first half: out[M, I] = act(gate) * up, where [gate | up]
+/// = x[M, K] @ dequant(w)[2 I, K]^T (+ bias), the gate's I columns first.
+/// A call `quant_matmul` takes to the AMX tiles (and I a multiple of 16)
+/// activates each tile's sums as they come out, so the [M, 2 I] sums are
+/// never written; any other (and every `invariant` one) runs that
+/// matmul's kernel into `gate_up` (resized as needed), then
+/// `gate_rows_threaded`. Either way a value is the same bits as that
+/// matmul then `gate_row` give.
+pub fn quant_matmul_gated(
+    args: &QuantMatmulArgs<'_>,
+    gate: Gate,
+    invariant: bool,
+    gate_up: &mut Vec<f32>,
+    out: &mut [f32],
+) -> Result<(), QuantShapeError> {
+    let (m, n) = (args.m, args.n);
+    if !n.is_multiple_of(2) || out.len() != m * n / 2 {
+        return Err(QuantShapeError(format!(
+            "gated: N={n} must be even (gate, then up) and out hold M * N / 2 = {} floats, not {}",
+            m * n / 2,
+            out.len()
+        )));
+    }
+    #[cfg(target_arch = "x86_64")]
+    if !invariant && crate::quant_matmul_amx::takes(args) && (n / 2).is_multiple_of(PANEL) {
+        check_inputs(args)?;
+        // SAFETY: the CPU has the tiles and the format is theirs (`takes`);
+        // the inputs are checked, `out` holds M * N / 2 floats and N / 2 is
+        // whole panels.
+        unsafe { crate::quant_matmul_amx::matmul(args, Some(gate), out) };
+        return Ok(());
+    }
+    if gate_up.len() < m * n {
+        gate_up.resize(m * n, 0.0);
+    }
+    let sums = &mut gate_up[..m * n];
+    if invariant {
+        quant_matmul_invariant(args, sums)?;
+    } else {
+        quant_matmul(args, sums)?;
+    }
+    gate_rows_threaded(gate, sums, n / 2, args.num_threads, out);
+    Ok(())
 }
 
 /// out[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias) on the same kernel for
@@ -502,21 +548,33 @@ pub fn quant_matmul_with(
 
 /// The activations, weight, bias and output agree with M, K and N.
 fn check_shapes(args: &QuantMatmulArgs<'_>, out: &[f32]) -> Result<(), QuantShapeError> {
+    check_inputs(args)?;
+    if out.len() != args.m * args.n {
+        return Err(QuantShapeError(format!(
+            "shapes disagree: out {} floats for M={} N={}",
+            out.len(),
+            args.m,
+            args.n
+        )));
+    }
+    Ok(())
+}
+
+/// x, w and the bias against M, K and N.
+fn check_inputs(args: &QuantMatmulArgs<'_>) -> Result<(), QuantShapeError> {
     let row_bytes = check_k(args.fmt, args.k)?;
     if args.x.len() != args.m * args.k
         || args.w.len() != args.n * row_bytes
-        || out.len() != args.m * args.n
         || args.bias.is_some_and(|b| b.len() != args.n)
     {
         return Err(QuantShapeError(format!(
-            "shapes disagree: x {} (M={} K={}), w {} bytes (N={}, {} per row), out {}",
+            "shapes disagree: x {} (M={} K={}), w {} bytes (N={}, {} per row)",
             args.x.len(),
             args.m,
             args.k,
             args.w.len(),
             args.n,
             row_bytes,
-            out.len()
         )));
     }
     Ok(())

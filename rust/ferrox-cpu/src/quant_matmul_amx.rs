@@ -21,6 +21,11 @@
 //! `quant_matmul` does, `quant_matmul_invariant` never does (a row's bits
 //! then do not depend on its batch).
 //!
+//! A gated MLP's gate/up projection (`quant_matmul_gated`) pairs each gate
+//! panel with its up panel, so that a 32-row block's four sum tiles are a
+//! gate's and an up's sixteen columns: they go through the activation on
+//! their way out of the tiles, and only act(gate) * up reaches memory.
+//!
 //! Linux gives a process the tiles' 8 KiB of register state only when it
 //! asks (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), once, at the first call.
 
@@ -29,6 +34,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use crate::activation::{gate_row, Gate};
 use crate::isa::Isa;
 use crate::pool::run_parts_on;
 use crate::quant_matmul::{OutPtr, QuantFormat, QuantMatmulArgs, BLOCK};
@@ -174,12 +180,15 @@ thread_local! {
     static ROWS: RefCell<Aligned> = RefCell::default();
 }
 
-/// out[M, N] = x @ dequant(w)^T (+ bias) on the tiles.
+/// out[M, N] = x @ dequant(w)^T (+ bias) on the tiles; with `gate`, the
+/// gated MLP's activation of those sums instead: out[M, N / 2] =
+/// act(gate) * up, gate the first N / 2 columns, up the last.
 ///
 /// # Safety
-/// `supported()`; the shapes are checked (`out` holds M * N floats, `w` N
-/// columns of K inputs in `args.layout`); `args.fmt` is Q4_1 or Q8_0.
-pub(crate) unsafe fn matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) {
+/// `supported()`; the shapes are checked (`out` holds M * N floats, or M *
+/// N / 2 with `gate`, `w` N columns of K inputs in `args.layout`);
+/// `args.fmt` is Q4_1 or Q8_0; with `gate`, N / 2 is a multiple of 16.
+pub(crate) unsafe fn matmul(args: &QuantMatmulArgs<'_>, gate: Option<Gate>, out: &mut [f32]) {
     let (m, k) = (args.m, args.k);
     let padded = m.next_multiple_of(2 * TILE_ROWS);
     ROWS.with_borrow_mut(|rows| {
@@ -193,9 +202,13 @@ pub(crate) unsafe fn matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) {
             // SAFETY: rows first..last of the buffer, which holds `padded`.
             unsafe { to_bf16(args.x, m, k, first, last, x16.get()) };
         });
-        let whole = args.n / PANEL * PANEL;
-        // Column parts in pairs of panels (32 columns, the kernel's width).
-        let unit = 2 * PANEL;
+        // Column parts in pairs of panels (32 columns, the kernel's width):
+        // with `gate`, a gate panel and its up panel, so the parts split
+        // the gate's columns.
+        let (whole, unit) = match gate {
+            Some(_) => (args.n / 2, PANEL),
+            None => (args.n / PANEL * PANEL, 2 * PANEL),
+        };
         let parts = (args.num_threads.max(1) * PARTS_PER_THREAD).clamp(1, whole.div_ceil(unit));
         let per = whole.div_ceil(unit).div_ceil(parts) * unit;
         let parts = whole.div_ceil(per);
@@ -204,9 +217,9 @@ pub(crate) unsafe fn matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) {
             let (start, end) = (part * per, ((part + 1) * per).min(whole));
             // SAFETY: columns start..end of `out` are this part's alone;
             // the caller's contract covers the rest.
-            unsafe { columns(args, x16.get(), padded, start, end, ptr) };
+            unsafe { columns(args, x16.get(), padded, start, end, gate, ptr) };
         });
-        if whole < args.n {
+        if gate.is_none() && whole < args.n {
             // The last N % 16 columns (llama.cpp's rows layout) on the
             // integer kernel.
             let chunks = crate::quant_matmul::RowChunks::new(args);
@@ -252,7 +265,7 @@ impl TileRows {
         out: OutPtr,
     ) {
         let x16 = self.buffer.0.as_ptr() as *const u16;
-        columns(args, x16, self.padded, start, end, out);
+        columns(args, x16, self.padded, start, end, None, out);
     }
 }
 
@@ -301,7 +314,8 @@ unsafe fn to_bf16(x: &[f32], m: usize, k: usize, first: usize, last: usize, out:
     }
 }
 
-/// Columns `start..end` (whole panels) of every row of `out`.
+/// Columns `start..end` (whole panels) of every row of `out`; with `gate`,
+/// gate columns `start..end` and their up columns, activated.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,f16c")]
 unsafe fn columns(
     args: &QuantMatmulArgs<'_>,
@@ -309,20 +323,39 @@ unsafe fn columns(
     padded: usize,
     start: usize,
     end: usize,
+    gate: Option<Gate>,
     out: OutPtr,
 ) {
     let blocks = args.k / BLOCK;
     let panels = (end - start) / PANEL;
     let panel_tiles = blocks * TILE_BYTES; // one panel's dequantized bytes
     let row_bytes = args.fmt.row_bytes(args.k);
+    let inter = args.n / 2;
+    // The weight column of buffer panel i: this part's panels in order, or
+    // with `gate` its gate panels, then their up panels.
+    let source = |i: usize| match gate {
+        Some(_) if i >= panels => inter + start + (i - panels) * PANEL,
+        _ => start + i * PANEL,
+    };
+    // Pair q: its two buffer panels (the second one the first again where a
+    // part's panel count is odd) and the output column of its first.
+    let (pairs, out_n) = match gate {
+        Some(_) => (panels, inter),
+        None => (panels.div_ceil(2), args.n),
+    };
+    let pair = |q: usize| match gate {
+        Some(_) => (q, panels + q, true),
+        None => (2 * q, (2 * q + 1).min(panels - 1), 2 * q + 1 < panels),
+    };
+    let buffered = if gate.is_some() { 2 * panels } else { panels };
     PANELS.with_borrow_mut(|buffer| {
-        let weights = buffer.bytes(panels * panel_tiles);
+        let weights = buffer.bytes(buffered * panel_tiles);
         let mut packed = Vec::new();
-        // Panel p's tiles, written by the first row chunk as it reaches
+        // Panel i's tiles, written by the first row chunk as it reaches
         // them (then in the core's L1 cache for that chunk's rows), read
         // back by the others.
-        let mut dequantize = |p: usize| {
-            let col = start + p * PANEL;
+        let mut dequantize = |i: usize| {
+            let col = source(i);
             let at = match args.layout {
                 BlockLayout::Panels => args.w.as_ptr().add(col * row_bytes),
                 BlockLayout::Rows => {
@@ -331,32 +364,39 @@ unsafe fn columns(
                     packed.as_ptr()
                 }
             };
-            dequantize_panel(args.fmt, at, blocks, weights.add(p * panel_tiles));
+            dequantize_panel(args.fmt, at, blocks, weights.add(i * panel_tiles));
         };
-        let bias = args.bias.map(|b| bias_tiles(&b[start..end]));
+        // one bias tile per buffer panel
+        let bias = args.bias.map(|b| {
+            let mut tiles = bias_tiles(&b[start..end]);
+            if gate.is_some() {
+                tiles.extend(bias_tiles(&b[inter + start..inter + end]));
+            }
+            tiles
+        });
         TileConfig::new().load();
-        let c_stride = args.n * 4;
+        let c_stride = out_n * 4;
         let mut edge = [0f32; 2 * TILE_ROWS * 2 * PANEL];
         for chunk in (0..padded).step_by(ROW_CHUNK) {
-            for p in (0..panels).step_by(2) {
-                let two = p + 1 < panels;
+            for q in 0..pairs {
+                let (p0, p1, two) = pair(q);
                 if chunk == 0 {
-                    dequantize(p);
+                    dequantize(p0);
                     if two {
-                        dequantize(p + 1);
+                        dequantize(p1);
                     }
                 }
-                let w0 = weights.add(p * panel_tiles);
-                let w1 = if two { w0.add(panel_tiles) } else { w0 };
-                let col = start + p * PANEL;
+                let w0 = weights.add(p0 * panel_tiles);
+                let w1 = weights.add(p1 * panel_tiles);
+                let col = start + q * if gate.is_some() { PANEL } else { 2 * PANEL };
                 for r in (chunk..(chunk + ROW_CHUNK).min(padded)).step_by(2 * TILE_ROWS) {
                     // rows r.. and r + 16.. (`tile_at`)
                     let a0 = x16.add(tile_at(r, 0, args.k)) as *const u8;
                     let a1 = a0.add(blocks * TILE_BYTES);
                     match &bias {
                         Some(b) => {
-                            let b0 = b.as_ptr().add(p * TILE_ROWS * PANEL) as *const u8;
-                            let b1 = if two { b0.add(TILE_BYTES) } else { b0 };
+                            let b0 = b.as_ptr().add(p0 * TILE_ROWS * PANEL) as *const u8;
+                            let b1 = b.as_ptr().add(p1 * TILE_ROWS * PANEL) as *const u8;
                             asm!(
                                 "tileloadd tmm0, [{b0} + {s} * 1]",
                                 "tileloadd tmm1, [{b1} + {s} * 1]",
@@ -397,8 +437,18 @@ unsafe fn columns(
                     }
                     let rows = (args.m.saturating_sub(r)).min(2 * TILE_ROWS);
                     let width = if two { 2 * PANEL } else { PANEL };
-                    if rows == 2 * TILE_ROWS && two {
-                        let c = out.get().add(r * args.n + col) as *mut u8;
+                    if let Some(gate) = gate {
+                        if rows > 0 {
+                            store_gated(
+                                gate,
+                                &mut edge,
+                                rows,
+                                out.get().add(r * out_n + col),
+                                out_n,
+                            );
+                        }
+                    } else if rows == 2 * TILE_ROWS && two {
+                        let c = out.get().add(r * out_n + col) as *mut u8;
                         store_sums(c, c_stride);
                     } else if rows > 0 {
                         // A partial row tile or a lone panel: through a
@@ -407,7 +457,7 @@ unsafe fn columns(
                         for i in 0..rows {
                             std::ptr::copy_nonoverlapping(
                                 edge.as_ptr().add(i * 2 * PANEL),
-                                out.get().add((r + i) * args.n + col),
+                                out.get().add((r + i) * out_n + col),
                                 width,
                             );
                         }
@@ -439,6 +489,46 @@ unsafe fn store_sums(c: *mut u8, stride: usize) {
         s = in(reg) stride,
         options(nostack),
     );
+}
+
+/// The four sums' tiles of a gate panel (tmm0, tmm2: rows 0-15 and 16-31)
+/// and its up panel (tmm1, tmm3), activated: `rows` rows of 16 values,
+/// `stride` floats apart, at `out`. `scratch`: 32 x 32 floats.
+///
+/// # Safety
+/// The tiles are configured and hold sums; `out` has `rows` such rows.
+#[inline(always)]
+unsafe fn store_gated(
+    gate: Gate,
+    scratch: &mut [f32; 2 * TILE_ROWS * 2 * PANEL],
+    rows: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    // gate sums in the first half (row i at 16 i), up sums in the second
+    let half = TILE_ROWS * 2 * PANEL;
+    let (g, u) = scratch.split_at_mut(half);
+    let (g, u) = (g.as_mut_ptr() as *mut u8, u.as_mut_ptr() as *mut u8);
+    asm!(
+        "tilestored [{g0} + {s} * 1], tmm0",
+        "tilestored [{g1} + {s} * 1], tmm2",
+        "tilestored [{u0} + {s} * 1], tmm1",
+        "tilestored [{u1} + {s} * 1], tmm3",
+        g0 = in(reg) g,
+        g1 = in(reg) g.add(TILE_BYTES),
+        u0 = in(reg) u,
+        u1 = in(reg) u.add(TILE_BYTES),
+        s = in(reg) 64usize,
+        options(nostack),
+    );
+    let (g, u) = scratch.split_at_mut(half);
+    let values = rows * PANEL;
+    // act(gate) * up, then each row to its place
+    let mut act = [0f32; TILE_ROWS * 2 * PANEL];
+    gate_row(gate, &g[..values], &u[..values], &mut act[..values]);
+    for i in 0..rows {
+        std::ptr::copy_nonoverlapping(act.as_ptr().add(i * PANEL), out.add(i * stride), PANEL);
+    }
 }
 
 /// The bias of a part's columns as tiles, one per panel: 16 rows, each the

@@ -369,6 +369,102 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// `quant_matmul_gated` is, bit for bit, the matmul it names (the
+    /// default or the invariant one) and then `gate_row` on each row's gate
+    /// and up halves: on AMX tiles, where a call of `MIN_ROWS` rows or more
+    /// with I a multiple of 16 activates the sums as they leave the tiles
+    /// (gate and up panels paired, any row tile partial), and on every
+    /// other path; every output written, whatever was in the buffers.
+    #[test]
+    fn gated_is_the_matmul_then_the_activation(
+        m in prop_oneof![1usize..8, 30usize..100], kb in 1usize..8,
+        inter in prop_oneof![1usize..40, (1usize..5).prop_map(|p| 16 * p)],
+        seed in prop::collection::vec(any::<u16>(), 1..64), with_bias in any::<bool>(),
+        threads in 1usize..4, invariant in any::<bool>(), x_seed in any::<u32>(),
+    ) {
+        let (k, n) = (kb * BLOCK, 2 * inter);
+        let mut state = x_seed | 1;
+        let x: Vec<f32> = (0..m * k)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state % 20001) as f32 / 2500.0 - 4.0
+            })
+            .collect();
+        let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let bias = with_bias.then_some(bias.as_slice());
+        let gates = [Gate::Silu, Gate::GeluTanh, Gate::ClampedSwiGlu { alpha: 1.702, limit: 7.0 }];
+        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+            let w = weight_bytes(fmt, n, k, &seed);
+            for layout in LAYOUTS {
+                let packed = laid_out(&w, fmt, k, layout);
+                let args = QuantMatmulArgs { x: &x, w: &packed, bias, m, k, n, fmt, layout, num_threads: threads };
+                let mut sums = vec![f32::NAN; m * n];
+                if invariant {
+                    quant_matmul_invariant(&args, &mut sums).unwrap();
+                } else {
+                    quant_matmul(&args, &mut sums).unwrap();
+                }
+                for gate in gates {
+                    let mut want = vec![0.0; m * inter];
+                    for (row, dst) in sums.chunks_exact(n).zip(want.chunks_exact_mut(inter)) {
+                        crate::activation::gate_row(gate, &row[..inter], &row[inter..], dst);
+                    }
+                    let mut got = vec![f32::NAN; m * inter];
+                    let mut scratch = vec![f32::NAN; 3];
+                    quant_matmul_gated(&args, gate, invariant, &mut scratch, &mut got).unwrap();
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        prop_assert_eq!(g.to_bits(), w.to_bits(),
+                            "{:?} {:?} {:?} m={} k={} I={} invariant={} at {}: {} vs {}",
+                            fmt, layout, gate, m, k, inter, invariant, i, g, w);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gated_shapes_are_errors() {
+    let (m, k, inter) = (2, BLOCK, 16);
+    let w = weight_bytes(QuantFormat::Q8_0, 2 * inter, k, &[7]);
+    let x = vec![0.5; m * k];
+    let args = QuantMatmulArgs {
+        x: &x,
+        w: &w,
+        bias: None,
+        m,
+        k,
+        n: 2 * inter,
+        fmt: QuantFormat::Q8_0,
+        layout: BlockLayout::Rows,
+        num_threads: 1,
+    };
+    let mut scratch = Vec::new();
+    // out of [M, 2 I] (the matmul's shape) rather than [M, I]
+    let mut wrong = vec![0.0; m * 2 * inter];
+    assert!(quant_matmul_gated(&args, Gate::Silu, false, &mut scratch, &mut wrong).is_err());
+    // an odd N: no gate / up halves
+    let odd = QuantMatmulArgs {
+        n: 2 * inter - 1,
+        w: &w[..(2 * inter - 1) * 34],
+        ..args
+    };
+    let mut out = vec![0.0; m * inter];
+    assert!(quant_matmul_gated(&odd, Gate::Silu, false, &mut scratch, &mut out).is_err());
+    // a weight of the wrong size
+    let short = QuantMatmulArgs {
+        w: &w[..w.len() - 34],
+        ..args
+    };
+    assert!(quant_matmul_gated(&short, Gate::Silu, false, &mut scratch, &mut out).is_err());
+    quant_matmul_gated(&args, Gate::Silu, false, &mut scratch, &mut out).unwrap();
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
     /// The vector dequantizer gives the portable one's values, for any rows

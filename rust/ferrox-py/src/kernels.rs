@@ -2,9 +2,9 @@
 
 use ferrox_cpu::{
     add_rms_norm, apply_token_bitmask, dequantize_rows, gated_delta_decode, pack_blocks,
-    paged_attention, quant_matmul, quant_matmul_invariant, rotary_in_place, BlockLayout,
-    GatedDeltaDecode, KvElement, PagedAttentionArgs, QuantFormat, QuantKernel, QuantMatmulArgs,
-    F16,
+    paged_attention, quant_matmul, quant_matmul_gated, quant_matmul_invariant, rotary_in_place,
+    BlockLayout, GatedDeltaDecode, KvElement, PagedAttentionArgs, QuantFormat, QuantKernel,
+    QuantMatmulArgs, QuantShapeError, F16,
 };
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
@@ -376,7 +376,7 @@ pub(crate) fn block_layout(packed: bool) -> BlockLayout {
 #[allow(clippy::too_many_arguments)]
 pub fn quant_matmul_cpu(
     py: Python<'_>,
-    mut out: PyReadwriteArray2<'_, f32>,
+    out: PyReadwriteArray2<'_, f32>,
     x: PyReadonlyArray2<'_, f32>,
     w: PyReadonlyArray2<'_, u8>,
     bias: Option<PyReadonlyArray1<'_, f32>>,
@@ -384,6 +384,91 @@ pub fn quant_matmul_cpu(
     num_threads: usize,
     packed: bool,
     batch_invariant: bool,
+) -> PyResult<()> {
+    block_matmul(
+        py,
+        out,
+        x,
+        w,
+        bias,
+        fmt,
+        num_threads,
+        packed,
+        |args, out| {
+            if batch_invariant {
+                quant_matmul_invariant(args, out)
+            } else {
+                quant_matmul(args, out)
+            }
+        },
+    )
+}
+
+/// A gated MLP's first half: `out[M, I] = act(gate) * up`, where `[gate |
+/// up] = x @ W^T (+ bias)` and `W` (as for `quant_matmul_cpu`) holds the
+/// gate's I rows, then up's. `activation`: "silu" or "gelu_tanh". On AMX
+/// tiles the sums are activated as they come out of the tiles (never
+/// written); otherwise the matmul, then the activation
+/// (ferrox_cpu::quant_matmul_gated).
+#[pyfunction]
+#[pyo3(signature = (out, x, w, bias, fmt, activation, num_threads, packed=false, batch_invariant=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_gated_matmul_cpu(
+    py: Python<'_>,
+    out: PyReadwriteArray2<'_, f32>,
+    x: PyReadonlyArray2<'_, f32>,
+    w: PyReadonlyArray2<'_, u8>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    fmt: &str,
+    activation: &str,
+    num_threads: usize,
+    packed: bool,
+    batch_invariant: bool,
+) -> PyResult<()> {
+    let gate = crate::decoder_layer::gate_of(activation)?;
+    block_matmul(
+        py,
+        out,
+        x,
+        w,
+        bias,
+        fmt,
+        num_threads,
+        packed,
+        |args, out| {
+            GATE_UP.with_borrow_mut(|sums| {
+                let done = quant_matmul_gated(args, gate, batch_invariant, sums, out);
+                if sums.len() > KEEP_GATE_UP {
+                    *sums = Vec::new();
+                }
+                done
+            })
+        },
+    )
+}
+
+/// Floats of the gated matmul's [M, 2 I] sums kept from one call to the
+/// next where they are not activated on the tiles (a scratch grown anew
+/// each call is written with zeros first): 64 MiB.
+const KEEP_GATE_UP: usize = 1 << 24;
+
+thread_local! {
+    static GATE_UP: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The block matmuls' arguments from their numpy views; `run` (without the
+/// GIL) fills `out`.
+#[allow(clippy::too_many_arguments)]
+fn block_matmul(
+    py: Python<'_>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    x: PyReadonlyArray2<'_, f32>,
+    w: PyReadonlyArray2<'_, u8>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    fmt: &str,
+    num_threads: usize,
+    packed: bool,
+    run: impl FnOnce(&QuantMatmulArgs<'_>, &mut [f32]) -> Result<(), QuantShapeError> + Send,
 ) -> PyResult<()> {
     let fmt = quant_format(fmt)?;
     let [m, k] = dims::<2>(x.shape(), "x")?;
@@ -408,14 +493,8 @@ pub fn quant_matmul_cpu(
         layout: block_layout(packed),
         num_threads,
     };
-    py.detach(|| {
-        if batch_invariant {
-            quant_matmul_invariant(&args, out)
-        } else {
-            quant_matmul(&args, out)
-        }
-    })
-    .map_err(|e| invalid_argument(e.to_string()))
+    py.detach(|| run(&args, out))
+        .map_err(|e| invalid_argument(e.to_string()))
 }
 
 /// `out` = the block-format weight `w` ([N, row bytes] uint8, llama.cpp's
