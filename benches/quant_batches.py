@@ -28,13 +28,16 @@ invariance").
     python benches/quant_batches.py --model FILE --workloads single  # another GGUF, one stream
     python benches/quant_batches.py --model FILE --quantization gguf  # and the blocks as stored
     python benches/quant_batches.py --block-size 32 --workloads shared  # and 32-token KV blocks
+    python benches/quant_batches.py --model DIR --quantize-all q8_0 --baseline REF  # both quantized
 
 `--model` takes a GGUF with the bundled model's vocabulary (the files
 `benches/make_bench_gguf.py` writes); `--workloads single` skips the
 offline batch and the invariance check. `--quantization Q` runs the current
 code a second time with `LLM(quantization=Q)` (for a GGUF, "gguf" keeps
 its K-quant blocks as stored), interleaved with the others;
-`--block-size N` likewise with `LLM(block_size=N)`.
+`--block-size N` likewise with `LLM(block_size=N)`. `--quantize-all Q`
+runs every version, the baseline too, with `LLM(quantization=Q)` (a float
+checkpoint's block kernels before and after a change).
 """
 
 from __future__ import annotations
@@ -164,6 +167,9 @@ def main() -> int:
     )
     parser.add_argument("--quantization", default=None, help="also run the current code so")
     parser.add_argument("--block-size", type=int, default=None, help="also run it so")
+    parser.add_argument(
+        "--quantize-all", default=None, help="run every version, the baseline too, so"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-quantization", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-block-size", type=int, default=None, help=argparse.SUPPRESS)
@@ -188,6 +194,10 @@ def main() -> int:
         return 0
     child_args = ["--workloads", args.workloads, "--prompt-len", str(args.prompt_len)]
     child_args += ["--prefill", args.prefill]
+    if args.quantize_all:
+        if args.quantization:
+            parser.error("--quantize-all and --quantization: one or the other")
+        child_args += ["--child-quantization", args.quantize_all]
     if args.model:
         child_args += ["--model", str(Path(args.model).expanduser().resolve())]
     work = Path(tempfile.mkdtemp(prefix="ferrox-quant-batches-"))
@@ -238,6 +248,7 @@ def main() -> int:
                 args.json,
                 baseline=args.baseline,
                 quantization=args.quantization,
+                quantize_all=args.quantize_all,
                 block_size=args.block_size,
                 runs=runs,
             )

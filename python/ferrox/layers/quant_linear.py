@@ -252,9 +252,9 @@ class QuantLinear(nn.Module):
         sums are activated as they leave the tiles: the [T, 2 I] output is
         never written); None elsewhere (a GPU's split blocks, rows past
         `DEQUANTIZE_ABOVE_ROWS`). `activation`: "silu" or "gelu_tanh"."""
-        x2 = self._float_rows(x)
-        if not self._on_kernels(x2.shape[0]):
+        if not self._on_kernels(x.numel() // self.in_features):
             return None
+        x2 = self._float_rows(x)
         out = torch.empty(x2.shape[0], self.out_features // 2, dtype=torch.float32)
         quant_gated_matmul_cpu(
             out.numpy(),

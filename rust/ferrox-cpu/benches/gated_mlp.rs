@@ -14,14 +14,16 @@
 
 use std::time::Instant;
 
+#[path = "common/blocks.rs"]
+mod blocks;
 #[path = "common/shared.rs"]
 mod shared;
+use blocks::weights;
 use shared::{arg, median_min_max, option};
 
 use ferrox_cpu::activation::gate_rows_threaded;
 use ferrox_cpu::{
-    pack_blocks, quant_matmul, quant_matmul_gated, BlockLayout, Gate, QuantFormat,
-    QuantMatmulArgs,
+    pack_blocks, quant_matmul, quant_matmul_gated, BlockLayout, Gate, QuantFormat, QuantMatmulArgs,
 };
 
 const K: usize = 576;
@@ -77,19 +79,7 @@ fn main() {
     );
 
     let n = 2 * INTER;
-    let mut state = 0x9e37_79b9_u32;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 17;
-        state ^= state << 5;
-        state
-    };
-    let mut w = Vec::with_capacity(n * K / 32 * 20);
-    for _ in 0..n * K / 32 {
-        w.extend(0x2000u16.to_le_bytes()); // d = 2^-7
-        w.extend(0xa000u16.to_le_bytes()); // m = -2^-7 * 2
-        w.extend((0..16).map(|_| next() as u8));
-    }
+    let w = weights(QuantFormat::Q4_1, n, K);
     let mut packed = vec![0; w.len()];
     pack_blocks(&w, QuantFormat::Q4_1, K, &mut packed).unwrap();
     println!("{threads} threads, {repeats} repeats; microseconds per call, median (min-max)");

@@ -1,5 +1,5 @@
-//! A mixture-of-experts block on a few tokens (decode steps), in one call
-//! over block-format experts: the router (float32 logits, softmax, the top
+//! A mixture-of-experts block (a decode step's few tokens or a prefill
+//! chunk's many), in one call over block-format experts: the router (float32 logits, softmax, the top
 //! k, optionally renormalised, after an optional bias: `route`), then each
 //! token's chosen experts' gated MLPs (gate/up, SiLU * up or gpt-oss's
 //! clamped SwiGLU, down; biases where the family has them), weighted and
@@ -12,7 +12,9 @@
 //! arithmetic is `quant_matmul`'s (its input rows quantized per 32-wide
 //! block on the integer kernel, or, with 32 rows or more on a CPU with AMX,
 //! rounded to bfloat16 on the tiles), so the result equals running the
-//! experts one `quant_matmul` at a time up to the SiLU's rounding.
+//! experts one `quant_matmul` at a time up to the SiLU's rounding. On a
+//! step of many routed tokens, gathering the experts' rows, the activation
+//! and the weighted sum split over the threads too (the same bits).
 
 use crate::activation::{gate_rows, Gate};
 use crate::f32_matmul::{f32_matmul, F32MatmulArgs};
@@ -177,17 +179,24 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
     if groups.is_empty() {
         return Ok(());
     }
+    // The steps around the two matmuls split over the threads where a
+    // step has enough values (a prefill chunk's), each value computed as
+    // on one thread.
+    let choices_values = choices * hidden.max(inter);
+    let threads = if choices_values < PARALLEL_MIN_VALUES {
+        1
+    } else {
+        args.num_threads
+    };
     // gate/up for every active expert, then the gate's activation times up.
-    let inputs: Vec<Vec<f32>> = groups
-        .iter()
-        .map(|g| {
-            let mut rows = Vec::with_capacity(g.tokens.len() * hidden);
-            for &t in &g.tokens {
-                rows.extend_from_slice(&args.x[t * hidden..(t + 1) * hidden]);
-            }
-            rows
-        })
-        .collect();
+    let inputs = per_group(threads, groups.len(), |i| {
+        let g = &groups[i];
+        let mut rows = Vec::with_capacity(g.tokens.len() * hidden);
+        for &t in &g.tokens {
+            rows.extend_from_slice(&args.x[t * hidden..(t + 1) * hidden]);
+        }
+        rows
+    });
     let gate_up = project(
         &groups,
         &inputs,
@@ -200,10 +209,9 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
         2 * inter,
         args.num_threads,
     );
-    let activated: Vec<Vec<f32>> = gate_up
-        .iter()
-        .map(|rows| gate_rows(args.activation, rows, inter))
-        .collect();
+    let activated = per_group(threads, groups.len(), |i| {
+        gate_rows(args.activation, &gate_up[i], inter)
+    });
     let down = project(
         &groups,
         &activated,
@@ -216,20 +224,48 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
         hidden,
         args.num_threads,
     );
-    // The weighted sum, expert by expert in ascending order.
-    for (g, rows) in groups.iter().zip(&down) {
-        for ((&t, &w), row) in g
-            .tokens
-            .iter()
-            .zip(&g.weights)
-            .zip(rows.chunks_exact(hidden))
-        {
-            for (o, &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
-                *o += v * w;
+    // The weighted sum, expert by expert in ascending order for each token
+    // (the tokens split over the threads: a group's tokens ascend).
+    let per = tokens.div_ceil(threads.max(1));
+    let dst = OutPtr(out.as_mut_ptr());
+    run_parts_on(threads, tokens.div_ceil(per.max(1)), &|part| {
+        let (first, last) = (part * per, ((part + 1) * per).min(tokens));
+        // SAFETY: each part writes the rows of its own tokens, in `out`.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(dst.get().add(first * hidden), (last - first) * hidden)
+        };
+        for (g, rows) in groups.iter().zip(&down) {
+            let from = g.tokens.partition_point(|&t| t < first);
+            let to = g.tokens.partition_point(|&t| t < last);
+            for ((&t, &w), row) in g.tokens[from..to]
+                .iter()
+                .zip(&g.weights[from..to])
+                .zip(rows[from * hidden..to * hidden].chunks_exact(hidden))
+            {
+                let at = (t - first) * hidden;
+                for (o, &v) in out[at..at + hidden].iter_mut().zip(row) {
+                    *o += v * w;
+                }
             }
         }
-    }
+    });
     Ok(())
+}
+
+/// Values (routed tokens times the hidden or intermediate size) below
+/// which the steps around the experts' matmuls stay on the calling thread.
+const PARALLEL_MIN_VALUES: usize = 1 << 15;
+
+/// `make(0)`, ..., `make(n - 1)` in order, the groups shared out among up
+/// to `threads` threads as they come free.
+fn per_group<T: Send + Sync>(threads: usize, n: usize, make: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let made: Vec<std::sync::OnceLock<T>> = (0..n).map(|_| std::sync::OnceLock::new()).collect();
+    run_parts_on(threads, n, &|i| {
+        let _ = made[i].set(make(i));
+    });
+    made.into_iter()
+        .map(|slot| slot.into_inner().expect("every group made"))
+        .collect()
 }
 
 /// Each group's `inputs` ([rows, k]) times its weight (`weight(group)`:
@@ -421,14 +457,16 @@ mod tests {
     /// time; with biases and gpt-oss's clamped SwiGLU too, and with down
     /// projections in Q6_K and Q4_K (a Q4_K_M file's); with 7 tokens, and
     /// with 75 (experts of 32 rows or more, which take the AMX tiles on a
-    /// CPU with them, as `quant_matmul` does).
+    /// CPU with them, as `quant_matmul` does); and with 240 (every format's
+    /// gather, activation and weighted sum split over the threads, as the
+    /// K-quant cases' are from 75).
     #[test]
     fn equals_the_experts_one_matmul_at_a_time() {
         let clamped = Gate::ClampedSwiGlu {
             alpha: 1.702,
             limit: 0.5,
         };
-        for tokens in [7, 75] {
+        for tokens in [7, 75, 240] {
             for (activation, with_bias) in [(Gate::Silu, false), (clamped, true)] {
                 check_against_one_at_a_time(activation, with_bias, QuantFormat::Q8_0, tokens);
             }

@@ -114,6 +114,19 @@ fn bf16_weights(fmt: QuantFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
     out
 }
 
+/// `len` pseudo-random activations in -4..4 (a xorshift from `seed`).
+fn inputs(len: usize, seed: u32) -> Vec<f32> {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state % 20001) as f32 / 2500.0 - 4.0
+        })
+        .collect()
+}
+
 fn case() -> impl Strategy<Value = (usize, usize, usize, Vec<f32>, Vec<u16>, bool, usize)> {
     (
         // a few rows, or more than `ROW_CHUNK` (whole chunks, then a part)
@@ -323,15 +336,7 @@ proptest! {
         #[cfg(not(target_arch = "x86_64"))]
         return Ok(());
         let k = kb * BLOCK;
-        let mut state = x_seed | 1;
-        let x: Vec<f32> = (0..m * k)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 17;
-                state ^= state << 5;
-                (state % 20001) as f32 / 2500.0 - 4.0
-            })
-            .collect();
+        let x = inputs(m * k, x_seed);
         let reversed: Vec<f32> = (0..m).rev().flat_map(|i| x[i * k..(i + 1) * k].to_vec()).collect();
         let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
         let bias = with_bias.then_some(bias.as_slice());
@@ -385,15 +390,7 @@ proptest! {
         threads in 1usize..4, invariant in any::<bool>(), x_seed in any::<u32>(),
     ) {
         let (k, n) = (kb * BLOCK, 2 * inter);
-        let mut state = x_seed | 1;
-        let x: Vec<f32> = (0..m * k)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 17;
-                state ^= state << 5;
-                (state % 20001) as f32 / 2500.0 - 4.0
-            })
-            .collect();
+        let x = inputs(m * k, x_seed);
         let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
         let bias = with_bias.then_some(bias.as_slice());
         let gates = [Gate::Silu, Gate::GeluTanh, Gate::ClampedSwiGlu { alpha: 1.702, limit: 7.0 }];
