@@ -25,6 +25,7 @@ __all__ = [
     "apply_token_bitmask_cpu",
     "cpu_isa",
     "dequantize_rows_cpu",
+    "gate_rows_cpu",
     "gated_delta_decode_cpu",
     "pack_blocks_cpu",
     "paged_attention_cpu",
@@ -350,6 +351,12 @@ def quant_matmul_cpu(
     num_threads: int,
     packed: bool = False,
     batch_invariant: bool = False,
+) -> None: ...
+def gate_rows_cpu(
+    out: npt.NDArray[np.float32],
+    gate_up: npt.NDArray[np.float32],
+    activation: str,
+    num_threads: int,
 ) -> None: ...
 def quant_gated_matmul_cpu(
     out: npt.NDArray[np.float32],

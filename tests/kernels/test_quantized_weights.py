@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
 from ferrox import LLM, SamplingParams
-from ferrox._native import cpu_isa
+from ferrox._native import cpu_isa, gate_rows_cpu
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.layers import cpu_decoder, cpu_linear, quant_linear
@@ -147,6 +147,25 @@ def test_gated_projection_is_the_projection_then_the_activation(
     layer.dequantize_above = None
     with pytest.raises(InvalidArgumentError, match="activation"):
         layer.gated(x[:, :3], "relu")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_projection_of_a_float_layer_activates_natively(activation: str) -> None:
+    # A float32 projection on the CPU: its output, then the native activation
+    # (one pass into contiguous rows), against torch's.
+    gen = torch.Generator().manual_seed(4)
+    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    dense = torch.nn.Linear(48, 2 * 40, bias=True)
+    for shape in ((3, 48), (2, 70, 48)):
+        x = torch.randn(*shape, generator=gen)
+        got = gated_projection(dense, x, activation)
+        assert got.shape == (*shape[:-1], 40) and got.is_contiguous()
+        torch.testing.assert_close(got, act(dense(x)), rtol=1e-5, atol=1e-6)
+    out = torch.empty(3, 40)
+    with pytest.raises(InvalidArgumentError, match="activation"):
+        gate_rows_cpu(out.numpy(), torch.zeros(3, 80).numpy(), "relu", 1)
+    with pytest.raises(InvalidArgumentError, match=r"\[T, 2 I\]"):
+        gate_rows_cpu(out.numpy(), torch.zeros(3, 81).numpy(), "silu", 1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -1,5 +1,6 @@
 //! CPU kernels over numpy views of torch tensors.
 
+use ferrox_cpu::activation::gate_rows_threaded;
 use ferrox_cpu::{
     add_rms_norm, apply_token_bitmask, dequantize_rows, gated_delta_decode, pack_blocks,
     paged_attention, quant_matmul, quant_matmul_gated, quant_matmul_invariant, rotary_in_place,
@@ -445,6 +446,35 @@ pub fn quant_gated_matmul_cpu(
             })
         },
     )
+}
+
+/// A gated MLP's activation of a [T, 2 I] gate/up output (the gate's I
+/// columns, then up's) into `out` ([T, I]): act(gate) * up, the rows split
+/// over up to `num_threads` threads on large calls (ferrox_cpu::activation,
+/// `gate_rows_threaded`). `activation`: "silu" or "gelu_tanh".
+#[pyfunction]
+pub fn gate_rows_cpu(
+    py: Python<'_>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    gate_up: PyReadonlyArray2<'_, f32>,
+    activation: &str,
+    num_threads: usize,
+) -> PyResult<()> {
+    let gate = crate::decoder_layer::gate_of(activation)?;
+    let [rows, width] = dims::<2>(gate_up.shape(), "gate_up")?;
+    if !width.is_multiple_of(2) || out.shape() != [rows, width / 2] {
+        return Err(invalid_argument(format!(
+            "gate_up must be [T, 2 I] and out [T, I]; got {:?} and {:?}",
+            gate_up.shape(),
+            out.shape()
+        )));
+    }
+    let gate_up = contiguous(gate_up.as_slice())?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    py.detach(|| gate_rows_threaded(gate, gate_up, width / 2, num_threads, out));
+    Ok(())
 }
 
 /// Floats of the gated matmul's [M, 2 I] sums kept from one call to the

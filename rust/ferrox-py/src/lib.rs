@@ -38,6 +38,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_matmul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_gated_matmul_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gate_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::dequantize_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_matmul_kernel_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::pack_blocks_cpu, m)?)?;
