@@ -22,6 +22,7 @@ use crate::kv_element::KvElement;
 use crate::paged_attention::{paged_attention, PagedAttentionArgs, ShapeError};
 use crate::quant_matmul::{
     quant_matmul, quant_matmul_gated, quant_matmul_invariant, QuantFormat, QuantMatmulArgs,
+    QuantShapeError,
 };
 use crate::quant_pack::BlockLayout;
 
@@ -106,6 +107,30 @@ pub(crate) fn linear(
     Ok(out)
 }
 
+/// The block matmul's arguments for `x` ([M, k]) through `layer`, if its
+/// weight is in a block format.
+fn block_args<'a>(
+    layer: &LayerLinear<'a>,
+    x: &'a [f32],
+    k: usize,
+    threads: usize,
+) -> Option<QuantMatmulArgs<'a>> {
+    let LinearWeight::Blocks(w, fmt, layout) = layer.weight else {
+        return None;
+    };
+    Some(QuantMatmulArgs {
+        x,
+        w,
+        bias: layer.bias,
+        m: x.len() / k,
+        k,
+        n: layer.out_features,
+        fmt,
+        layout,
+        num_threads: threads,
+    })
+}
+
 /// `x @ w^T (+ bias)` into `out` ([M, N]), every element written; block
 /// weights on `quant_matmul_invariant` if `invariant` (a row's bits then do
 /// not depend on the call's row count), else `quant_matmul`.
@@ -122,18 +147,8 @@ fn linear_into(
         return Err(ShapeError("linear: the output is not [M, N]".into()));
     }
     let done = match layer.weight {
-        LinearWeight::Blocks(w, fmt, layout) => {
-            let args = QuantMatmulArgs {
-                x,
-                w,
-                bias: layer.bias,
-                m,
-                k,
-                n,
-                fmt,
-                layout,
-                num_threads: threads,
-            };
+        LinearWeight::Blocks(..) => {
+            let args = block_args(layer, x, k, threads).expect("a block-format layer");
             if invariant {
                 quant_matmul_invariant(&args, out)
             } else {
@@ -220,6 +235,20 @@ fn with_kept<B: Kept, R>(kept: &'static LocalKey<RefCell<B>>, f: impl FnOnce(&mu
     buffers.trim();
     kept.with(|b| *b.borrow_mut() = buffers);
     result
+}
+
+/// `quant_matmul_gated` with the calling thread's kept gate/up buffer (the
+/// fused layers' own), for a gated MLP's gate/up outside a layer call (the
+/// module path's `QuantLinear.gated`).
+pub fn quant_matmul_gated_kept(
+    args: &QuantMatmulArgs<'_>,
+    gate: Gate,
+    invariant: bool,
+    out: &mut [f32],
+) -> Result<(), QuantShapeError> {
+    with_kept(&MLP_BUFFERS, |buffers| {
+        quant_matmul_gated(args, gate, invariant, &mut buffers.gate_up, out)
+    })
 }
 
 /// The first `len` values of `buffer`, grown where it is shorter; what they
@@ -465,19 +494,8 @@ impl MlpTail<'_> {
         let inter = mlp.gate_up.out_features / 2;
         let rows = normed.len() / hidden;
         let act = sized(&mut buffers.act, rows * inter);
-        if let LinearWeight::Blocks(w, fmt, layout) = mlp.gate_up.weight {
+        if let Some(args) = block_args(&mlp.gate_up, normed, hidden, threads) {
             // (on AMX tiles, the activation of the sums as they come out)
-            let args = QuantMatmulArgs {
-                x: normed,
-                w,
-                bias: mlp.gate_up.bias,
-                m: rows,
-                k: hidden,
-                n: 2 * inter,
-                fmt,
-                layout,
-                num_threads: threads,
-            };
             let invariant = self.batch_invariant;
             quant_matmul_gated(&args, self.activation, invariant, &mut buffers.gate_up, act)
                 .map_err(|e| ShapeError(e.to_string()))?;

@@ -27,7 +27,8 @@ pub mod token_bitmask;
 
 pub use activation::Gate;
 pub use decoder_layer::{
-    decoder_layer, DecoderLayerStep, DecoderLayerWeights, DenseMlp, LayerLinear, LinearWeight,
+    decoder_layer, quant_matmul_gated_kept, DecoderLayerStep, DecoderLayerWeights, DenseMlp,
+    LayerLinear, LinearWeight,
 };
 pub use elementwise::{add_rms_norm, rotary_in_place, rotary_partial_in_place, RotaryHeads};
 pub use f32_matmul::{f32_matmul, F32MatmulArgs};

@@ -1,9 +1,9 @@
 //! A mixture-of-experts block (a decode step's few tokens or a prefill
-//! chunk's many), in one call over block-format experts: the router (float32 logits, softmax, the top
-//! k, optionally renormalised, after an optional bias: `route`), then each
-//! token's chosen experts' gated MLPs (gate/up, SiLU * up or gpt-oss's
-//! clamped SwiGLU, down; biases where the family has them), weighted and
-//! summed (`moe_experts`).
+//! chunk's many), in one call over block-format experts: the router
+//! (float32 logits, softmax, the top k, optionally renormalised, after an
+//! optional bias: `route`), then each token's chosen experts' gated MLPs
+//! (gate/up, SiLU * up or gpt-oss's clamped SwiGLU, down; biases where the
+//! family has them), weighted and summed (`moe_experts`).
 //!
 //! Tokens are grouped by expert; all active experts' gate/up column ranges
 //! are one job for the thread pool, then all their down column ranges
@@ -182,8 +182,8 @@ pub fn moe_experts(args: &MoeArgs<'_>, out: &mut [f32]) -> Result<(), QuantShape
     // The steps around the two matmuls split over the threads where a
     // step has enough values (a prefill chunk's), each value computed as
     // on one thread.
-    let choices_values = choices * hidden.max(inter);
-    let threads = if choices_values < PARALLEL_MIN_VALUES {
+    let routed_values = choices * hidden.max(inter);
+    let threads = if routed_values < PARALLEL_MIN_VALUES {
         1
     } else {
         args.num_threads

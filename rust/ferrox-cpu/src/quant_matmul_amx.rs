@@ -338,14 +338,18 @@ unsafe fn columns(
         _ => start + i * PANEL,
     };
     // Pair q: its two buffer panels (the second one the first again where a
-    // part's panel count is odd) and the output column of its first.
+    // part's panel count is odd), whether they differ, and the output
+    // column of its first.
     let (pairs, out_n) = match gate {
         Some(_) => (panels, inter),
         None => (panels.div_ceil(2), args.n),
     };
     let pair = |q: usize| match gate {
-        Some(_) => (q, panels + q, true),
-        None => (2 * q, (2 * q + 1).min(panels - 1), 2 * q + 1 < panels),
+        Some(_) => (q, panels + q, true, start + q * PANEL),
+        None => {
+            let second = (2 * q + 1).min(panels - 1);
+            (2 * q, second, second != 2 * q, start + 2 * q * PANEL)
+        }
     };
     let buffered = if gate.is_some() { 2 * panels } else { panels };
     PANELS.with_borrow_mut(|buffer| {
@@ -379,7 +383,7 @@ unsafe fn columns(
         let mut edge = [0f32; 2 * TILE_ROWS * 2 * PANEL];
         for chunk in (0..padded).step_by(ROW_CHUNK) {
             for q in 0..pairs {
-                let (p0, p1, two) = pair(q);
+                let (p0, p1, two, col) = pair(q);
                 if chunk == 0 {
                     dequantize(p0);
                     if two {
@@ -388,7 +392,6 @@ unsafe fn columns(
                 }
                 let w0 = weights.add(p0 * panel_tiles);
                 let w1 = weights.add(p1 * panel_tiles);
-                let col = start + q * if gate.is_some() { PANEL } else { 2 * PANEL };
                 for r in (chunk..(chunk + ROW_CHUNK).min(padded)).step_by(2 * TILE_ROWS) {
                     // rows r.. and r + 16.. (`tile_at`)
                     let a0 = x16.add(tile_at(r, 0, args.k)) as *const u8;

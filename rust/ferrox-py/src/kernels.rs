@@ -3,9 +3,9 @@
 use ferrox_cpu::activation::gate_rows_threaded;
 use ferrox_cpu::{
     add_rms_norm, apply_token_bitmask, dequantize_rows, gated_delta_decode, pack_blocks,
-    paged_attention, quant_matmul, quant_matmul_gated, quant_matmul_invariant, rotary_in_place,
-    BlockLayout, GatedDeltaDecode, KvElement, PagedAttentionArgs, QuantFormat, QuantKernel,
-    QuantMatmulArgs, QuantShapeError, F16,
+    paged_attention, quant_matmul, quant_matmul_gated_kept, quant_matmul_invariant,
+    rotary_in_place, BlockLayout, GatedDeltaDecode, KvElement, PagedAttentionArgs, QuantFormat,
+    QuantKernel, QuantMatmulArgs, QuantShapeError, F16,
 };
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
@@ -436,15 +436,7 @@ pub fn quant_gated_matmul_cpu(
         fmt,
         num_threads,
         packed,
-        |args, out| {
-            GATE_UP.with_borrow_mut(|sums| {
-                let done = quant_matmul_gated(args, gate, batch_invariant, sums, out);
-                if sums.len() > KEEP_GATE_UP {
-                    *sums = Vec::new();
-                }
-                done
-            })
-        },
+        |args, out| quant_matmul_gated_kept(args, gate, batch_invariant, out),
     )
 }
 
@@ -475,15 +467,6 @@ pub fn gate_rows_cpu(
         .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
     py.detach(|| gate_rows_threaded(gate, gate_up, width / 2, num_threads, out));
     Ok(())
-}
-
-/// Floats of the gated matmul's [M, 2 I] sums kept from one call to the
-/// next where they are not activated on the tiles (a scratch grown anew
-/// each call is written with zeros first): 64 MiB.
-const KEEP_GATE_UP: usize = 1 << 24;
-
-thread_local! {
-    static GATE_UP: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The block matmuls' arguments from their numpy views; `run` (without the
