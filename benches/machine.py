@@ -30,7 +30,8 @@ def write_record(path: str | Path, **figures: Any) -> None:
 
 def cpu_description() -> dict[str, Any]:
     """The CPU's architecture, core count and vector extensions (AVX2,
-    AVX-512, VNNI, AMX-BF16), read from /proc/cpuinfo where there is one."""
+    AVX-VNNI, AVX-512, VNNI, AMX-BF16), read from /proc/cpuinfo where there is
+    one."""
     flags: set[str] = set()
     model = ""
     if os.path.exists("/proc/cpuinfo"):
@@ -46,6 +47,7 @@ def cpu_description() -> dict[str, Any]:
         "model": model,
         "cores": os.cpu_count(),
         "avx2": "avx2" in flags,
+        "avx_vnni": "avx_vnni" in flags,
         "avx512f": "avx512f" in flags,
         "avx512_vnni": "avx512_vnni" in flags,
         "amx_bf16": "amx_bf16" in flags,

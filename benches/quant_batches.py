@@ -143,7 +143,12 @@ def measure(
 
 def measure_in_child(python_path: Path, isa: str, child_args: list[str]) -> dict[str, object]:
     # (torch's caps too: ferrox sets them from FERROX_CPU_ISA in each child)
-    caps = ("FERROX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+    caps = (
+        "FERROX_CPU_ISA",
+        "ATEN_CPU_CAPABILITY",
+        "ONEDNN_MAX_CPU_ISA",
+        "MKL_ENABLE_INSTRUCTIONS",
+    )
     env: dict[str, str | None] = dict.fromkeys(caps)
     if isa != "native":
         env["FERROX_CPU_ISA"] = isa

@@ -325,6 +325,11 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, default=Path("vs-llamacpp-logs"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    cap = os.environ.get("FERROX_CPU_ISA", "native").strip().lower() or "native"
+    if cap not in ("native", "amx", "avx512", "avx2"):
+        # (llama.cpp is built natively or for AVX2 alone: an AVX-VNNI cap would
+        # measure ferrox's capped kernels against the peer's native ones)
+        raise SystemExit(f"FERROX_CPU_ISA={cap}: this script runs uncapped, avx512 or avx2 only")
     ensure_python_binding()
     server_bin = ensure_server()
     if args.setup_only:

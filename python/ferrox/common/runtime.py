@@ -52,12 +52,15 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 # FERROX_CPU_ISA caps the instruction sets of ferrox's CPU kernels (read by
 # `ferrox_cpu::isa`) and, unless they are set, of torch's own: its vectorised
-# ops (ATEN_CPU_CAPABILITY) and oneDNN's GEMMs (ONEDNN_MAX_CPU_ISA), so that
-# a machine with AVX-512 runs every kernel as one without it would. Like the
-# OpenMP setting, torch's part only holds when ferrox is imported first.
-_ISA_CAPS: dict[str, tuple[str, str] | None] = {
-    "portable": ("default", "SSE41"),
-    "avx2": ("avx2", "AVX2"),
+# ops (ATEN_CPU_CAPABILITY), oneDNN's GEMMs (ONEDNN_MAX_CPU_ISA) and MKL's,
+# which run a float32 `F.linear` (MKL_ENABLE_INSTRUCTIONS), so that a machine
+# with AVX-512 runs every kernel as one without it would (a transformers or
+# float32 peer measured in the same process included). Like the OpenMP
+# setting, torch's part only holds when ferrox is imported first.
+_ISA_CAPS: dict[str, tuple[str, str, str] | None] = {
+    "portable": ("default", "SSE41", "SSE4_2"),
+    "avx2": ("avx2", "AVX2", "AVX2"),
+    "avxvnni": ("avx2", "AVX2_VNNI", "AVX2_E1"),
     "avx512": None,
     "amx": None,
     "native": None,
@@ -72,3 +75,4 @@ _torch_caps = _ISA_CAPS[CPU_ISA]
 if _torch_caps is not None:
     os.environ.setdefault("ATEN_CPU_CAPABILITY", _torch_caps[0])
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _torch_caps[1])
+    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", _torch_caps[2])

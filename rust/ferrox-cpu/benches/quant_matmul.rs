@@ -1,7 +1,8 @@
 //! The block-quantized matmul's kernels side by side (`QuantKernel`): the
 //! AVX2 pair kernel (two weight rows against up to four activation rows),
 //! the AVX2 panel kernel (eight weight rows interleaved once, then every
-//! activation row) and the AVX-512 VNNI one (sixteen), those this CPU has,
+//! activation row), the same with AVX-VNNI's dot products, and the AVX-512
+//! VNNI one (sixteen), those this CPU has (under its `FERROX_CPU_ISA` cap),
 //! at SmolLM2-135M's shapes, for 1 to 64 activation rows, on the engine's
 //! kernel threads. Alternates them in one process and prints, per shape and
 //! row count, the median microseconds per call of each (min-max over the

@@ -1,6 +1,6 @@
 //! The instruction sets the kernels may use: what this CPU has, capped by
-//! the `FERROX_CPU_ISA` environment variable (`portable`, `avx2`, `avx512`,
-//! `amx`; unset: everything the CPU has). The cap lets one machine run, test and
+//! the `FERROX_CPU_ISA` environment variable (`portable`, `avx2`,
+//! `avxvnni`, `avx512`, `amx`; unset: everything the CPU has). The cap lets one machine run, test and
 //! measure the narrower kernels it would otherwise never pick, as a CPU
 //! without AVX-512 runs them. Read once, at the first kernel call.
 
@@ -13,6 +13,10 @@ pub enum Isa {
     Portable,
     /// AVX2, FMA and F16C.
     Avx2,
+    /// AVX-VNNI on top of AVX2: `vpdpbusd` on 256-bit registers (Intel's
+    /// client cores from Alder Lake on, which have no AVX-512, and Sapphire
+    /// Rapids and later Xeons).
+    AvxVnni,
     /// AVX-512 (F, and BW / VNNI where a kernel names them) on top of AVX2.
     Avx512,
     /// AMX tiles (`quant_matmul_amx`, `paged_attention_amx`) on top of
@@ -26,6 +30,7 @@ impl Isa {
         match value.trim().to_ascii_lowercase().as_str() {
             "portable" => Some(Isa::Portable),
             "avx2" => Some(Isa::Avx2),
+            "avxvnni" => Some(Isa::AvxVnni),
             "avx512" => Some(Isa::Avx512),
             "amx" | "native" | "" => Some(Isa::Amx),
             _ => None,
@@ -54,6 +59,16 @@ pub fn avx2() -> bool {
             && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether kernels may use AVX-VNNI (with AVX2, FMA and F16C).
+pub fn avx_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        cap() >= Isa::AvxVnni && avx2() && std::is_x86_feature_detected!("avxvnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -89,6 +104,8 @@ pub fn effective() -> Isa {
     }
     if avx512() {
         Isa::Avx512
+    } else if avx_vnni() {
+        Isa::AvxVnni
     } else if avx2() {
         Isa::Avx2
     } else {

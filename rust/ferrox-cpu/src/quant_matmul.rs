@@ -367,18 +367,25 @@ impl OutPtr {
 
 /// The kernels of the block matmul. `Pairs` runs everywhere (portable code
 /// where the CPU lacks AVX2, FMA and F16C); the panel kernels need AVX2
-/// (`Panels`, a panel as two halves of eight columns) or AVX-512 VNNI
-/// (`WidePanels`, all sixteen at once) and take whole packed panels
+/// (`Panels`, a panel as two halves of eight columns; `VnniPanels`, the
+/// same loops with AVX-VNNI's dot products and the same bits) or AVX-512
+/// VNNI (`WidePanels`, all sixteen at once) and take whole packed panels
 /// (`quant_pack`), the columns past the last one going to `Pairs`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantKernel {
     Pairs,
     Panels,
+    VnniPanels,
     WidePanels,
 }
 
 impl QuantKernel {
-    pub const ALL: [QuantKernel; 3] = [Self::Pairs, Self::Panels, Self::WidePanels];
+    pub const ALL: [QuantKernel; 4] = [
+        Self::Pairs,
+        Self::Panels,
+        Self::VnniPanels,
+        Self::WidePanels,
+    ];
 
     /// Whether this CPU runs the kernel.
     pub fn supported(self) -> bool {
@@ -387,6 +394,7 @@ impl QuantKernel {
             match self {
                 Self::Pairs => true,
                 Self::Panels => crate::isa::avx2(),
+                Self::VnniPanels => crate::isa::avx_vnni(),
                 Self::WidePanels => crate::isa::avx2() && crate::quant_matmul_vnni::supported(),
             }
         }
@@ -405,6 +413,8 @@ impl QuantKernel {
     pub fn best() -> Self {
         if Self::WidePanels.supported() {
             Self::WidePanels
+        } else if Self::VnniPanels.supported() {
+            Self::VnniPanels
         } else if Self::Panels.supported() {
             Self::Panels
         } else {
@@ -417,7 +427,7 @@ impl QuantKernel {
     pub fn layout(self) -> BlockLayout {
         match self {
             Self::Pairs => BlockLayout::Rows,
-            Self::Panels | Self::WidePanels => BlockLayout::Panels,
+            Self::Panels | Self::VnniPanels | Self::WidePanels => BlockLayout::Panels,
         }
     }
 
@@ -429,6 +439,7 @@ impl QuantKernel {
             let panels: Option<PanelKernel> = match self {
                 Self::Pairs => None,
                 Self::Panels => Some(crate::quant_matmul_panel::panel),
+                Self::VnniPanels => Some(crate::quant_matmul_panel::panel_vnni),
                 Self::WidePanels => Some(crate::quant_matmul_vnni::panel),
             };
             return (pairs, panels);

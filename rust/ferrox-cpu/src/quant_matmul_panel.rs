@@ -20,6 +20,12 @@
 //! A weight in the rows layout is packed here a panel at a time, per call
 //! (`pack_panel`), into the same layout: the loop and its results are the
 //! same for both layouts.
+//!
+//! With AVX-VNNI (`panel_vnni`), one `vpdpbusd` takes the place of each
+//! `maddubs` and the adds and `madd` that widen its sums: four products a
+//! 32-bit lane, summed in 32 bits. The integer sums are exact either way
+//! (the 16-bit ones never overflow, as above), so the two give the same
+//! bits.
 
 use std::arch::x86_64::*;
 
@@ -116,6 +122,40 @@ pub(crate) unsafe fn pack_panel(args: &QuantMatmulArgs<'_>, col: usize, panel: &
     }
 }
 
+/// `sum` plus the products of `w`'s unsigned bytes and `a`'s signed ones:
+/// with `V` (AVX-VNNI) four a 32-bit lane, summed in 32 bits; else two a
+/// 16-bit lane (`maddubs`), summed in 16 bits, which the caller keeps from
+/// overflowing, and read out by `lanes`.
+#[inline(always)]
+unsafe fn dot<const V: bool>(sum: __m256i, w: __m256i, a: __m256i) -> __m256i {
+    if V {
+        _mm256_dpbusd_avx_epi32(sum, w, a)
+    } else {
+        _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, a))
+    }
+}
+
+/// `dot`'s sums as one 32-bit sum a lane (a column).
+#[inline(always)]
+unsafe fn lanes<const V: bool>(sum: __m256i) -> __m256i {
+    if V {
+        sum
+    } else {
+        _mm256_madd_epi16(sum, _mm256_set1_epi16(1))
+    }
+}
+
+/// `sum` (32-bit lanes) plus the products of `w`'s unsigned bytes and `a`'s
+/// signed ones, four a lane, where their 16-bit sums need widening at once.
+#[inline(always)]
+unsafe fn dot32<const V: bool>(sum: __m256i, w: __m256i, a: __m256i) -> __m256i {
+    if V {
+        _mm256_dpbusd_avx_epi32(sum, w, a)
+    } else {
+        _mm256_add_epi32(sum, lanes::<false>(_mm256_maddubs_epi16(w, a)))
+    }
+}
+
 /// Four activation bytes at `q + at`, in every lane.
 #[inline(always)]
 unsafe fn broadcast(q: *const i8, at: usize) -> __m256i {
@@ -125,7 +165,7 @@ unsafe fn broadcast(q: *const i8, at: usize) -> __m256i {
 /// Rows `i0..i0 + R` of a half panel's eight columns.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn half_rows<const R: usize, const Q4: bool>(
+unsafe fn half_rows<const R: usize, const Q4: bool, const V: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -136,7 +176,6 @@ unsafe fn half_rows<const R: usize, const Q4: bool>(
 ) {
     let blocks = args.k / BLOCK;
     let (panel_block, scales) = (args.fmt.panel_block_bytes(), args.fmt.panel_scales_at());
-    let ones = _mm256_set1_epi16(1);
     let mask = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..blocks {
@@ -149,14 +188,8 @@ unsafe fn half_rows<const R: usize, const Q4: bool>(
                 let lo = _mm256_and_si256(v, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 for (r, sum) in sums.iter_mut().enumerate() {
-                    *sum = _mm256_add_epi16(
-                        *sum,
-                        _mm256_maddubs_epi16(lo, broadcast(q, r * blocks * BLOCK + 4 * g)),
-                    );
-                    *sum = _mm256_add_epi16(
-                        *sum,
-                        _mm256_maddubs_epi16(hi, broadcast(q, r * blocks * BLOCK + 16 + 4 * g)),
-                    );
+                    *sum = dot::<V>(*sum, lo, broadcast(q, r * blocks * BLOCK + 4 * g));
+                    *sum = dot::<V>(*sum, hi, broadcast(q, r * blocks * BLOCK + 16 + 4 * g));
                 }
             }
         } else {
@@ -164,11 +197,8 @@ unsafe fn half_rows<const R: usize, const Q4: bool>(
                 let w = _mm256_loadu_si256(p.add(g * 4 * PANEL) as *const __m256i);
                 let magnitude = _mm256_sign_epi8(w, w);
                 for (r, sum) in sums.iter_mut().enumerate() {
-                    let pairs = _mm256_maddubs_epi16(
-                        magnitude,
-                        _mm256_sign_epi8(broadcast(q, r * blocks * BLOCK + 4 * g), w),
-                    );
-                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+                    let signed = _mm256_sign_epi8(broadcast(q, r * blocks * BLOCK + 4 * g), w);
+                    *sum = dot32::<V>(*sum, magnitude, signed);
                 }
             }
         }
@@ -176,11 +206,7 @@ unsafe fn half_rows<const R: usize, const Q4: bool>(
         let d = _mm256_cvtph_ps(_mm_loadu_si128(heads as *const __m128i));
         for r in 0..R {
             let xb = (i0 + r) * blocks + b;
-            let ints = if Q4 {
-                _mm256_madd_epi16(sums[r], ones)
-            } else {
-                sums[r]
-            };
+            let ints = if Q4 { lanes::<V>(sums[r]) } else { sums[r] };
             let scale = _mm256_mul_ps(d, _mm256_set1_ps(*acts.d.get_unchecked(xb)));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, acc[r]);
             if Q4 {
@@ -222,7 +248,7 @@ unsafe fn q6_k_weights<const J: usize>(a: __m256i, b: __m256i, bits: __m256i) ->
 /// scale.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn q6_k_block<const R: usize, const J: usize>(
+unsafe fn q6_k_block<const R: usize, const J: usize, const V: bool>(
     acts: &QuantizedActivations,
     p: *const u8, // the panel block
     half: usize,
@@ -233,7 +259,6 @@ unsafe fn q6_k_block<const R: usize, const J: usize>(
     acc: &mut [__m256; R],
 ) {
     let group = 4 * PANEL;
-    let ones = _mm256_set1_epi16(1);
     let scales = p.add(48 * group + HALF * half);
     for h in 0..2 {
         let mut sums = [_mm256_setzero_si256(); R];
@@ -254,11 +279,13 @@ unsafe fn q6_k_block<const R: usize, const J: usize>(
             }
             for (r, sum) in sums.iter_mut().enumerate() {
                 let q = acts.q.as_ptr().add((first + r * stride) * BLOCK);
-                let pairs = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(w[0], broadcast(q, 4 * g)),
-                    _mm256_maddubs_epi16(w[1], broadcast(q, 4 * g + 4)),
-                );
-                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+                let (a0, a1) = (broadcast(q, 4 * g), broadcast(q, 4 * g + 4));
+                *sum = if V {
+                    dot::<true>(dot::<true>(*sum, w[0], a0), w[1], a1)
+                } else {
+                    let pairs = dot::<false>(_mm256_maddubs_epi16(w[0], a0), w[1], a1);
+                    _mm256_add_epi32(*sum, lanes::<false>(pairs))
+                };
             }
         }
         let bytes = _mm_loadl_epi64(scales.add(16 * (2 * (4 * n + J) + h)) as *const __m128i);
@@ -273,7 +300,7 @@ unsafe fn q6_k_block<const R: usize, const J: usize>(
 /// Rows `i0..i0 + R` of a Q6_K half panel's eight columns.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn q6_k_half_rows<const R: usize>(
+unsafe fn q6_k_half_rows<const R: usize, const V: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -292,10 +319,10 @@ unsafe fn q6_k_half_rows<const R: usize>(
         ));
         for n in 0..2 {
             let first = i0 * blocks + 8 * sb + 4 * n;
-            q6_k_block::<R, 0>(acts, p, half, d, n, first, blocks, &mut acc);
-            q6_k_block::<R, 1>(acts, p, half, d, n, first + 1, blocks, &mut acc);
-            q6_k_block::<R, 2>(acts, p, half, d, n, first + 2, blocks, &mut acc);
-            q6_k_block::<R, 3>(acts, p, half, d, n, first + 3, blocks, &mut acc);
+            q6_k_block::<R, 0, V>(acts, p, half, d, n, first, blocks, &mut acc);
+            q6_k_block::<R, 1, V>(acts, p, half, d, n, first + 1, blocks, &mut acc);
+            q6_k_block::<R, 2, V>(acts, p, half, d, n, first + 2, blocks, &mut acc);
+            q6_k_block::<R, 3, V>(acts, p, half, d, n, first + 3, blocks, &mut acc);
         }
     }
     store_half(args, &acc, col + HALF * half, i0, out);
@@ -357,7 +384,7 @@ unsafe fn q4_k_lane_scale(bytes: &[__m256i; 2], j: usize, d: __m256) -> __m256 {
 /// one integer sum a row, times d * scale * dx, less dmin * min * sx.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn q4_k_half_rows<const R: usize>(
+unsafe fn q4_k_half_rows<const R: usize, const V: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -368,7 +395,6 @@ unsafe fn q4_k_half_rows<const R: usize>(
 ) {
     let (blocks, supers) = (args.k / BLOCK, args.k / SUPER_BLOCK);
     let (panel_block, heads) = (args.fmt.panel_block_bytes(), args.fmt.panel_scales_at());
-    let ones = _mm256_set1_epi16(1);
     let mask = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
     for sb in 0..supers {
@@ -406,8 +432,7 @@ unsafe fn q4_k_half_rows<const R: usize>(
                     _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)
                 };
                 for (r, sum) in sums.iter_mut().enumerate() {
-                    let pairs = _mm256_maddubs_epi16(w, broadcast(rows[r], 4 * g));
-                    *sum = _mm256_add_epi16(*sum, pairs);
+                    *sum = dot::<V>(*sum, w, broadcast(rows[r], 4 * g));
                 }
             }
             let (scale, min) = (
@@ -416,7 +441,7 @@ unsafe fn q4_k_half_rows<const R: usize>(
             );
             for (r, acc) in acc.iter_mut().enumerate() {
                 let xb = first + r * blocks;
-                let ints = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+                let ints = _mm256_cvtepi32_ps(lanes::<V>(sums[r]));
                 let dx = _mm256_set1_ps(*acts.d.get_unchecked(xb));
                 *acc = _mm256_fmadd_ps(ints, _mm256_mul_ps(scale, dx), *acc);
                 *acc = _mm256_fnmadd_ps(min, _mm256_set1_ps(*acts.s.get_unchecked(xb)), *acc);
@@ -433,10 +458,10 @@ const Q6_K: u8 = 2;
 const Q4_K: u8 = 3;
 
 /// Rows `i0..i0 + R` of a half panel, in the format `FMT` (one of the
-/// constants above).
+/// constants above), with AVX-VNNI's dot products if `V`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_of<const R: usize, const FMT: u8>(
+unsafe fn rows_of<const R: usize, const FMT: u8, const V: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -446,15 +471,16 @@ unsafe fn rows_of<const R: usize, const FMT: u8>(
     out: *mut f32,
 ) {
     match FMT {
-        Q6_K => q6_k_half_rows::<R>(args, acts, panel, half, col, i0, out),
-        Q4_K => q4_k_half_rows::<R>(args, acts, panel, half, col, i0, out),
-        Q4_1 => half_rows::<R, true>(args, acts, panel, half, col, i0, out),
-        _ => half_rows::<R, false>(args, acts, panel, half, col, i0, out),
+        Q6_K => q6_k_half_rows::<R, V>(args, acts, panel, half, col, i0, out),
+        Q4_K => q4_k_half_rows::<R, V>(args, acts, panel, half, col, i0, out),
+        Q4_1 => half_rows::<R, true, V>(args, acts, panel, half, col, i0, out),
+        _ => half_rows::<R, false, V>(args, acts, panel, half, col, i0, out),
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn panel_of<const FMT: u8>(
+/// Every row of a panel's sixteen columns, `ROWS` rows a pass.
+#[inline(always)]
+unsafe fn panel_rows<const FMT: u8, const V: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -466,13 +492,57 @@ unsafe fn panel_of<const FMT: u8>(
         while i < args.m {
             let rows = (args.m - i).min(ROWS);
             match rows {
-                1 => rows_of::<1, FMT>(args, acts, panel, half, col, i, out),
-                2 => rows_of::<2, FMT>(args, acts, panel, half, col, i, out),
-                3 => rows_of::<3, FMT>(args, acts, panel, half, col, i, out),
-                _ => rows_of::<ROWS, FMT>(args, acts, panel, half, col, i, out),
+                1 => rows_of::<1, FMT, V>(args, acts, panel, half, col, i, out),
+                2 => rows_of::<2, FMT, V>(args, acts, panel, half, col, i, out),
+                3 => rows_of::<3, FMT, V>(args, acts, panel, half, col, i, out),
+                _ => rows_of::<ROWS, FMT, V>(args, acts, panel, half, col, i, out),
             }
             i += rows;
         }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panel_of<const FMT: u8>(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    out: *mut f32,
+) {
+    panel_rows::<FMT, false>(args, acts, panel, col, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn panel_of_vnni<const FMT: u8>(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    out: *mut f32,
+) {
+    panel_rows::<FMT, true>(args, acts, panel, col, out)
+}
+
+/// A panel's loops, as `panel` takes them.
+type Loops = unsafe fn(&QuantMatmulArgs<'_>, &QuantizedActivations, *const u8, usize, *mut f32);
+
+/// The loops for `fmt`, with AVX-VNNI's dot products if `vnni`.
+fn loops(fmt: QuantFormat, vnni: bool) -> Loops {
+    macro_rules! of {
+        ($fmt:ident) => {
+            if vnni {
+                panel_of_vnni::<$fmt> as Loops
+            } else {
+                panel_of::<$fmt>
+            }
+        };
+    }
+    match fmt {
+        QuantFormat::Q4_1 => of!(Q4_1),
+        QuantFormat::Q8_0 => of!(Q8_0),
+        QuantFormat::Q6_K => of!(Q6_K),
+        QuantFormat::Q4_K => of!(Q4_K),
     }
 }
 
@@ -490,10 +560,19 @@ pub unsafe fn panel(
     col: usize,
     out: *mut f32,
 ) {
-    match args.fmt {
-        QuantFormat::Q4_1 => panel_of::<Q4_1>(args, acts, panel, col, out),
-        QuantFormat::Q8_0 => panel_of::<Q8_0>(args, acts, panel, col, out),
-        QuantFormat::Q6_K => panel_of::<Q6_K>(args, acts, panel, col, out),
-        QuantFormat::Q4_K => panel_of::<Q4_K>(args, acts, panel, col, out),
-    }
+    loops(args.fmt, false)(args, acts, panel, col, out)
+}
+
+/// `panel` with AVX-VNNI's dot products: the same bits.
+///
+/// # Safety
+/// As `panel`, and the CPU has AVX-VNNI.
+pub unsafe fn panel_vnni(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    out: *mut f32,
+) {
+    loops(args.fmt, true)(args, acts, panel, col, out)
 }

@@ -311,6 +311,30 @@ proptest! {
             }
         }
     }
+
+    /// The AVX-VNNI panels give the AVX2 panels' bits: their integer sums
+    /// are exact either way (random weight bytes, Q8_0's -128 included;
+    /// every activation block reaches +-127).
+    #[test]
+    fn vnni_panels_give_the_avx2_bits((m, k, n, x, seed, with_bias, threads) in case()) {
+        if !QuantKernel::VnniPanels.supported() {
+            return Ok(());
+        }
+        for (fmt, k, x) in formats(m, k, &x) {
+            let w = weight_bytes(fmt, n, k, &seed);
+            let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
+            let args = QuantMatmulArgs {
+                x: &x, w: &w, bias: with_bias.then_some(bias.as_slice()), m, k, n, fmt,
+                layout: BlockLayout::Rows, num_threads: threads,
+            };
+            let mut avx2 = vec![f32::NAN; m * n];
+            let mut vnni = vec![f32::NAN; m * n];
+            quant_matmul_with(&args, &mut avx2, QuantKernel::Panels).unwrap();
+            quant_matmul_with(&args, &mut vnni, QuantKernel::VnniPanels).unwrap();
+            let differs = avx2.iter().zip(&vnni).position(|(a, b)| a.to_bits() != b.to_bits());
+            prop_assert!(differs.is_none(), "{fmt:?} m={m} k={k} n={n}: element {differs:?} differs");
+        }
+    }
 }
 
 proptest! {
@@ -590,11 +614,16 @@ fn isa_levels_parse_and_cap_the_kernels() {
     assert_eq!(Isa::parse(" portable "), Some(Isa::Portable));
     assert_eq!(Isa::parse("native"), Some(Isa::Amx));
     assert_eq!(Isa::parse("avx512"), Some(Isa::Avx512));
+    assert_eq!(Isa::parse("AvxVnni"), Some(Isa::AvxVnni));
     assert_eq!(Isa::parse("sse9"), None);
+    assert!(Isa::Avx2 < Isa::AvxVnni && Isa::AvxVnni < Isa::Avx512);
     // Whatever the cap this process runs under, no kernel above it runs.
     let level = isa::effective();
     assert!(level <= isa::cap());
     assert_eq!(QuantKernel::Panels.supported(), level >= Isa::Avx2);
+    if isa::cap() < Isa::AvxVnni {
+        assert!(!QuantKernel::VnniPanels.supported());
+    }
     if level < Isa::Avx512 {
         assert!(!QuantKernel::WidePanels.supported());
     }

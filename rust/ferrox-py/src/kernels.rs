@@ -555,18 +555,20 @@ pub fn quant_matmul_kernel_cpu() -> &'static str {
     match QuantKernel::best() {
         QuantKernel::Pairs => "pairs",
         QuantKernel::Panels => "panels",
+        QuantKernel::VnniPanels => "vnni_panels",
         QuantKernel::WidePanels => "wide_panels",
     }
 }
 
 /// The widest instruction-set level ferrox's CPU kernels use here: what the
-/// CPU has, capped by `FERROX_CPU_ISA` ("portable", "avx2", "avx512" or
-/// "amx").
+/// CPU has, capped by `FERROX_CPU_ISA` ("portable", "avx2", "avxvnni",
+/// "avx512" or "amx").
 #[pyfunction]
 pub fn cpu_isa() -> &'static str {
     match ferrox_cpu::isa::effective() {
         ferrox_cpu::isa::Isa::Portable => "portable",
         ferrox_cpu::isa::Isa::Avx2 => "avx2",
+        ferrox_cpu::isa::Isa::AvxVnni => "avxvnni",
         ferrox_cpu::isa::Isa::Avx512 => "avx512",
         ferrox_cpu::isa::Isa::Amx => "amx",
     }
