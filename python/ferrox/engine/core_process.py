@@ -19,6 +19,7 @@ from ferrox._native import SchedulerStats
 from ferrox.common import protocol as p
 from ferrox.common.config import EngineConfig
 from ferrox.common.errors import FerroxError
+from ferrox.common.runtime import freeze_long_lived_objects, thaw_long_lived_objects
 from ferrox.engine.core import EngineCore
 from ferrox.engine.multimodal import image_prompt
 from ferrox.parallel.device import torch_device, torch_dtype
@@ -51,6 +52,9 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = EngineCore(EngineConfig.create(**options))
+        # This process serves this one engine until it ends: its objects
+        # and the libraries' stay out of the collector's full scans.
+        freeze_long_lived_objects()
         outputs.send(
             p.encoder.encode(
                 p.Ready(
@@ -71,6 +75,7 @@ def run_engine_core(options: dict[str, Any], input_address: str, output_address:
         )
         EngineLoop(engine, inputs, outputs, parent).run()
         engine.close()
+        thaw_long_lived_objects()
     except BaseException as e:  # a panic in the native core is a BaseException
         logger.critical("engine core failed: %s\n%s", fatal_description(e), traceback.format_exc())
         outputs.send(p.encoder.encode(p.EngineDead(message=fatal_description(e))))
