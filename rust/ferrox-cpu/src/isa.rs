@@ -1,8 +1,9 @@
 //! The instruction sets the kernels may use: what this CPU has, capped by
 //! the `FERROX_CPU_ISA` environment variable (`portable`, `avx2`,
-//! `avxvnni`, `avx512`, `amx`; unset: everything the CPU has). The cap lets one machine run, test and
-//! measure the narrower kernels it would otherwise never pick, as a CPU
-//! without AVX-512 runs them. Read once, at the first kernel call.
+//! `avxvnni`, `avx512`, `amx`; unset: everything the CPU has). The cap lets
+//! one machine run, test and measure the narrower kernels it would
+//! otherwise never pick, as a CPU without AVX-512 runs them. Read once, at
+//! the first kernel call.
 
 use std::sync::OnceLock;
 
