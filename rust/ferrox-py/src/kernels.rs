@@ -549,7 +549,8 @@ pub fn quant_layout_cpu() -> &'static str {
 }
 
 /// Which kernel `quant_matmul_cpu` runs on this CPU (for every row count):
-/// "pairs", "panels" (AVX2) or "wide_panels" (AVX-512 VNNI).
+/// "pairs", "panels" (AVX2), "vnni_panels" (AVX2 with AVX-VNNI) or
+/// "wide_panels" (AVX-512 VNNI).
 #[pyfunction]
 pub fn quant_matmul_kernel_cpu() -> &'static str {
     match QuantKernel::best() {
