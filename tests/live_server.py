@@ -20,6 +20,13 @@ import psutil
 
 API_KEY = "test-key"
 MODEL = "tiny"
+
+# The client of every HTTP call the tests make. httpx's module-level helpers
+# (httpx.get, httpx.post, ...) build a client, and with it a TLS context, per
+# call: about 50 ms, several times a test, while the servers here speak plain
+# HTTP on loopback. No kept-alive connections: each request opens its own, as a
+# new client's would; the timeout is httpx's default.
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
@@ -123,7 +130,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stdout.read()}")  # type: ignore[union-attr]
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if HTTP.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -135,31 +142,34 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
     def post(self, path: str, body: object, **kw: object) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=60, **kw)  # type: ignore[arg-type]
+        return HTTP.post(self.url + path, json=body, headers=self.headers, timeout=60, **kw)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, float]:
+        """Every ferrox metric's value, summed over its samples (engine
+        metrics have one per replica), from one scrape."""
+        text = HTTP.get(self.url + "/metrics", headers=self.headers, timeout=10).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("ferrox:"):
+                series, value = line.rsplit(" ", 1)
+                name = series[len("ferrox:") :].split("{", 1)[0]
+                values[name] = values.get(name, 0.0) + float(value)
+        return values
 
     def metric(self, name: str) -> float:
-        """The metric's value, summed over its samples (engine metrics have
-        one per replica)."""
-        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(f"ferrox:{name}{{") or line.startswith(f"ferrox:{name} ")
-        ]
-        if not values:
-            raise KeyError(name)
-        return sum(values)
+        """One metric's value, summed over its samples."""
+        return self.metrics()[name]
 
     def wait_idle(self, timeout: float = 30) -> None:
         """Until no request runs and every KV block is free or cached."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            busy = self.metric("num_requests_running") + self.metric("num_requests_waiting")
-            busy += self.metric("num_requests_admitted")
-            if busy == 0 and self.metric("kv_cache_used_blocks") == 0:
-                total = self.metric("kv_cache_total_blocks")
-                free = self.metric("kv_cache_free_blocks") + self.metric("kv_cache_cached_blocks")
-                assert free == total
+            m = self.metrics()
+            busy = m["num_requests_running"] + m["num_requests_waiting"]
+            busy += m["num_requests_admitted"]
+            if busy == 0 and m["kv_cache_used_blocks"] == 0:
+                free = m["kv_cache_free_blocks"] + m["kv_cache_cached_blocks"]
+                assert free == m["kv_cache_total_blocks"]
                 return
             time.sleep(0.1)
         raise AssertionError("KV blocks still in use: a request leaked")

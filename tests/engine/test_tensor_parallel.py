@@ -11,7 +11,6 @@ import gc
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
@@ -19,7 +18,7 @@ from ferrox import LLM, SamplingParams
 from ferrox.common.errors import EngineDeadError, InvalidArgumentError
 from ferrox.parallel import state as distributed
 from tests import models
-from tests.live_server import MODEL, Server, make_model_dir
+from tests.live_server import HTTP, MODEL, Server, make_model_dir
 
 PROMPTS = [[5, 9, 33, 40, 2, 7], [11, 12, 13], list(range(3, 60)), [300, 4]]
 
@@ -182,7 +181,7 @@ def test_serve_with_two_ranks(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert chat.usage is not None and chat.usage.completion_tokens > 0
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
     finally:
         server.stop()
     assert psutil.wait_procs(workers, timeout=10)[1] == []

@@ -26,7 +26,7 @@ from ferrox.server import anthropic_protocol as ap
 from ferrox.server.anthropic_messages import BlockEvents, chat_request, content_blocks
 from ferrox.server.chat_outputs import ChatOutput
 from ferrox.server.openai_protocol import BadRequest
-from tests.live_server import API_KEY, WEATHER_TOOLS, Server, tool_server, warm_prefix
+from tests.live_server import API_KEY, HTTP, WEATHER_TOOLS, Server, tool_server, warm_prefix
 
 MODEL = "smol"
 TOOLS = [
@@ -329,7 +329,7 @@ def test_bad_requests_get_anthropic_errors(
 ) -> None:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, **extra}
     _anthropic_error(
-        httpx.post(
+        HTTP.post(
             server.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60
         ),
         400,
@@ -363,35 +363,33 @@ def test_errors_through_the_sdk_and_routes(server: Server) -> None:
         )
     headers = {"x-api-key": API_KEY}
     _anthropic_error(
-        httpx.post(server.url + "/v1/messages/nope", json={}, headers=headers),
+        HTTP.post(server.url + "/v1/messages/nope", json={}, headers=headers),
         404,
         "not_found_error",
         "no such route",
     )
     _anthropic_error(
-        httpx.get(server.url + "/v1/messages", headers=headers),
+        HTTP.get(server.url + "/v1/messages", headers=headers),
         405,
         "invalid_request_error",
         "method",
     )
     _anthropic_error(
-        httpx.post(server.url + "/v1/messages", content=b"x" * (65 * 1024), headers=headers),
+        HTTP.post(server.url + "/v1/messages", content=b"x" * (65 * 1024), headers=headers),
         413,
         "request_too_large",
         "exceeds",
     )
     _anthropic_error(
-        httpx.post(server.url + "/v1/messages", content=b"{", headers=headers),
+        HTTP.post(server.url + "/v1/messages", content=b"{", headers=headers),
         400,
         "invalid_request_error",
         "not valid JSON",
     )
     # The OpenAI routes keep their own envelope, and accept x-api-key too.
-    models = httpx.get(server.url + "/v1/models", headers=headers)
+    models = HTTP.get(server.url + "/v1/models", headers=headers)
     assert models.status_code == 200
-    assert (
-        httpx.get(server.url + "/v1/nope", headers=headers).json()["error"]["code"] == "not_found"
-    )
+    assert HTTP.get(server.url + "/v1/nope", headers=headers).json()["error"]["code"] == "not_found"
     server.wait_idle()
 
 
@@ -403,7 +401,7 @@ def test_an_abandoned_stream_leaks_nothing(server: Server) -> None:
         "stream": True,
         "temperature": 0,
     }
-    with httpx.stream(
+    with HTTP.stream(
         "POST", server.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60
     ) as response:
         assert response.status_code == 200

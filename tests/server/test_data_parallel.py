@@ -23,7 +23,7 @@ import pytest
 from ferrox.common import protocol as p
 from ferrox.common.errors import EngineDeadError
 from ferrox.frontend.replicas import ROUTE_BLOCK_TOKENS, ReplicaPool, block_hashes
-from tests.live_server import MODEL, Server
+from tests.live_server import HTTP, MODEL, Server
 
 # ---------------------------------------------------------------- routing
 
@@ -239,7 +239,7 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(served_model: P
             time.sleep(0.5)
         assert len(_replicas(server)) == 2
         assert [request(200 + i)[0] for i in range(4)] == [200] * 4
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
     finally:
         replicas = _replicas(server)
         server.stop()

@@ -19,7 +19,7 @@ import pytest
 
 from ferrox.common.errors import InvalidArgumentError
 from ferrox.server.ray_serve import app_options, parse_serve_args, serve_argv
-from tests.live_server import MODEL
+from tests.live_server import HTTP, MODEL
 
 
 def test_arguments_become_ferrox_serve_flags() -> None:
@@ -125,7 +125,7 @@ def serve_url(model_dir: Path) -> Iterator[str]:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and driver.poll() is None:
             try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                if HTTP.get(url + "/health", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -144,7 +144,7 @@ def serve_url(model_dir: Path) -> Iterator[str]:
 
 
 def test_serve_application_answers_like_ferrox_serve(serve_url: str) -> None:
-    models = httpx.get(serve_url + "/v1/models", timeout=30).json()
+    models = HTTP.get(serve_url + "/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     body = {
         "model": MODEL,
@@ -153,13 +153,13 @@ def test_serve_application_answers_like_ferrox_serve(serve_url: str) -> None:
         "ignore_eos": True,
         "temperature": 0.0,
     }
-    r = httpx.post(serve_url + "/v1/chat/completions", json=body, timeout=60)
+    r = HTTP.post(serve_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     answer = r.json()
     assert answer["usage"]["completion_tokens"] == 5
     # Streaming goes through the proxy chunk by chunk.
     chunks = []
-    with httpx.stream(
+    with HTTP.stream(
         "POST", serve_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
     ) as stream:
         assert stream.status_code == 200
@@ -169,10 +169,10 @@ def test_serve_application_answers_like_ferrox_serve(serve_url: str) -> None:
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == answer["choices"][0]["message"]["content"]
     # Errors keep the OpenAI envelope and status.
-    bad = httpx.post(serve_url + "/v1/chat/completions", json={**body, "n": 0}, timeout=30)
+    bad = HTTP.post(serve_url + "/v1/chat/completions", json={**body, "n": 0}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["type"]
     # Nothing is left behind in the engine once idle.
-    metrics = httpx.get(serve_url + "/metrics", timeout=30).text
+    metrics = HTTP.get(serve_url + "/metrics", timeout=30).text
     used = [
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
@@ -207,7 +207,7 @@ def test_a_replica_whose_engine_dies_is_replaced(serve_url: str) -> None:
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
         try:
-            r = httpx.post(serve_url + "/v1/completions", json=body, timeout=30)
+            r = HTTP.post(serve_url + "/v1/completions", json=body, timeout=30)
         except httpx.HTTPError:
             r = None
         if r is not None and r.status_code == 200 and _engine_pids() not in ([], [engine]):

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -25,7 +24,7 @@ from ferrox.server.openai_protocol import BadRequest
 from ferrox.server.responses_api import ResponseStore, StoredResponse
 from ferrox.server.responses_input import input_messages
 from ferrox.server.responses_output import OutputItems
-from tests.live_server import WEATHER_TOOLS, Server, tool_server, warm_prefix
+from tests.live_server import HTTP, WEATHER_TOOLS, Server, tool_server, warm_prefix
 
 MODEL = "smol"
 TOOLS = [{"type": "function", **t["function"]} for t in WEATHER_TOOLS]
@@ -257,8 +256,8 @@ def test_bad_requests_name_their_field(
 def test_unknown_ids_and_models(server: Server) -> None:
     for response in (
         server.post("/v1/responses", {"model": "nope", "input": "x"}),
-        httpx.get(server.url + "/v1/responses/resp_nope", headers=server.headers),
-        httpx.delete(server.url + "/v1/responses/resp_nope", headers=server.headers),
+        HTTP.get(server.url + "/v1/responses/resp_nope", headers=server.headers),
+        HTTP.delete(server.url + "/v1/responses/resp_nope", headers=server.headers),
         server.post("/v1/responses", {"model": MODEL, "input": "x", "previous_response_id": "r"}),
     ):
         assert response.status_code == 404, response.text
@@ -267,7 +266,7 @@ def test_unknown_ids_and_models(server: Server) -> None:
 
 def test_an_abandoned_stream_leaks_nothing(server: Server) -> None:
     body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 200, "stream": True}
-    with httpx.stream(
+    with HTTP.stream(
         "POST", server.url + "/v1/responses", json=body, headers=server.headers, timeout=60
     ) as response:
         assert response.status_code == 200

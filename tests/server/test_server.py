@@ -17,7 +17,7 @@ import openai
 import psutil
 import pytest
 
-from tests.live_server import API_KEY, MODEL, Server, engine_processes, engine_processes_of
+from tests.live_server import API_KEY, HTTP, MODEL, Server, engine_processes, engine_processes_of
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +138,13 @@ def test_a_seed_gives_the_same_tokens_offline_and_served(server: Server, model_d
 
 def test_other_endpoints(server: Server) -> None:
     h = server.headers
-    assert httpx.get(server.url + "/health").status_code == 200  # open without a key
-    assert httpx.get(server.url + "/version", headers=h).json()["version"]
-    models = httpx.get(server.url + "/v1/models", headers=h).json()
+    assert HTTP.get(server.url + "/health").status_code == 200  # open without a key
+    assert HTTP.get(server.url + "/version", headers=h).json()["version"]
+    models = HTTP.get(server.url + "/v1/models", headers=h).json()
     assert models["data"][0]["id"] == MODEL
     card = server.client().models.retrieve(MODEL)  # GET /v1/models/{id}
     assert card.id == MODEL and card.object == "model"
-    missing = httpx.get(server.url + "/v1/models/org/absent", headers=h)
+    missing = HTTP.get(server.url + "/v1/models/org/absent", headers=h)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
     toks = server.post("/tokenize", {"prompt": "Hello world"}).json()
@@ -266,7 +266,7 @@ def test_a_cross_encoder_scores_and_reranks_pairs(
 
 def _scrape(server: Server) -> dict[str, float]:
     """Every sample of /metrics: `name{labels}` -> value."""
-    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
+    text = HTTP.get(server.url + "/metrics", headers=server.headers, timeout=10).text
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -382,20 +382,20 @@ def test_bad_input_gets_an_envelope(
         kw["content"] = body
     elif body is not None:
         kw["content"] = json.dumps(body).encode()
-    r = httpx.request(method.upper(), server.url + path, **kw)
+    r = HTTP.request(method.upper(), server.url + path, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if code_or_param is not None:
         assert code_or_param in (err["code"], err["param"])
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert HTTP.get(server.url + "/health").status_code == 200
     server.wait_idle()
 
 
 def test_authentication(server: Server) -> None:
-    r = httpx.get(server.url + "/v1/models")
+    r = HTTP.get(server.url + "/v1/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    r = HTTP.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

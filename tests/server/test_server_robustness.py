@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferrox.server.error_responses import describe
-from tests.live_server import Server, engine_processes
+from tests.live_server import HTTP, Server, engine_processes
 
 # CI runs a fixed sequence of examples; FERROX_FUZZ_EXAMPLES=N runs N random ones.
 FUZZ_EXAMPLES = int(os.environ.get("FERROX_FUZZ_EXAMPLES", "120"))
@@ -183,7 +183,7 @@ def test_fuzzed_fields_never_stop_the_server(server: Server, data: st.DataObject
             changes[name] = data.draw(values)
     body = body_with(route, changes, special)
     streamed = changes.get("stream") is True and route.startswith("/v1")
-    r = httpx.post(
+    r = HTTP.post(
         server.url + route,
         content=body,
         headers={"content-type": "application/json"},
@@ -196,7 +196,7 @@ def test_fuzzed_fields_never_stop_the_server(server: Server, data: st.DataObject
         # (NaN and Infinity are not JSON numbers) has no field to name.
         if "not valid JSON" not in error["message"]:
             assert error["param"] in FIELDS[route] or error["param"] in ROUTES[route], error
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
     assert server.proc.poll() is None
     server.wait_idle()
 
@@ -227,13 +227,13 @@ def test_closed_object_switches_take_a_bool_or_a_400(
     server: Server, field: str, value: Any
 ) -> None:
     body = dict(ROUTES["/v1/chat/completions"]) | _CLOSED_OBJECT_SWITCHES[field](value)
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    r = HTTP.post(server.url + "/v1/chat/completions", json=body, timeout=120)
     check_answer(r, streamed=False)
     served = isinstance(value, bool) or (value is None and field != "structured_outputs")
     assert r.status_code == (200 if served else 400), r.text
     if r.status_code == 400:
         assert r.json()["error"]["param"] == field
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
     server.wait_idle()
 
 
@@ -254,14 +254,14 @@ def test_after_fuzzing_nothing_is_left_running(server: Server) -> None:
 def test_integers_out_of_range_are_400_naming_the_field(
     server: Server, field: str, value: Any
 ) -> None:
-    r = httpx.post(
+    r = HTTP.post(
         server.url + "/v1/completions",
         json={**ROUTES["/v1/completions"], field: value},
         timeout=60,
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_http_limits(model_dir: Path, own_servers: list[Server]) -> None:
@@ -274,26 +274,26 @@ def test_http_limits(model_dir: Path, own_servers: list[Server]) -> None:
             yield b"x" * 1024
         yield b'"}'
 
-    r = httpx.post(s.url + "/v1/completions", content=chunks(), timeout=60)
+    r = HTTP.post(s.url + "/v1/completions", content=chunks(), timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     big_headers = {f"x-pad-{i}": "y" * 1000 for i in range(64)}
-    r = httpx.post(s.url + "/v1/completions", json=ROUTES["/v1/completions"], headers=big_headers)
+    r = HTTP.post(s.url + "/v1/completions", json=ROUTES["/v1/completions"], headers=big_headers)
     assert r.status_code == 431
     deep = b'{"prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    r = httpx.post(s.url + "/v1/completions", content=deep, timeout=60)
+    r = HTTP.post(s.url + "/v1/completions", content=deep, timeout=60)
     assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
-    assert httpx.get(s.url + "/health").status_code == 200
+    assert HTTP.get(s.url + "/health").status_code == 200
 
 
 def test_request_chat_templates_need_the_operators_consent(
     server: Server, model_dir: Path, own_servers: list[Server]
 ) -> None:
     body = {**ROUTES["/v1/chat/completions"], "chat_template": "{{ messages[0]['content'] }}!"}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    r = HTTP.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     trusting = Server(model_dir, "--trust-request-chat-template", api_key=None)
     own_servers.append(trusting)
-    r = httpx.post(trusting.url + "/tokenize", json={**body, "prompt": None}, timeout=60)
+    r = HTTP.post(trusting.url + "/tokenize", json={**body, "prompt": None}, timeout=60)
     assert r.status_code == 200, r.text
 
 
@@ -320,7 +320,7 @@ def own_servers() -> Iterator[list[Server]]:
 def stream_lines(url: str, body: dict[str, Any], out: list[str]) -> threading.Thread:
     def run() -> None:
         try:
-            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+            with HTTP.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
                 out.append(f"status {r.status_code}")
                 out.extend(line for line in r.iter_lines() if line)
         except httpx.HTTPError as e:
@@ -353,7 +353,7 @@ def test_a_full_queue_answers_503_with_retry_after(
     outs: list[list[str]] = [[] for _ in range(3)]
     threads = [stream_lines(s.url + "/v1/completions", LONG, out) for out in outs]
     wait_for(lambda: all(out for out in outs))  # each got its response headers
-    r = httpx.post(s.url + "/v1/completions", json=LONG, timeout=30)
+    r = HTTP.post(s.url + "/v1/completions", json=LONG, timeout=30)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "server_busy"
     engine.resume()
@@ -361,7 +361,7 @@ def test_a_full_queue_answers_503_with_retry_after(
         t.join(60)
     assert all(out[-1] == "data: [DONE]" for out in outs)
     s.wait_idle()
-    assert httpx.post(s.url + "/v1/completions", json=LONG, timeout=60).status_code == 200
+    assert HTTP.post(s.url + "/v1/completions", json=LONG, timeout=60).status_code == 200
 
 
 def test_a_stopped_engine_turns_health_to_503_and_back(
@@ -372,13 +372,13 @@ def test_a_stopped_engine_turns_health_to_503_and_back(
     (engine,) = engine_processes(s)
     engine.suspend()
     started = time.monotonic()
-    r = httpx.post(s.url + "/v1/completions", json=LONG, timeout=30)
+    r = HTTP.post(s.url + "/v1/completions", json=LONG, timeout=30)
     assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
     assert time.monotonic() - started < 20
-    wait_for(lambda: httpx.get(s.url + "/health").status_code == 503)
-    assert "no progress" in httpx.get(s.url + "/health").json()["error"]["message"]
+    wait_for(lambda: HTTP.get(s.url + "/health").status_code == 503)
+    assert "no progress" in HTTP.get(s.url + "/health").json()["error"]["message"]
     engine.resume()
-    wait_for(lambda: httpx.get(s.url + "/health").status_code == 200)
+    wait_for(lambda: HTTP.get(s.url + "/health").status_code == 200)
     s.wait_idle()
 
 
@@ -393,8 +393,8 @@ def test_sigint_to_the_process_group_drains_then_exits_0(
     wait_for(lambda: len(out) >= 2)  # tokens are flowing
     engine.suspend()  # hold the request in flight while the drain starts
     os.killpg(s.proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal signals
-    wait_for(lambda: httpx.get(s.url + "/health").status_code == 503)
-    r = httpx.post(s.url + "/v1/completions", json=LONG, timeout=30)
+    wait_for(lambda: HTTP.get(s.url + "/health").status_code == 503)
+    r = HTTP.post(s.url + "/v1/completions", json=LONG, timeout=30)
     assert r.status_code == 503 and "retry-after" in r.headers
     assert engine.is_running()  # the engine ignored the signal
     engine.resume()

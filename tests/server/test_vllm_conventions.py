@@ -21,7 +21,7 @@ import pytest
 from ferrox import LLM, RequestOutput, SamplingParams
 from ferrox.common import errors
 from ferrox.server.vllm_options import check_unsupported_flags
-from tests.live_server import API_KEY, Server
+from tests.live_server import API_KEY, HTTP, Server
 
 
 def hub_cache(root: Path, repo_id: str, model: Path) -> Path:
@@ -133,7 +133,7 @@ def test_cors_preflight_is_answered_before_the_api_key(server: Server) -> None:
     )
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] in ("*", "https://app.example")
-    r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://app.example"})
+    r = HTTP.get(server.url + "/v1/models", headers={"Origin": "https://app.example"})
     assert r.status_code == 401  # CORS does not open the API key's door
     assert "access-control-allow-origin" in r.headers
 
@@ -145,8 +145,8 @@ def test_chat_template_flag_replaces_the_models(server: Server) -> None:
 
 
 def test_ping_reset_prefix_cache_and_cached_usage(server: Server) -> None:
-    assert httpx.get(server.url + "/ping").status_code == 200  # no API key needed
-    assert httpx.post(server.url + "/ping").status_code == 200
+    assert HTTP.get(server.url + "/ping").status_code == 200  # no API key needed
+    assert HTTP.post(server.url + "/ping").status_code == 200
     body = {"prompt": "a shared prefix that is long enough to fill blocks " * 3, "max_tokens": 2}
     first = server.post("/v1/completions", body).json()["usage"]
     second = server.post("/v1/completions", body).json()["usage"]
@@ -165,7 +165,7 @@ def test_ping_reset_prefix_cache_and_cached_usage(server: Server) -> None:
 
 def test_vllm_request_metrics(server: Server) -> None:
     server.post("/v1/completions", {"prompt": "metrics", "max_tokens": 3, "n": 2})
-    text = httpx.get(server.url + "/metrics", headers=server.headers).text
+    text = HTTP.get(server.url + "/metrics", headers=server.headers).text
     for name in (
         "ferrox:request_prefill_time_seconds_count",
         "ferrox:request_decode_time_seconds_count",
@@ -184,7 +184,7 @@ def test_cache_config_metric_names_the_cache_dtype(model_dir: Path) -> None:
     # The cache's own dtype, not the model's (a float32 model here).
     s = Server(model_dir, "--kv-cache-dtype", "float16", api_key=None)
     try:
-        text = httpx.get(s.url + "/metrics").text
+        text = HTTP.get(s.url + "/metrics").text
         assert 'cache_dtype="float16"' in text
     finally:
         s.stop()

@@ -24,6 +24,7 @@ from ferrox.common.engine_args import add_engine_arguments, engine_options
 from ferrox.common.errors import ServerBusyError
 from ferrox.common.lora import LoraTargets
 from ferrox.common.protocol import Ready
+from ferrox.common.runtime import freeze_long_lived_objects, thaw_long_lived_objects
 from ferrox.frontend.async_llm import AsyncLLM
 from ferrox.frontend.engine_client import DEFAULT_STALL_TIMEOUT_S
 from ferrox.frontend.media import ImageProcessor, MediaLimits
@@ -450,6 +451,10 @@ def serve(args: argparse.Namespace) -> int:
             f"{info.block_size} tokens, loaded in {info.load_seconds:.1f} s)",
             flush=True,
         )
+        # This process serves this one application until it ends: the
+        # tokenizer's, the libraries' and the routes' objects stay out of the
+        # collector's full scans, pauses of every stream's events.
+        freeze_long_lived_objects()
 
     parts = build_server_app(args, on_dead, on_started)
     server = _Server(
@@ -468,6 +473,7 @@ def serve(args: argparse.Namespace) -> int:
         args.shutdown_timeout,
     )
     server.run()
+    thaw_long_lived_objects()
     if not server.started and exit_code == 0:
         return 1  # the engine or the socket failed at start-up
     return exit_code
