@@ -166,6 +166,10 @@ def test_gated_projection_of_a_float_layer_activates_natively(activation: str) -
         gate_rows_cpu(out.numpy(), torch.zeros(3, 80).numpy(), "relu", 1)
     with pytest.raises(InvalidArgumentError, match=r"\[T, 2 I\]"):
         gate_rows_cpu(out.numpy(), torch.zeros(3, 81).numpy(), "silu", 1)
+    # an output the kernel cannot write as one slice: the error names it
+    strided = torch.empty(40, 3).t()
+    with pytest.raises(InvalidArgumentError, match="out must be C-contiguous"):
+        gate_rows_cpu(strided.numpy(), torch.zeros(3, 80).numpy(), "silu", 1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

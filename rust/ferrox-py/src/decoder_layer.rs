@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
 use crate::kernels::{
-    block_layout, borrowed, contiguous, half_slice_mut, quant_format, CacheArray,
+    block_layout, borrowed, contiguous, contiguous_mut, half_slice_mut, quant_format, CacheArray,
 };
 
 pub(crate) type LinearArrays<'py> = (
@@ -75,17 +75,14 @@ impl Linear {
 
     pub(crate) fn view<'a>(&self, arrays: &'a LinearArrays<'_>) -> PyResult<LayerLinear<'a>> {
         let (w, bias) = arrays;
-        let bytes = contiguous(w.as_slice())?;
+        let bytes = contiguous(w)?;
         let weight = match self.fmt {
             Some((fmt, layout)) => LinearWeight::Blocks(bytes, fmt, layout),
             None => LinearWeight::F32(float_view(bytes)?),
         };
         Ok(LayerLinear {
             weight,
-            bias: bias
-                .as_ref()
-                .map(|b| contiguous(b.as_slice()))
-                .transpose()?,
+            bias: bias.as_ref().map(|b| contiguous(b)).transpose()?,
             out_features: self.out_features,
         })
     }
@@ -325,10 +322,7 @@ impl CpuDecoderLayer {
             .as_ref()
             .map(|(q, k)| (q.bind(py).readonly(), k.bind(py).readonly()));
         let (q_norm, k_norm) = match &norm_arrays {
-            Some((q, k)) => (
-                Some(contiguous(q.as_slice())?),
-                Some(contiguous(k.as_slice())?),
-            ),
+            Some((q, k)) => (Some(contiguous(q)?), Some(contiguous(k)?)),
             None => (None, None),
         };
         let output_arrays = self
@@ -336,15 +330,12 @@ impl CpuDecoderLayer {
             .as_ref()
             .map(|(a, m)| (a.bind(py).readonly(), m.bind(py).readonly()));
         let (attention_out_norm, mlp_out_norm) = match &output_arrays {
-            Some((a, m)) => (
-                Some(contiguous(a.as_slice())?),
-                Some(contiguous(m.as_slice())?),
-            ),
+            Some((a, m)) => (Some(contiguous(a)?), Some(contiguous(m)?)),
             None => (None, None),
         };
         let layer = DecoderLayerWeights {
-            input_norm: contiguous(input_norm.as_slice())?,
-            post_attention_norm: contiguous(post_attention_norm.as_slice())?,
+            input_norm: contiguous(&input_norm)?,
+            post_attention_norm: contiguous(&post_attention_norm)?,
             attention_out_norm,
             mlp_out_norm,
             activation: self.activation,
@@ -364,33 +355,32 @@ impl CpuDecoderLayer {
             sinks: self.sinks.as_deref(),
         };
         let step = DecoderLayerStep {
-            positions: contiguous(positions.as_slice())?,
-            cos: contiguous(cos.as_slice())?,
-            sin: contiguous(sin.as_slice())?,
-            slot_mapping: contiguous(slot_mapping.as_slice())?,
-            block_table: contiguous(block_table.as_slice())?,
-            query_start_loc: contiguous(query_start_loc.as_slice())?,
-            seq_lens: contiguous(seq_lens.as_slice())?,
+            positions: contiguous(&positions)?,
+            cos: contiguous(&cos)?,
+            sin: contiguous(&sin)?,
+            slot_mapping: contiguous(&slot_mapping)?,
+            block_table: contiguous(&block_table)?,
+            query_start_loc: contiguous(&query_start_loc)?,
+            seq_lens: contiguous(&seq_lens)?,
             block_size: kv_shape[1],
             batch_invariant,
             num_threads,
         };
-        let mutable = |what: &str| invalid_argument(format!("{what} must be C-contiguous"));
-        let residual = residual.as_slice_mut().map_err(|_| mutable("residual"))?;
-        let x = x.as_slice_mut().map_err(|_| mutable("x"))?;
+        let residual = contiguous_mut(&mut residual, "residual")?;
+        let x = contiguous_mut(&mut x, "x")?;
         match (&k_cache, &v_cache) {
             (CacheArray::F32(k), CacheArray::F32(v)) => {
                 let mut k = k.try_readwrite().map_err(borrowed("k_cache"))?;
                 let mut v = v.try_readwrite().map_err(borrowed("v_cache"))?;
-                let k = k.as_slice_mut().map_err(|_| mutable("k_cache"))?;
-                let v = v.as_slice_mut().map_err(|_| mutable("v_cache"))?;
+                let k = contiguous_mut(&mut k, "k_cache")?;
+                let v = contiguous_mut(&mut v, "v_cache")?;
                 run(py, &layer, &step, residual, x, k, v)
             }
             (CacheArray::F16(k), CacheArray::F16(v)) => {
                 let mut k = k.try_readwrite().map_err(borrowed("k_cache"))?;
                 let mut v = v.try_readwrite().map_err(borrowed("v_cache"))?;
-                let k = half_slice_mut(k.as_slice_mut().map_err(|_| mutable("k_cache"))?);
-                let v = half_slice_mut(v.as_slice_mut().map_err(|_| mutable("v_cache"))?);
+                let k = half_slice_mut(contiguous_mut(&mut k, "k_cache")?);
+                let v = half_slice_mut(contiguous_mut(&mut v, "v_cache")?);
                 run(py, &layer, &step, residual, x, k, v)
             }
             _ => Err(invalid_argument(

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 
 use crate::decoder_layer::{borrow_mlp, dense_mlp, gate_of, view_mlp, Linear, LinearSpec};
 use crate::errors::invalid_argument;
-use crate::kernels::{contiguous, with_states, StateArray};
+use crate::kernels::{contiguous, contiguous_mut, with_states, StateArray};
 
 /// A Gated DeltaNet layer over block-format or float32 projections, run
 /// whole for decode steps (one token a row); its state lives in the pool
@@ -153,17 +153,17 @@ impl CpuGatedDeltaLayer {
         let [qkv, z, b, a, out] = [0, 1, 2, 3, 4].map(|i| self.projections[i].view(&arrays[i]));
         let mlp_arrays = borrow_mlp(py, &self.mlp);
         let weights = GatedDeltaLayerWeights {
-            input_norm: contiguous(input_norm.as_slice())?,
-            post_attention_norm: contiguous(post_attention_norm.as_slice())?,
+            input_norm: contiguous(&input_norm)?,
+            post_attention_norm: contiguous(&post_attention_norm)?,
             eps: self.eps,
             qkv: qkv?,
             z: z?,
             b: b?,
             a: a?,
-            conv: contiguous(conv.as_slice())?,
-            dt_bias: contiguous(dt_bias.as_slice())?,
-            decay_scale: contiguous(decay_scale.as_slice())?,
-            norm: contiguous(norm.as_slice())?,
+            conv: contiguous(&conv)?,
+            dt_bias: contiguous(&dt_bias)?,
+            decay_scale: contiguous(&decay_scale)?,
+            norm: contiguous(&norm)?,
             out: out?,
             mlp: view_mlp(&self.mlp, &mlp_arrays)?,
             activation: self.activation,
@@ -174,16 +174,13 @@ impl CpuGatedDeltaLayer {
             tiled: self.tiled,
         };
         let step = GatedDeltaLayerStep {
-            slots: contiguous(slots.as_slice())?,
-            fresh: contiguous(fresh.as_slice())?,
+            slots: contiguous(&slots)?,
+            fresh: contiguous(&fresh)?,
             num_threads,
         };
-        let mutable = |what: &str| invalid_argument(format!("{what} must be C-contiguous"));
-        let residual = residual.as_slice_mut().map_err(|_| mutable("residual"))?;
-        let x = x.as_slice_mut().map_err(|_| mutable("x"))?;
-        let conv_states = conv_states
-            .as_slice_mut()
-            .map_err(|_| mutable("conv_states"))?;
+        let residual = contiguous_mut(&mut residual, "residual")?;
+        let x = contiguous_mut(&mut x, "x")?;
+        let conv_states = contiguous_mut(&mut conv_states, "conv_states")?;
         with_states!(states, s => py.detach(|| {
             gated_delta_layer(&weights, &step, residual, x, conv_states, s)
         }))

@@ -7,9 +7,11 @@ use ferrox_cpu::{
     rotary_in_place, BlockLayout, GatedDeltaDecode, KvElement, PagedAttentionArgs, QuantFormat,
     QuantKernel, QuantMatmulArgs, QuantShapeError, F16,
 };
+use numpy::ndarray::Dimension;
 use numpy::{
-    PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
-    PyReadwriteArray2, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+    Element, PyArrayDyn, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2,
+    PyReadonlyArrayDyn, PyReadwriteArray, PyReadwriteArray2, PyReadwriteArrayDyn,
+    PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
@@ -24,8 +26,29 @@ fn dims<const N: usize>(shape: &[usize], what: &str) -> PyResult<[usize; N]> {
     })
 }
 
-pub(crate) fn contiguous<T, E>(slice: Result<&[T], E>) -> PyResult<&[T]> {
-    slice.map_err(|_| invalid_argument("arrays must be C-contiguous".into()))
+/// An array's elements as one slice in row-major (C) order. numpy's
+/// `as_slice` also hands out a Fortran-ordered array (a transposed view) in
+/// its memory order, which a kernel would read as other rows: refused.
+pub(crate) fn contiguous<'a, T: Element, D: Dimension>(
+    array: &'a PyReadonlyArray<'_, T, D>,
+) -> PyResult<&'a [T]> {
+    match array.as_slice() {
+        Ok(slice) if array.is_c_contiguous() => Ok(slice),
+        _ => Err(invalid_argument("arrays must be C-contiguous".into())),
+    }
+}
+
+/// An array the kernel writes, as `contiguous`; `name` is the argument the
+/// error names.
+pub(crate) fn contiguous_mut<'a, T: Element, D: Dimension>(
+    array: &'a mut PyReadwriteArray<'_, T, D>,
+    name: &str,
+) -> PyResult<&'a mut [T]> {
+    let c_order = array.is_c_contiguous();
+    match array.as_slice_mut() {
+        Ok(slice) if c_order => Ok(slice),
+        _ => Err(invalid_argument(format!("{name} must be C-contiguous"))),
+    }
 }
 
 /// A KV cache array: float32, or float16 as its bits (a torch float16
@@ -89,20 +112,19 @@ impl<'py> StateArray<'py> {
 /// read-write: `&mut [f32]` or `&mut [Bf16]`.
 macro_rules! with_states {
     ($states:expr, $s:ident => $body:expr) => {{
-        let contiguous = |_| $crate::errors::invalid_argument("states must be C-contiguous".into());
         match $states {
             $crate::kernels::StateArray::F32(a) => {
                 let mut rw = a
                     .try_readwrite()
                     .map_err($crate::kernels::borrowed("states"))?;
-                let $s = rw.as_slice_mut().map_err(contiguous)?;
+                let $s = $crate::kernels::contiguous_mut(&mut rw, "states")?;
                 $body
             }
             $crate::kernels::StateArray::Bf16(a) => {
                 let mut rw = a
                     .try_readwrite()
                     .map_err($crate::kernels::borrowed("states"))?;
-                let bits = rw.as_slice_mut().map_err(contiguous)?;
+                let bits = $crate::kernels::contiguous_mut(&mut rw, "states")?;
                 // SAFETY: Bf16 is a transparent u16, of i16's size and
                 // alignment; the borrow is handed on whole.
                 let $s = unsafe {
@@ -173,13 +195,8 @@ pub fn paged_attention_cpu(
             "q, out and the caches disagree in shape".into(),
         ));
     }
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
-    let sinks = sinks
-        .as_ref()
-        .map(|s| contiguous(s.as_slice()))
-        .transpose()?;
+    let out = contiguous_mut(&mut out, "out")?;
+    let sinks = sinks.as_ref().map(|s| contiguous(s)).transpose()?;
     let shape = AttentionShape {
         num_heads,
         num_kv_heads,
@@ -192,23 +209,23 @@ pub fn paged_attention_cpu(
         num_threads,
     };
     let step = (
-        contiguous(q.as_slice())?,
-        contiguous(block_table.as_slice())?,
-        contiguous(query_start_loc.as_slice())?,
-        contiguous(seq_lens.as_slice())?,
-        contiguous(rows.as_slice())?,
+        contiguous(&q)?,
+        contiguous(&block_table)?,
+        contiguous(&query_start_loc)?,
+        contiguous(&seq_lens)?,
+        contiguous(&rows)?,
     );
     match (&k_cache, &v_cache) {
         (CacheArray::F32(k), CacheArray::F32(v)) => {
             let k = k.try_readonly().map_err(borrowed("k_cache"))?;
             let v = v.try_readonly().map_err(borrowed("v_cache"))?;
-            let (k, v) = (contiguous(k.as_slice())?, contiguous(v.as_slice())?);
+            let (k, v) = (contiguous(&k)?, contiguous(&v)?);
             attend(py, &shape, step, k, v, out)
         }
         (CacheArray::F16(k), CacheArray::F16(v)) => {
             let k = k.try_readonly().map_err(borrowed("k_cache"))?;
             let v = v.try_readonly().map_err(borrowed("v_cache"))?;
-            let (k, v) = (contiguous(k.as_slice())?, contiguous(v.as_slice())?);
+            let (k, v) = (contiguous(&k)?, contiguous(&v)?);
             attend(py, &shape, step, half_slice(k), half_slice(v), out)
         }
         _ => Err(invalid_argument(
@@ -275,12 +292,10 @@ pub fn rotary_in_place_cpu(
     num_threads: usize,
 ) -> PyResult<()> {
     let [_, heads, head_dim] = dims::<3>(x.shape(), "x")?;
-    let positions = contiguous(positions.as_slice())?;
-    let cos = contiguous(cos.as_slice())?;
-    let sin = contiguous(sin.as_slice())?;
-    let x = x
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("x must be C-contiguous".into()))?;
+    let positions = contiguous(&positions)?;
+    let cos = contiguous(&cos)?;
+    let sin = contiguous(&sin)?;
+    let x = contiguous_mut(&mut x, "x")?;
     py.detach(|| {
         rotary_in_place(
             x,
@@ -310,16 +325,12 @@ pub fn add_rms_norm_cpu(
     num_threads: usize,
 ) -> PyResult<()> {
     let delta = match &delta {
-        Some(d) => Some(contiguous(d.as_slice())?),
+        Some(d) => Some(contiguous(d)?),
         None => None,
     };
-    let weight = contiguous(weight.as_slice())?;
-    let residual = residual
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("residual must be C-contiguous".into()))?;
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let weight = contiguous(&weight)?;
+    let residual = contiguous_mut(&mut residual, "residual")?;
+    let out = contiguous_mut(&mut out, "out")?;
     py.detach(|| add_rms_norm(residual, delta, weight, eps, out, num_threads))
         .map_err(|e| invalid_argument(e.to_string()))
 }
@@ -335,11 +346,9 @@ pub fn apply_token_bitmask_cpu(
 ) -> PyResult<()> {
     let vocab = logits.shape()[1];
     let words = bitmask.shape()[1];
-    let rows = contiguous(rows.as_slice())?;
-    let bitmask = contiguous(bitmask.as_slice())?;
-    let logits = logits
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("logits must be C-contiguous".into()))?;
+    let rows = contiguous(&rows)?;
+    let bitmask = contiguous(&bitmask)?;
+    let logits = contiguous_mut(&mut logits, "logits")?;
     py.detach(|| apply_token_bitmask(logits, vocab, rows, bitmask, words))
         .map_err(|e| invalid_argument(e.to_string()))
 }
@@ -461,10 +470,8 @@ pub fn gate_rows_cpu(
             out.shape()
         )));
     }
-    let gate_up = contiguous(gate_up.as_slice())?;
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let gate_up = contiguous(&gate_up)?;
+    let out = contiguous_mut(&mut out, "out")?;
     py.detach(|| gate_rows_threaded(gate, gate_up, width / 2, num_threads, out));
     Ok(())
 }
@@ -487,14 +494,12 @@ fn block_matmul(
     let [m, k] = dims::<2>(x.shape(), "x")?;
     let n = w.shape()[0];
     let bias = match &bias {
-        Some(b) => Some(contiguous(b.as_slice())?),
+        Some(b) => Some(contiguous(b)?),
         None => None,
     };
-    let x = contiguous(x.as_slice())?;
-    let w = contiguous(w.as_slice())?;
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let x = contiguous(&x)?;
+    let w = contiguous(&w)?;
+    let out = contiguous_mut(&mut out, "out")?;
     let args = QuantMatmulArgs {
         x,
         w,
@@ -529,10 +534,8 @@ pub fn pack_blocks_cpu(
         )));
     }
     let k = row_bytes / fmt.block_bytes() * fmt.block_values();
-    let w = contiguous(w.as_slice())?;
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let w = contiguous(&w)?;
+    let out = contiguous_mut(&mut out, "out")?;
     py.detach(|| pack_blocks(w, fmt, k, out))
         .map_err(|e| invalid_argument(e.to_string()))
 }
@@ -595,10 +598,8 @@ pub fn dequantize_rows_cpu(
         .iter()
         .map(|&r| usize::try_from(r).map_err(|_| invalid_argument(format!("row {r} is negative"))))
         .collect::<PyResult<_>>()?;
-    let w = contiguous(w.as_slice())?;
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let w = contiguous(&w)?;
+    let out = contiguous_mut(&mut out, "out")?;
     let layout = block_layout(packed);
     py.detach(|| dequantize_rows(w, fmt, layout, k, &rows, out, num_threads))
         .map_err(|e| invalid_argument(e.to_string()))
@@ -627,20 +628,18 @@ pub fn gated_delta_decode_cpu(
     let states = StateArray::extract(&states)?;
     let [_, num_heads, k_dim, v_dim] = dims::<4>(&states.shape(), "states")?;
     let args = GatedDeltaDecode {
-        q: contiguous(q.as_slice())?,
-        k: contiguous(k.as_slice())?,
-        v: contiguous(v.as_slice())?,
-        g: contiguous(g.as_slice())?,
-        beta: contiguous(beta.as_slice())?,
-        slots: contiguous(slots.as_slice())?,
-        fresh: contiguous(fresh.as_slice())?,
+        q: contiguous(&q)?,
+        k: contiguous(&k)?,
+        v: contiguous(&v)?,
+        g: contiguous(&g)?,
+        beta: contiguous(&beta)?,
+        slots: contiguous(&slots)?,
+        fresh: contiguous(&fresh)?,
         num_heads,
         k_dim,
         v_dim,
     };
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+    let out = contiguous_mut(&mut out, "out")?;
     with_states!(states, s => py.detach(|| gated_delta_decode(&args, s, out, num_threads)))
         .map_err(|e| invalid_argument(e.to_string()))
 }

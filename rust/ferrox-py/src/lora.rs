@@ -6,7 +6,7 @@ use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArra
 use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
-use crate::kernels::contiguous;
+use crate::kernels::{contiguous, contiguous_mut};
 
 #[pyclass(module = "ferrox._native")]
 pub struct CpuLoraLayer {
@@ -34,10 +34,10 @@ impl CpuLoraLayer {
         a: PyReadonlyArray2<'_, f32>,
         b: Vec<(usize, PyReadonlyArray2<'_, f32>)>,
     ) -> PyResult<()> {
-        let a = contiguous(a.as_slice())?.to_vec();
+        let a = contiguous(&a)?.to_vec();
         let b = b
             .iter()
-            .map(|(j, w)| Ok((*j, contiguous(w.as_slice())?.to_vec())))
+            .map(|(j, w)| Ok((*j, contiguous(w)?.to_vec())))
             .collect::<PyResult<Vec<_>>>()?;
         self.inner
             .add(adapter, rank, a, b)
@@ -61,11 +61,9 @@ impl CpuLoraLayer {
         if x.shape()[0] != token_adapters.len() {
             return Err(invalid_argument("one adapter per token of x".into()));
         }
-        let x = contiguous(x.as_slice())?;
-        let out = out
-            .as_slice_mut()
-            .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
-        let tokens = contiguous(token_adapters.as_slice())?;
+        let x = contiguous(&x)?;
+        let out = contiguous_mut(&mut out, "out")?;
+        let tokens = contiguous(&token_adapters)?;
         let inner = &self.inner;
         py.detach(|| inner.apply(x, out, tokens, num_threads))
             .map_err(|e| invalid_argument(e.0))

@@ -9,7 +9,7 @@ use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUnt
 use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
-use crate::kernels::{block_layout, contiguous, quant_format};
+use crate::kernels::{block_layout, contiguous, contiguous_mut, quant_format};
 
 #[pyclass(module = "ferrox._native", frozen)]
 pub struct CpuMoeExperts {
@@ -133,10 +133,10 @@ impl CpuMoeExperts {
         x: PyReadonlyArray2<'_, f32>,
         num_threads: usize,
     ) -> PyResult<()> {
-        let x = contiguous(x.as_slice())?;
+        let x = contiguous(&x)?;
         let router_array = self.router.bind(py).readonly();
         let router = Router {
-            weight: contiguous(router_array.as_slice())?,
+            weight: contiguous(&router_array)?,
             bias: self.router_bias.as_deref(),
             top_k: self.top_k,
             renormalize: self.renormalize,
@@ -183,8 +183,8 @@ impl CpuMoeExperts {
             .enumerate()
             .map(|(e, v)| match v {
                 Some((gu, d)) => Ok(ExpertWeights {
-                    gate_up: contiguous(gu.as_slice())?,
-                    down: contiguous(d.as_slice())?,
+                    gate_up: contiguous(gu)?,
+                    down: contiguous(d)?,
                     gate_up_bias: biases(e).map(|b| b.0),
                     down_bias: biases(e).map(|b| b.1),
                 }),
@@ -209,9 +209,7 @@ impl CpuMoeExperts {
             activation: self.activation,
             num_threads,
         };
-        let out = out
-            .as_slice_mut()
-            .map_err(|_| invalid_argument("out must be C-contiguous".into()))?;
+        let out = contiguous_mut(&mut out, "out")?;
         py.detach(|| moe_experts(&args, out))
             .map_err(|e| invalid_argument(e.to_string()))
     }
