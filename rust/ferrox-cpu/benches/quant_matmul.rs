@@ -9,8 +9,9 @@
 //! repeats), the best one's speed-up over the pair kernel and the GMAC/s it
 //! reaches; `QuantKernel::best` was chosen by these figures. On a CPU with
 //! AMX tiles, the column `AmxTiles packed` is the default `quant_matmul`,
-//! which takes the tiles from `quant_matmul_amx::MIN_ROWS` rows on (below,
-//! the widest integer kernel's figures again); `MIN_ROWS` was chosen by it.
+//! which takes the tiles from `quant_matmul_amx::min_rows` rows on (below,
+//! the widest integer kernel's figures again); `MIN_ROWS` and
+//! `MIN_ROWS_K_QUANTS` were chosen by it.
 //!
 //! cargo bench -p ferrox-cpu --bench quant_matmul [-- --threads 2 --repeats 7]
 //!     [--rows 1,16,256] [--only gate_up]
@@ -30,14 +31,15 @@ use ferrox_cpu::{
 };
 
 /// SmolLM2-135M's layers in its GGUF formats (the LM head is the Q8_0
-/// embedding), then a K-quant file's Q6_K LM head of hidden size 1024:
-/// name, K, N, format.
-const SHAPES: [(&str, usize, usize, QuantFormat); 6] = [
+/// embedding), then a K-quant file's (hidden size 1024) Q4_K attention
+/// projection and Q6_K LM head: name, K, N, format.
+const SHAPES: [(&str, usize, usize, QuantFormat); 7] = [
     ("qkv 576->960 q4_1", 576, 960, QuantFormat::Q4_1),
     ("o 576->576 q4_1", 576, 576, QuantFormat::Q4_1),
     ("gate_up 576->3072 q4_1", 576, 3072, QuantFormat::Q4_1),
     ("down 1536->576 q4_1", 1536, 576, QuantFormat::Q4_1),
     ("lm_head 576->49152 q8_0", 576, 49152, QuantFormat::Q8_0),
+    ("q/k 1024->2560 q4_k", 1024, 2560, QuantFormat::Q4_K),
     ("lm_head 1024->49152 q6_k", 1024, 49152, QuantFormat::Q6_K),
 ];
 const ROWS: [usize; 8] = [1, 2, 3, 4, 8, 16, 32, 64];

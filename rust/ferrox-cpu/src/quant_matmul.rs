@@ -449,7 +449,7 @@ impl QuantKernel {
 }
 
 /// out[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias): on a CPU with AMX
-/// tiles, a call of `quant_matmul_amx::MIN_ROWS` rows or more takes them
+/// tiles, a call of `quant_matmul_amx::min_rows` rows or more takes them
 /// (bfloat16 products: a row's result then depends on its call's row
 /// count); every other call, as `quant_matmul_invariant`.
 pub fn quant_matmul(args: &QuantMatmulArgs<'_>, out: &mut [f32]) -> Result<(), QuantShapeError> {

@@ -11,13 +11,15 @@
 //! instruction takes 32 inputs of 16 rows and 16 columns with nothing after
 //! it, and the tile unit runs at several times the VNNI kernel's rate.
 //!
-//! Numerics: a weight is its block's `d * q (+ m)` in float32 rounded to
-//! bfloat16 (8 significant bits; the Q4_1 grid's values and Q8_0's whole
-//! bytes times a float16 scale mostly need more), an activation rounded to
-//! bfloat16 (where the integer kernels keep 8 bits a 32-value block under
-//! one shared scale), products summed in float32. So a row's result
+//! Numerics: a weight is its block's `d * q (+ m)` in float32 (in Q4_K and
+//! Q6_K, with its 32- or 16-value block's scale and min: every format the
+//! integer kernels take) rounded to bfloat16 (8 significant bits; the Q4_1
+//! grid's values and Q8_0's whole bytes times a float16 scale mostly need
+//! more), an activation rounded to bfloat16 (where the integer kernels keep
+//! 8 bits a 32-value block under one shared scale), products summed in
+//! float32. So a row's result
 //! differs from the integer kernels' by about their own rounding, and a
-//! call takes this path by its row count (`MIN_ROWS`): the default
+//! call takes this path by its row count (`min_rows`): the default
 //! `quant_matmul` does, `quant_matmul_invariant` never does (a row's bits
 //! then do not depend on its batch).
 //!
@@ -37,7 +39,7 @@ use std::sync::OnceLock;
 use crate::activation::{gate_row, Gate};
 use crate::isa::Isa;
 use crate::pool::run_parts_on;
-use crate::quant_matmul::{OutPtr, QuantFormat, QuantMatmulArgs, BLOCK};
+use crate::quant_matmul::{OutPtr, QuantFormat, QuantMatmulArgs, BLOCK, SUPER_BLOCK};
 use crate::quant_pack::{BlockLayout, PANEL};
 
 /// Calls of fewer rows take the integer kernels. By `benches/quant_matmul.rs`
@@ -45,6 +47,21 @@ use crate::quant_pack::{BlockLayout, PANEL};
 /// start to pay (0.93-1.24x the VNNI kernel over two runs; at 16 a padded
 /// call was no faster), and from 64 they win on every shape.
 pub const MIN_ROWS: usize = 32;
+
+/// The same for Q4_K and Q6_K, whose VNNI kernel runs more multiply-adds a
+/// cycle and whose panels cost more to dequantize: by the same bench (a
+/// Q4_K 1024 -> 2560 projection, a Q6_K 1024 -> 49152 LM head), the tiles
+/// ran 0.70x and 0.87x the VNNI kernel at 32 rows, 1.18x and 1.07x at 64,
+/// 1.61x and 1.81x at 128.
+pub const MIN_ROWS_K_QUANTS: usize = 64;
+
+/// The fewest rows a call of `fmt` takes the tiles for.
+pub fn min_rows(fmt: QuantFormat) -> usize {
+    match fmt {
+        QuantFormat::Q4_1 | QuantFormat::Q8_0 => MIN_ROWS,
+        QuantFormat::Q4_K | QuantFormat::Q6_K => MIN_ROWS_K_QUANTS,
+    }
+}
 
 /// Rows of a tile (activations, sums).
 const TILE_ROWS: usize = 16;
@@ -74,10 +91,7 @@ pub fn supported() -> bool {
 
 /// Whether the default `quant_matmul` takes this call to the tiles.
 pub(crate) fn takes(args: &QuantMatmulArgs<'_>) -> bool {
-    args.m >= MIN_ROWS
-        && args.n >= PANEL
-        && matches!(args.fmt, QuantFormat::Q4_1 | QuantFormat::Q8_0)
-        && supported()
+    args.m >= min_rows(args.fmt) && args.n >= PANEL && supported()
 }
 
 /// CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24); and the OS
@@ -187,7 +201,7 @@ thread_local! {
 /// # Safety
 /// `supported()`; the shapes are checked (`out` holds M * N floats, or M *
 /// N / 2 with `gate`, `w` N columns of K inputs in `args.layout`);
-/// `args.fmt` is Q4_1 or Q8_0; with `gate`, N / 2 is a multiple of 16.
+/// with `gate`, N / 2 is a multiple of 16.
 pub(crate) unsafe fn matmul(args: &QuantMatmulArgs<'_>, gate: Option<Gate>, out: &mut [f32]) {
     let (m, k) = (args.m, args.k);
     let padded = m.next_multiple_of(2 * TILE_ROWS);
@@ -255,8 +269,7 @@ impl TileRows {
     ///
     /// # Safety
     /// As `columns`: `out` holds M * N floats whose columns start..end no
-    /// other thread writes; the format is Q4_1 or Q8_0; `args` is the one
-    /// these rows were made from.
+    /// other thread writes; `args` is the one these rows were made from.
     pub(crate) unsafe fn run_columns(
         &self,
         args: &QuantMatmulArgs<'_>,
@@ -558,9 +571,10 @@ unsafe fn pair_row(even: __m512, odd: __m512, interleave: __m512i, at: *mut u8) 
     );
 }
 
-/// One panel's `blocks` blocks (packed layout) as bfloat16 tiles at `out`:
-/// block b's tile row i holds inputs 32b + 2i and 32b + 2i + 1 of each of
-/// the sixteen columns.
+/// One panel's `blocks` blocks of 32 inputs (packed layout) as bfloat16
+/// tiles at `out`: block b's tile row i holds inputs 32b + 2i and 32b + 2i +
+/// 1 of each of the sixteen columns. Each weight is the float32 value the
+/// scalar `dequantize_block` computes, rounded to bfloat16.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,f16c")]
 unsafe fn dequantize_panel(fmt: QuantFormat, panel: *const u8, blocks: usize, out: *mut u8) {
     let interleave = _mm512_set_epi16(
@@ -569,6 +583,21 @@ unsafe fn dequantize_panel(fmt: QuantFormat, panel: *const u8, blocks: usize, ou
     );
     let (panel_block, scales) = (fmt.panel_block_bytes(), fmt.panel_scales_at());
     let group = 4 * PANEL;
+    if matches!(fmt, QuantFormat::Q4_K | QuantFormat::Q6_K) {
+        // super-blocks of eight tiles
+        let tiles = SUPER_BLOCK / BLOCK;
+        for sb in 0..blocks / tiles {
+            let (p, o) = (
+                panel.add(sb * panel_block),
+                out.add(sb * tiles * TILE_BYTES),
+            );
+            match fmt {
+                QuantFormat::Q4_K => q4_k_tiles(p, scales, interleave, o),
+                _ => q6_k_tiles(p, scales, interleave, o),
+            }
+        }
+        return;
+    }
     for b in 0..blocks {
         let p = panel.add(b * panel_block);
         let o = out.add(b * TILE_BYTES);
@@ -615,7 +644,107 @@ unsafe fn dequantize_panel(fmt: QuantFormat, panel: *const u8, blocks: usize, ou
                     pair_row(hi[2], hi[3], interleave, o.add((8 + 2 * g + 1) * 64));
                 }
             }
-            QuantFormat::Q6_K | QuantFormat::Q4_K => unreachable!("not taken (`takes`)"),
+            QuantFormat::Q6_K | QuantFormat::Q4_K => unreachable!("super-blocks, above"),
+        }
+    }
+}
+
+/// Byte `b` (0..4) of each of the sixteen 32-bit lanes, shifted right by
+/// `extra` bits more, masked by `mask`.
+#[inline(always)]
+unsafe fn lane_bits(v: __m512i, b: u32, extra: u32, mask: i32) -> __m512i {
+    let shifted = _mm512_srlv_epi32(v, _mm512_set1_epi32((8 * b + extra) as i32));
+    _mm512_and_si512(shifted, _mm512_set1_epi32(mask))
+}
+
+/// A Q4_K panel block (super-block: 256 inputs of sixteen columns) as eight
+/// tiles at `o`: three groups of the columns' twelve scale bytes, then 32
+/// groups of nibble bytes (per 64 inputs, eight groups: the low nibbles are
+/// 32-input block 2i, the high ones block 2i + 1), then `d` and `dmin` at
+/// `scales`. A weight is (d * scale) * q - dmin * min.
+#[inline(always)]
+unsafe fn q4_k_tiles(p: *const u8, scales: usize, interleave: __m512i, o: *mut u8) {
+    let group = 4 * PANEL;
+    let load = |g: usize| _mm512_loadu_si512(p.add(g * group) as *const __m512i);
+    let (s0, s1, s2) = (load(0), load(1), load(2));
+    let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(scales) as *const __m256i));
+    let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(scales + 32) as *const __m256i));
+    // block j's 6-bit scale and min (`quant_matmul::q4_k_scale_min`)
+    let scale_min = |j: u32| {
+        let (scale, min) = if j < 4 {
+            (lane_bits(s0, j, 0, 63), lane_bits(s1, j, 0, 63))
+        } else {
+            let t = j - 4;
+            let high = |v: __m512i| _mm512_slli_epi32::<4>(lane_bits(v, t, 6, 3));
+            (
+                _mm512_or_si512(lane_bits(s2, t, 0, 0x0f), high(s0)),
+                _mm512_or_si512(lane_bits(s2, t, 4, 0x0f), high(s1)),
+            )
+        };
+        (
+            _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale)),
+            _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(min)),
+        )
+    };
+    for i in 0..4u32 {
+        let (ds_lo, dm_lo) = scale_min(2 * i);
+        let (ds_hi, dm_hi) = scale_min(2 * i + 1);
+        let (tile_lo, tile_hi) = (
+            o.add(2 * i as usize * TILE_BYTES),
+            o.add((2 * i as usize + 1) * TILE_BYTES),
+        );
+        for g in 0..8 {
+            let v = load(3 + 8 * i as usize + g);
+            let value = |b: u32, extra: u32, ds: __m512, dm: __m512| {
+                let q = _mm512_cvtepi32_ps(lane_bits(v, b, extra, 0x0f));
+                _mm512_sub_ps(_mm512_mul_ps(q, ds), dm)
+            };
+            let lo = |b: u32| value(b, 0, ds_lo, dm_lo);
+            let hi = |b: u32| value(b, 4, ds_hi, dm_hi);
+            // inputs 4g..4g + 4 of each block: tile rows 2g and 2g + 1
+            pair_row(lo(0), lo(1), interleave, tile_lo.add(2 * g * 64));
+            pair_row(lo(2), lo(3), interleave, tile_lo.add((2 * g + 1) * 64));
+            pair_row(hi(0), hi(1), interleave, tile_hi.add(2 * g * 64));
+            pair_row(hi(2), hi(3), interleave, tile_hi.add((2 * g + 1) * 64));
+        }
+    }
+}
+
+/// A Q6_K panel block (super-block) as eight tiles at `o`: per half n of
+/// 128 inputs and g of 8, the groups of `ql` bytes 64n + 4g and 64n + 32 +
+/// 4g and of `qh` bytes 32n + 4g (`quant_pack::q6_k_slot`), then the sixteen
+/// signed scale bytes of each column, then `d` at `scales`. Input l + 32j of
+/// a half (block 4n + j) takes the first `ql` group's nibbles for j = 0, 2,
+/// the second's for 1, 3 (the low nibble for j < 2), and `qh` bits 2j; a
+/// weight is (d * scale) * (q - 32), scale i / 16 of the super-block.
+#[inline(always)]
+unsafe fn q6_k_tiles(p: *const u8, scales: usize, interleave: __m512i, o: *mut u8) {
+    let group = 4 * PANEL;
+    let load = |g: usize| _mm512_loadu_si512(p.add(g * group) as *const __m512i);
+    let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(scales) as *const __m256i));
+    let singles = scales - PANEL * PANEL;
+    let scale = |i: usize| {
+        let bytes = _mm_loadu_si128(p.add(singles + PANEL * i) as *const __m128i);
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)))
+    };
+    let offset = _mm512_set1_epi32(32);
+    for n in 0..2usize {
+        for g in 0..8usize {
+            let slot = 3 * (8 * n + g);
+            let (a, b, h) = (load(slot), load(slot + 1), load(slot + 2));
+            for j in 0..4u32 {
+                let ql = if j & 1 == 0 { a } else { b };
+                let ds = scale(8 * n + 2 * j as usize + usize::from(g >= 4));
+                let value = |byte: u32| {
+                    let low = lane_bits(ql, byte, 4 * (j >> 1), 0x0f);
+                    let high = _mm512_slli_epi32::<4>(lane_bits(h, byte, 2 * j, 3));
+                    let q = _mm512_sub_epi32(_mm512_or_si512(low, high), offset);
+                    _mm512_mul_ps(ds, _mm512_cvtepi32_ps(q))
+                };
+                let tile = o.add((4 * n + j as usize) * TILE_BYTES);
+                pair_row(value(0), value(1), interleave, tile.add(2 * g * 64));
+                pair_row(value(2), value(3), interleave, tile.add((2 * g + 1) * 64));
+            }
         }
     }
 }

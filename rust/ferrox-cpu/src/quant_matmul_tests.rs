@@ -92,12 +92,13 @@ fn bf16_round(v: f32) -> f32 {
     f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
 }
 
-/// A Q4_1 or Q8_0 rows-layout weight as the tiles take it: each value
-/// `d * q (+ m)` in float32 (one rounding: Q4_1's as a fused multiply-add),
-/// then to bfloat16.
+/// A rows-layout weight as the tiles take it: each value `d * q (+ m)` in
+/// float32 (one rounding: Q4_1's as a fused multiply-add; the K-quants' as
+/// `dequantize_block` computes them), then to bfloat16.
 fn bf16_weights(fmt: QuantFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(n * k);
-    for block in w.chunks_exact(fmt.block_bytes()).take(n * k / BLOCK) {
+    let blocks = n * k / fmt.block_values();
+    for block in w.chunks_exact(fmt.block_bytes()).take(blocks) {
         let d = half(block, 0);
         match fmt {
             QuantFormat::Q4_1 => {
@@ -108,7 +109,11 @@ fn bf16_weights(fmt: QuantFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
             QuantFormat::Q8_0 => {
                 out.extend((0..BLOCK).map(|j| bf16_round(block[2 + j] as i8 as f32 * d)));
             }
-            QuantFormat::Q6_K | QuantFormat::Q4_K => unreachable!(),
+            QuantFormat::Q6_K | QuantFormat::Q4_K => {
+                let mut values = [0f32; SUPER_BLOCK];
+                dequantize_block(block, fmt, 0, &mut values);
+                out.extend(values.iter().map(|&v| bf16_round(v)));
+            }
         }
     }
     out
@@ -340,10 +345,10 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
-    /// On a CPU with AMX tiles, the default `quant_matmul` of `MIN_ROWS`
-    /// rows or more (whole row tiles and a partial one, panel pairs and a
-    /// lone panel, the columns past the last panel, a bias or none, either
-    /// layout, any threads) writes every element and equals float64 sums
+    /// On a CPU with AMX tiles, the default `quant_matmul` of `min_rows`
+    /// rows or more (every block format; whole row tiles and a partial one,
+    /// panel pairs and a lone panel, the columns past the last panel, a bias
+    /// or none, either layout, any threads) writes every element and equals float64 sums
     /// of the bfloat16 weights and activations up to float32 summing; and
     /// a row's bits do not depend on the other rows' order. (Without the
     /// tiles, the call takes `quant_matmul_invariant`, tested above.)
@@ -359,12 +364,17 @@ proptest! {
         }
         #[cfg(not(target_arch = "x86_64"))]
         return Ok(());
-        let k = kb * BLOCK;
-        let x = inputs(m * k, x_seed);
-        let reversed: Vec<f32> = (0..m).rev().flat_map(|i| x[i * k..(i + 1) * k].to_vec()).collect();
         let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
         let bias = with_bias.then_some(bias.as_slice());
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+        // (the K-quants' super-blocks: 256 to 768 inputs)
+        let formats = [QuantFormat::Q4_1, QuantFormat::Q8_0, QuantFormat::Q4_K, QuantFormat::Q6_K];
+        for fmt in formats {
+            if m < crate::quant_matmul_amx::min_rows(fmt) {
+                continue; // (the integer kernels, tested above)
+            }
+            let k = if fmt.block_values() == BLOCK { kb * BLOCK } else { (kb % 3 + 1) * SUPER_BLOCK };
+            let x = inputs(m * k, x_seed);
+            let reversed: Vec<f32> = (0..m).rev().flat_map(|i| x[i * k..(i + 1) * k].to_vec()).collect();
             let w = weight_bytes(fmt, n, k, &seed);
             let wf = bf16_weights(fmt, &w, n, k);
             for layout in LAYOUTS {
@@ -402,23 +412,28 @@ proptest! {
 
     /// `quant_matmul_gated` is, bit for bit, the matmul it names (the
     /// default or the invariant one) and then `gate_row` on each row's gate
-    /// and up halves: on AMX tiles, where a call of `MIN_ROWS` rows or more
+    /// and up halves: on AMX tiles, where a call of `min_rows` rows or more
     /// with I a multiple of 16 activates the sums as they leave the tiles
     /// (gate and up panels paired, any row tile partial), and on every
     /// other path; every output written, whatever was in the buffers.
     #[test]
     fn gated_is_the_matmul_then_the_activation(
-        m in prop_oneof![1usize..8, 30usize..100], kb in 1usize..8,
+        m in prop_oneof![1usize..8, 30usize..100], kb in 1usize..8, k_quant in any::<bool>(),
         inter in prop_oneof![1usize..40, (1usize..5).prop_map(|p| 16 * p)],
         seed in prop::collection::vec(any::<u16>(), 1..64), with_bias in any::<bool>(),
         threads in 1usize..4, invariant in any::<bool>(), x_seed in any::<u32>(),
     ) {
-        let (k, n) = (kb * BLOCK, 2 * inter);
+        // the 32-value formats, or the K-quants (K of 256 or 512)
+        let (k, formats) = match k_quant {
+            false => (kb * BLOCK, [QuantFormat::Q4_1, QuantFormat::Q8_0]),
+            true => ((kb % 2 + 1) * SUPER_BLOCK, [QuantFormat::Q4_K, QuantFormat::Q6_K]),
+        };
+        let n = 2 * inter;
         let x = inputs(m * k, x_seed);
         let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
         let bias = with_bias.then_some(bias.as_slice());
         let gates = [Gate::Silu, Gate::GeluTanh, Gate::ClampedSwiGlu { alpha: 1.702, limit: 7.0 }];
-        for fmt in [QuantFormat::Q4_1, QuantFormat::Q8_0] {
+        for fmt in formats {
             let w = weight_bytes(fmt, n, k, &seed);
             for layout in LAYOUTS {
                 let packed = laid_out(&w, fmt, k, layout);
