@@ -51,8 +51,9 @@ pub const MIN_ROWS: usize = 32;
 /// The same for Q4_K and Q6_K, whose VNNI kernel runs more multiply-adds a
 /// cycle and whose panels cost more to dequantize: by the same bench (a
 /// Q4_K 1024 -> 2560 projection, a Q6_K 1024 -> 49152 LM head), the tiles
-/// ran 0.70x and 0.87x the VNNI kernel at 32 rows, 1.18x and 1.07x at 64,
-/// 1.61x and 1.81x at 128.
+/// ran 0.70x and 0.87x the VNNI kernel at 32 rows, and 1.07-1.25x at 64,
+/// 1.55-1.81x at 128 over two runs (docs/performance.md, "The K-quants on
+/// the tiles").
 pub const MIN_ROWS_K_QUANTS: usize = 64;
 
 /// The fewest rows a call of `fmt` takes the tiles for.
