@@ -17,11 +17,10 @@
 //! grid's values and Q8_0's whole bytes times a float16 scale mostly need
 //! more), an activation rounded to bfloat16 (where the integer kernels keep
 //! 8 bits a 32-value block under one shared scale), products summed in
-//! float32. So a row's result
-//! differs from the integer kernels' by about their own rounding, and a
-//! call takes this path by its row count (`min_rows`): the default
-//! `quant_matmul` does, `quant_matmul_invariant` never does (a row's bits
-//! then do not depend on its batch).
+//! float32. So a row's result differs from the integer kernels' by about
+//! their own rounding, and a call takes this path by its row count
+//! (`min_rows`): the default `quant_matmul` does, `quant_matmul_invariant`
+//! never does (a row's bits then do not depend on its batch).
 //!
 //! A gated MLP's gate/up projection (`quant_matmul_gated`) pairs each gate
 //! panel with its up panel, so that a 32-row block's four sum tiles are a
@@ -723,11 +722,12 @@ unsafe fn q6_k_tiles(p: *const u8, scales: usize, interleave: __m512i, o: *mut u
     let group = 4 * PANEL;
     let load = |g: usize| _mm512_loadu_si512(p.add(g * group) as *const __m512i);
     let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(scales) as *const __m256i));
+    // d times each of the sixteen 16-value blocks' signed scales, once
     let singles = scales - PANEL * PANEL;
-    let scale = |i: usize| {
+    let ds: [__m512; 16] = std::array::from_fn(|i| {
         let bytes = _mm_loadu_si128(p.add(singles + PANEL * i) as *const __m128i);
         _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)))
-    };
+    });
     let offset = _mm512_set1_epi32(32);
     for n in 0..2usize {
         for g in 0..8usize {
@@ -735,7 +735,7 @@ unsafe fn q6_k_tiles(p: *const u8, scales: usize, interleave: __m512i, o: *mut u
             let (a, b, h) = (load(slot), load(slot + 1), load(slot + 2));
             for j in 0..4u32 {
                 let ql = if j & 1 == 0 { a } else { b };
-                let ds = scale(8 * n + 2 * j as usize + usize::from(g >= 4));
+                let ds = ds[8 * n + 2 * j as usize + usize::from(g >= 4)];
                 let value = |byte: u32| {
                     let low = lane_bits(ql, byte, 4 * (j >> 1), 0x0f);
                     let high = _mm512_slli_epi32::<4>(lane_bits(h, byte, 2 * j, 3));
