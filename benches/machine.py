@@ -34,17 +34,23 @@ def cpu_description() -> dict[str, Any]:
     one."""
     flags: set[str] = set()
     model = ""
+    numbers: dict[str, str] = {}  # "cpu family" and "model": the core design
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name") and not model:
                     model = line.split(":", 1)[1].strip()
+                key = line.split(":", 1)[0].strip()
+                if key in ("cpu family", "model") and key not in numbers:
+                    numbers[key] = line.split(":", 1)[1].strip()
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     break
     return {
         "machine": platform.processor() or platform.machine(),
         "model": model,
+        "family": numbers.get("cpu family", ""),
+        "model_number": numbers.get("model", ""),
         "cores": os.cpu_count(),
         "avx2": "avx2" in flags,
         "avx_vnni": "avx_vnni" in flags,

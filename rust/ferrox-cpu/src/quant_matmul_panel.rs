@@ -34,6 +34,12 @@ use crate::quant_pack::PANEL;
 
 /// Activation rows per pass over a half panel (two registers each).
 const ROWS: usize = 4;
+/// Q4_1's rows per pass with `maddubs` (no AVX-VNNI): its loop keeps the
+/// nibble mask and both unpacked halves in registers besides the rows'
+/// sums and accumulators, and at four rows the compiler spills them (the
+/// kernel bench on an AVX2-only AMD EPYC: about 1.1x at three; the other
+/// formats measured alike at three and four, and stay at four).
+const Q4_1_ROWS_MADDUBS: usize = 3;
 /// Columns of a half panel.
 const HALF: usize = PANEL / 2;
 
@@ -478,9 +484,28 @@ unsafe fn rows_of<const R: usize, const FMT: u8, const V: bool>(
     }
 }
 
-/// Every row of a panel's sixteen columns, `ROWS` rows a pass.
+/// Every row of a panel's sixteen columns, `ROWS` rows a pass
+/// (`Q4_1_ROWS_MADDUBS` for Q4_1 without AVX-VNNI). A row's sums are the
+/// same whichever pass holds it.
 #[inline(always)]
 unsafe fn panel_rows<const FMT: u8, const V: bool>(
+    args: &QuantMatmulArgs<'_>,
+    acts: &QuantizedActivations,
+    panel: *const u8,
+    col: usize,
+    out: *mut f32,
+) {
+    if FMT == Q4_1 && !V {
+        passes::<Q4_1_ROWS_MADDUBS, FMT, V>(args, acts, panel, col, out)
+    } else {
+        passes::<ROWS, FMT, V>(args, acts, panel, col, out)
+    }
+}
+
+/// `panel_rows` at up to `P` (3 or 4) rows a pass; four rows left at
+/// three a pass go as two and two.
+#[inline(always)]
+unsafe fn passes<const P: usize, const FMT: u8, const V: bool>(
     args: &QuantMatmulArgs<'_>,
     acts: &QuantizedActivations,
     panel: *const u8,
@@ -490,12 +515,13 @@ unsafe fn panel_rows<const FMT: u8, const V: bool>(
     for half in 0..2 {
         let mut i = 0;
         while i < args.m {
-            let rows = (args.m - i).min(ROWS);
+            let left = args.m - i;
+            let rows = if left == P + 1 && P < 4 { 2 } else { left.min(P) };
             match rows {
                 1 => rows_of::<1, FMT, V>(args, acts, panel, half, col, i, out),
                 2 => rows_of::<2, FMT, V>(args, acts, panel, half, col, i, out),
                 3 => rows_of::<3, FMT, V>(args, acts, panel, half, col, i, out),
-                _ => rows_of::<ROWS, FMT, V>(args, acts, panel, half, col, i, out),
+                _ => rows_of::<P, FMT, V>(args, acts, panel, half, col, i, out),
             }
             i += rows;
         }
