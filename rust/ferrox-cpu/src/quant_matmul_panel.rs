@@ -36,9 +36,10 @@ use crate::quant_pack::PANEL;
 const ROWS: usize = 4;
 /// Q4_1's rows per pass with `maddubs` (no AVX-VNNI): its loop keeps the
 /// nibble mask and both unpacked halves in registers besides the rows'
-/// sums and accumulators, and at four rows the compiler spills them (the
-/// kernel bench on an AVX2-only AMD EPYC: about 1.1x at three; the other
-/// formats measured alike at three and four, and stay at four).
+/// sums and accumulators, and at four rows the compiler spills them
+/// (`benches/kernel_ab.py` on an AVX2-only AMD EPYC: 1.07-1.12x at 256
+/// rows, 0.98-1.09x at 16; docs/performance.md, "Three Q4_1 rows a pass").
+/// The other formats measured alike at three and four, and stay at four.
 const Q4_1_ROWS_MADDUBS: usize = 3;
 /// Columns of a half panel.
 const HALF: usize = PANEL / 2;
@@ -516,7 +517,11 @@ unsafe fn passes<const P: usize, const FMT: u8, const V: bool>(
         let mut i = 0;
         while i < args.m {
             let left = args.m - i;
-            let rows = if left == P + 1 && P < 4 { 2 } else { left.min(P) };
+            let rows = if left == P + 1 && P < 4 {
+                2
+            } else {
+                left.min(P)
+            };
             match rows {
                 1 => rows_of::<1, FMT, V>(args, acts, panel, half, col, i, out),
                 2 => rows_of::<2, FMT, V>(args, acts, panel, half, col, i, out),
