@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ferrox import LLM, SamplingParams
+from ferrox._native import cpu_isa
 from ferrox.common.errors import InvalidArgumentError
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
@@ -70,7 +71,13 @@ def test_bundled_model_is_batch_invariant(smollm2_path: Path) -> None:
 def test_without_the_option_chunks_round_differently(smollm2_path: Path) -> None:
     """The default path: prefill chunks attend through other kernels than
     decodes, so the probe's logprobs move (what the option exists for; if
-    this ever holds bit for bit, the option could become the default)."""
+    this ever holds bit for bit, the option could become the default).
+    With the AVX2 kernels alone (no AVX-512, no AVX-VNNI) this probe's
+    chunks and decodes round alike: on an AVX2-only AMD EPYC the two runs
+    gave the same logprobs bit for bit (2026-12-08), so there the claim is
+    not this test's to make."""
+    if cpu_isa() == "avx2":
+        pytest.skip("the AVX2 kernels round this probe's chunks as its decodes")
     probe, others = prompts(49152)
     alone = greedy(LLM(str(smollm2_path), max_num_seqs=8), [probe])
     small = LLM(str(smollm2_path), max_num_seqs=8, max_num_batched_tokens=48)
