@@ -14,10 +14,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def add_worktree(ref: str, folder: Path) -> None:
+    """A worktree of `ref` at `folder` (`remove_baseline` takes it away)."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(folder), ref], cwd=ROOT, check=True)
+
+
 def build_baseline(ref: str, folder: Path) -> Path:
     """A worktree of `ref` with its native module built in place; returns its
     python/ (for PYTHONPATH)."""
-    subprocess.run(["git", "worktree", "add", "--detach", str(folder), ref], cwd=ROOT, check=True)
+    add_worktree(ref, folder)
     # A target folder of its own keeps the current tree's build untouched.
     env = dict(os.environ, CARGO_TARGET_DIR=str(ROOT / "target" / "baseline"))
     wheels = folder / "wheels"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import ferrox  # noqa: F401  # isort: skip  (the record's `cpu_isa`)
 
-from baseline import ROOT, remove_baseline  # isort: skip
+from baseline import ROOT, add_worktree, remove_baseline  # isort: skip
 from machine import spread, write_record  # isort: skip
 
 
@@ -82,9 +82,7 @@ def main() -> None:
     args = parser.parse_args()
 
     folder = Path(tempfile.mkdtemp(prefix="ferrox-kernel-ab-")) / "tree"
-    subprocess.run(
-        ["git", "worktree", "add", "--detach", str(folder), args.baseline], cwd=ROOT, check=True
-    )
+    add_worktree(args.baseline, folder)
     try:
         before = build_bench(folder, ROOT / "target" / "baseline")
         after = build_bench(ROOT, ROOT / "target")
